@@ -1,0 +1,414 @@
+"""The typed configuration of a raylm run: dataclasses, YAML in and out, dotted overrides.
+
+One `Config` describes a run from a laptop to a cluster. Field docstrings (the string literal
+under each field) are the help text shown by `raylm config --help-fields`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value or key that cannot be used; the message names it."""
+
+
+@dataclass
+class ModelConfig:
+    size: Optional[str] = None
+    """Named size (see `raylm.model.sizes.MODEL_SIZES`); its values are defaults that the
+    other keys given next to it override."""
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    """Key/value heads: None or n_heads for MHA, 1 for MQA, a divisor of n_heads for GQA."""
+    vocab_size: Optional[int] = None
+    """None takes the prepared dataset's vocabulary size (padded to vocab_multiple);
+    an explicit value smaller than the tokenizer's vocabulary is an error."""
+    vocab_multiple: int = 1
+    """Pad the embedding table to a multiple of this (64 speeds up GPU matmuls)."""
+    max_seq_len: int = 256
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    pos_embedding: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    mlp: Literal["swiglu", "gelu", "relu"] = "swiglu"
+    ffn_hidden: Optional[int] = None
+    """MLP hidden width; None gives 4*d_model (gelu, relu) or the LLaMA 2/3 * 4*d_model
+    rounded up to ffn_multiple (swiglu)."""
+    ffn_multiple: int = 64
+    parallel_block: bool = False
+    """PaLM-style block: attention and MLP read the same normed input and are summed."""
+    tie_embeddings: bool = False
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class MixtureComponent:
+    path: str
+    """Prepared dataset directory or s3:// URI."""
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Prepared dataset (directory or s3:// URI written by `raylm prepare`)."""
+    mixture: list[MixtureComponent] = field(default_factory=list)
+    """Weighted datasets to interleave instead of `path` (weights are normalised)."""
+    seed: int = 0
+    """Seeds the sample order: the order is a pure function of (manifests, seed, epoch)."""
+    chunk_rows: int = 64
+    """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
+    loader: Literal["ray", "local"] = "ray"
+    """`ray` streams rows through Ray Data with background prefetch; `local` reads with
+    pyarrow in the training process (for tests and runs without Ray)."""
+    prefetch_chunks: int = 4
+    skip: list[list[int]] = field(default_factory=list)
+    """Global sample ranges [start, end) never fed to the model (rolling past bad data)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to 2-D parameters (weight matrices, embeddings) only, never to biases or norm gains."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "linear", "inverse_sqrt", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100
+    min_lr: float = 3e-5
+    """Floor of cosine and wsd decay."""
+    final_lr_fraction: float = 0.1
+    """`linear`: decay to this fraction of lr at the last step (OPT used 0.1)."""
+    decay_fraction: float = 0.2
+    """`wsd`: the final fraction of steps spent decaying to min_lr."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch_size: Optional[int] = 32
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    global_batch_tokens: Optional[int] = None
+    """Alternative to global_batch_size: tokens per optimizer step (a multiple of seq_len)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; accumulation fills the global batch."""
+    seq_len: Optional[int] = None
+    """Tokens per training sequence; None takes the dataset's seq_len."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16 runs the forward under autocast; weights and optimizer stay fp32."""
+    seed: int = 1337
+    eval_every: int = 100
+    """Validation loss on the held-out split every N steps (and at the last step); 0: never."""
+    eval_batches: int = 8
+    log_every: int = 1
+    """Steps between progress lines; metrics.jsonl gets every step."""
+    report_every: int = 10
+    """Steps between reports to Ray Train (a report blocks for its health check)."""
+    compile: bool = False
+    peak_tflops: Optional[float] = None
+    """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
+    tensorboard: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    """Save every N steps (and at the last step); 0 saves only at the end."""
+    resume: Literal["auto", "never", "required"] = "auto"
+    """`auto` resumes from the run's latest complete checkpoint when there is one."""
+    keep_last: Optional[int] = None
+    """Keep only this many most recent checkpoints (None keeps all)."""
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = 2
+    """Ray Train workers (processes); one per GPU with use_gpu."""
+    use_gpu: bool = False
+    """GPUs and NCCL; otherwise CPU and gloo."""
+    cpus_per_worker: float = 1.0
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    """-1 infers the degree from the world size."""
+    tp: int = 1
+    pp: int = 1
+    sharding: Literal["none", "optimizer", "gradients", "full"] = "none"
+    """none: DDP; optimizer: ZeRO-1; gradients: ZeRO-2; full: ZeRO-3 (FSDP2)."""
+
+
+@dataclass
+class StorageConfig:
+    endpoint_url: Optional[str] = None
+    """S3-compatible endpoint (e.g. http://127.0.0.1:8333); None uses AWS's."""
+    region: Optional[str] = None
+    """Region; None takes AWS_REGION / AWS_DEFAULT_REGION / the profile, else us-east-1."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "raylm"
+    storage_path: str = "runs"
+    """Where run directories live: a local directory or s3:// URI."""
+    ray_address: Optional[str] = None
+    """None or "local" starts a local Ray; "auto" or host:port joins a running cluster."""
+    ray_num_cpus: Optional[int] = None
+    """Logical CPUs of a local Ray started by raylm (None: enough for the workers and data)."""
+    max_failures: int = 3
+    """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, building nested dataclasses from dicts."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (arm,) = typing.get_args(tp)
+        return [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool or tp is int:
+        if type(value) is tp:
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = prefix or "the top level"
+    return ConfigError(f"unknown key {prefix + '.' if prefix else ''}{key}{hint}; "
+                       f"valid keys in {where}: {', '.join(names)}")
+
+
+def _build(cls: type, values: dict, prefix: str = "") -> Any:
+    if cls is ModelConfig and values.get("size"):
+        from raylm.model.sizes import preset  # named sizes are defaults under explicit keys
+
+        values = {**preset(values["size"]), **values}
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise _unknown_key(cls, key, prefix)
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}" if prefix else key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["model.n_layers=4", "optim.lr=3e-4"]` -> nested dict, values parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults, then the YAML file at `path`, then dotted `overrides`; validated."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
+        tree = loaded or {}
+    tree = _merge(tree, parse_overrides(overrides or []))
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's type cannot express."""
+    m, t = cfg.model, cfg.train
+    positive = {
+        "model.d_model": m.d_model, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
+        "model.max_seq_len": m.max_seq_len, "train.steps": t.steps,
+        "train.micro_batch_size": t.micro_batch_size, "parallel.num_workers": cfg.parallel.num_workers,
+        "data.chunk_rows": cfg.data.chunk_rows,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads ({kv}) must divide model.n_heads ({m.n_heads})")
+    if m.pos_embedding == "rope" and (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"RoPE needs an even head dimension; d_model/n_heads = {m.d_model // m.n_heads}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if (t.global_batch_size is None) == (t.global_batch_tokens is None):
+        raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
+                          "(set the other to null)")
+    if t.seq_len is not None and t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if cfg.data.path and cfg.data.mixture:
+        raise ConfigError("set data.path or data.mixture, not both")
+    for i, (start, *rest) in enumerate(cfg.data.skip):
+        if len(rest) != 1 or not 0 <= start < rest[0]:
+            raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")
+    s = cfg.schedule
+    if s.warmup_steps < 0 or s.warmup_steps > t.steps:
+        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={t.steps}]")
+    if not 0.0 < s.decay_fraction <= 1.0:
+        raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
+
+
+def global_batch_sequences(cfg: Config, seq_len: int) -> int:
+    """The global batch in sequences, from whichever of the two settings is given."""
+    t = cfg.train
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    if t.global_batch_tokens % seq_len:
+        raise ConfigError(f"train.global_batch_tokens ({t.global_batch_tokens}) is not a multiple "
+                          f"of seq_len ({seq_len})")
+    return t.global_batch_tokens // seq_len
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings, read from the source: the string literal under each field."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def describe_fields() -> str:
+    """Every key with its type, default and help text: `raylm train --help-config`."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        cls = section.type if isinstance(section.type, type) else _hints(Config)[section.name]
+        lines.append(f"{section.name}:")
+        docs, hints, default = field_docs(cls), _hints(cls), cls() if cls is not MixtureComponent else None
+        for f in dataclasses.fields(cls):
+            value = getattr(default, f.name)
+            lines.append(f"  {f.name}: {_type_name(hints[f.name])} = {value!r}")
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)
