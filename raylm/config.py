@@ -236,6 +236,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return _build(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp is bool or tp is int:
         if type(value) is tp:
             return value

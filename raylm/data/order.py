@@ -1,0 +1,135 @@
+"""The global sample order: a pure function of (dataset manifests, seed, epoch).
+
+Samples are addressed by one global index g = 0, 1, 2, ... that runs across epochs. Nothing
+here depends on the number of workers: a global batch is the next `global_batch` indices
+(minus skipped ranges), and only the split of a batch among data-parallel ranks uses the
+rank. That is what makes resume exact at any world size.
+
+Shuffling is two-level so that a rank reads a few contiguous chunks rather than scattered
+rows: each epoch permutes chunks of `chunk_rows` consecutive rows, then the rows inside each
+chunk. Mixtures interleave datasets in blocks of `MIX_BLOCK` positions whose per-dataset
+counts are fixed by the weights, so proportions hold exactly over every block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+MIX_BLOCK = 1000
+
+
+def _rng(*key: int) -> np.random.Generator:
+    """A generator seeded by a tuple of ints, stable across processes and Python versions."""
+    digest = hashlib.sha256(",".join(map(str, key)).encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    shard: int  # index into DatasetOrder.shard_uris
+    start: int  # first row within the shard
+    rows: int
+
+
+class DatasetOrder:
+    """The order of one prepared dataset's split, epoch by epoch."""
+
+    def __init__(self, shard_uris: list[str], shard_rows: list[int], seed: int, chunk_rows: int,
+                 shuffle: bool = True, salt: int = 0):
+        if not shard_uris or sum(shard_rows) == 0:
+            raise ValueError(f"dataset split has no rows (shards: {shard_uris[:3]}...)")
+        self.shard_uris = list(shard_uris)
+        self.seed, self.shuffle, self.salt = seed, shuffle, salt
+        self.chunks = [Chunk(i, start, min(chunk_rows, rows - start))
+                       for i, rows in enumerate(shard_rows) for start in range(0, rows, chunk_rows)]
+        self.num_samples = sum(shard_rows)
+
+    @lru_cache(maxsize=4)
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Chunk order for `epoch` and the first position of each chunk in it."""
+        n = len(self.chunks)
+        perm = _rng(self.seed, self.salt, epoch).permutation(n) if self.shuffle else np.arange(n)
+        sizes = np.array([self.chunks[c].rows for c in perm])
+        return perm, np.concatenate([[0], np.cumsum(sizes)])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, row) of the sample at position `index` of this dataset's own sequence."""
+        epoch, pos = divmod(index, self.num_samples)
+        perm, starts = self._epoch(epoch)
+        slot = int(np.searchsorted(starts, pos, side="right")) - 1
+        chunk = self.chunks[perm[slot]]
+        offset = pos - int(starts[slot])
+        if self.shuffle:
+            offset = int(_rng(self.seed, self.salt, epoch, int(perm[slot])).permutation(chunk.rows)[offset])
+        return chunk.shard, chunk.start + offset
+
+
+class SampleOrder:
+    """Global index -> (dataset, shard, row) for one dataset or a weighted mixture."""
+
+    def __init__(self, datasets: list[DatasetOrder], weights: list[float], seed: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError("need one weight per dataset")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"mixture weights must be positive, got {weights}")
+        self.datasets, self.seed = datasets, seed
+        total = sum(weights)
+        quotas = [w / total * MIX_BLOCK for w in weights]
+        counts = [int(q) for q in quotas]
+        # Largest remainder: the block holds exactly MIX_BLOCK positions.
+        for i in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[: MIX_BLOCK - sum(counts)]:
+            counts[i] += 1
+        self.block_counts = counts
+
+    @property
+    def epoch_samples(self) -> int:
+        """Samples in one pass over the first dataset (the whole dataset when there is one)."""
+        return self.datasets[0].num_samples if len(self.datasets) == 1 else MIX_BLOCK
+
+    @lru_cache(maxsize=8)
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each position of a mix block: its dataset, and its rank among that dataset's."""
+        owner = np.repeat(np.arange(len(self.block_counts)), self.block_counts)
+        if len(self.datasets) > 1:
+            owner = _rng(self.seed, -1, block).permutation(owner)
+        rank = np.zeros_like(owner)
+        for d in range(len(self.block_counts)):
+            rank[owner == d] = np.arange(self.block_counts[d])
+        return owner, rank
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """(dataset, shard, row) of global sample `index`."""
+        if len(self.datasets) == 1:
+            return (0, *self.datasets[0].locate(index))
+        block, pos = divmod(index, MIX_BLOCK)
+        owner, rank = self._block(block)
+        d = int(owner[pos])
+        return (d, *self.datasets[d].locate(block * self.block_counts[d] + int(rank[pos])))
+
+
+def batch_indices(position: int, count: int, skip: list[list[int]]) -> tuple[list[int], int]:
+    """The next `count` global indices at or after `position` outside the skip ranges, and
+    the position after them."""
+    out: list[int] = []
+    g = position
+    ranges = sorted((s, e) for s, e in skip)
+    while len(out) < count:
+        for start, end in ranges:
+            if start <= g < end:
+                g = end
+        out.append(g)
+        g += 1
+    return out, g
+
+
+def rank_slice(indices: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """This data-parallel rank's contiguous share of a global batch."""
+    if len(indices) % dp_size:
+        raise ValueError(f"global batch of {len(indices)} sequences does not split evenly over "
+                         f"{dp_size} data-parallel ranks")
+    per = len(indices) // dp_size
+    return indices[dp_rank * per:(dp_rank + 1) * per]
