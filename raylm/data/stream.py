@@ -1,0 +1,196 @@
+"""Prepared shards -> the token batches of one data-parallel rank, resumable at any sample.
+
+The order comes from `raylm.data.order`; this module reads the rows. Two engines share one
+row reader: `ray` runs the reads as a Ray Data pipeline that prefetches in the background
+(the engine for cluster runs), `local` reads with pyarrow on a thread in the training process
+(for runs and tests without Ray). Both yield exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from raylm.config import DataConfig, StorageConfig
+from raylm.data import storage
+from raylm.data.manifest import Manifest, load_manifest
+from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
+
+
+@dataclass
+class Batch:
+    step: int
+    tokens: np.ndarray  # (local_batch, row_tokens) int32; inputs are [:, :-1], targets [:, 1:]
+    indices: list[int]  # global sample indices of the rows, for audits and tests
+    next_position: int  # global position after this whole global batch
+
+
+class ShardReader:
+    """Reads rows of Parquet shards by row number, one row group at a time, with a small cache."""
+
+    def __init__(self, row_tokens: int, storage_cfg: Optional[StorageConfig], cache_groups: int = 16):
+        self.row_tokens, self.storage_cfg = row_tokens, storage_cfg
+        self._files: dict[str, tuple[pq.ParquetFile, np.ndarray]] = {}
+        self._groups: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self.cache_groups = cache_groups
+
+    def _file(self, uri: str) -> tuple[pq.ParquetFile, np.ndarray]:
+        if uri not in self._files:
+            fs, path = storage.filesystem_for(uri, self.storage_cfg)
+            pf = pq.ParquetFile(fs.open_input_file(path))
+            sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+            self._files[uri] = (pf, np.concatenate([[0], np.cumsum(sizes)]))
+        return self._files[uri]
+
+    def _group(self, uri: str, group: int) -> np.ndarray:
+        key = (uri, group)
+        if key not in self._groups:
+            pf, _ = self._file(uri)
+            column = pf.read_row_group(group, columns=["tokens"]).column("tokens").combine_chunks()
+            rows = column.values.to_numpy(zero_copy_only=False).reshape(-1, self.row_tokens)
+            self._groups[key] = rows
+            if len(self._groups) > self.cache_groups:
+                self._groups.popitem(last=False)
+        self._groups.move_to_end(key)
+        return self._groups[key]
+
+    def read(self, uri: str, row: int) -> np.ndarray:
+        _, starts = self._file(uri)
+        group = int(np.searchsorted(starts, row, side="right")) - 1
+        if not 0 <= row < starts[-1]:
+            raise IndexError(f"{uri}: row {row} out of range (shard has {starts[-1]} rows)")
+        return self._group(uri, group)[row - starts[group]]
+
+
+class RowSource:
+    """Everything needed to turn global indices into token rows; small and picklable."""
+
+    def __init__(self, order: SampleOrder, shard_uris: list[list[str]], row_tokens: int,
+                 storage_cfg: Optional[StorageConfig]):
+        self.order, self.shard_uris, self.row_tokens, self.storage_cfg = order, shard_uris, row_tokens, storage_cfg
+        self._reader: Optional[ShardReader] = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_reader": None}  # open files stay in the process that opened them
+
+    def rows(self, indices: list[int]) -> np.ndarray:
+        if self._reader is None:
+            self._reader = ShardReader(self.row_tokens, self.storage_cfg)
+        out = np.empty((len(indices), self.row_tokens), dtype=np.int32)
+        for i, g in enumerate(indices):
+            d, shard, row = self.order.locate(g)
+            out[i] = self._reader.read(self.shard_uris[d][shard], row)
+        return out
+
+
+def open_split(data: DataConfig, split: str, storage_cfg: Optional[StorageConfig],
+               shuffle: bool = True) -> tuple[RowSource, list[Manifest]]:
+    """The row source of a split of `data.path` or `data.mixture`, and the manifests behind it."""
+    components = data.mixture or []
+    uris = [c.path for c in components] or [data.path]
+    weights = [c.weight for c in components] or [1.0]
+    if not uris[0]:
+        raise ValueError("data.path is empty: point it at a dataset written by `raylm prepare`")
+    manifests = [load_manifest(uri, storage_cfg) for uri in uris]
+    first = manifests[0]
+    for uri, m in zip(uris, manifests):
+        if (m.row_tokens, m.tokenizer.sha256) != (first.row_tokens, first.tokenizer.sha256):
+            raise ValueError(f"mixture dataset {uri} differs from {uris[0]} in seq_len or tokenizer; "
+                             "all components must be prepared with the same tokenizer and seq_len")
+    orders, shard_uris = [], []
+    for d, (uri, m) in enumerate(zip(uris, manifests)):
+        shard_uris.append(m.shard_uris(uri, split))
+        orders.append(DatasetOrder(shard_uris[-1], [s.rows for s in m.splits[split].shards], data.seed, data.chunk_rows,
+                                   shuffle=shuffle, salt=d))
+    return RowSource(SampleOrder(orders, weights, data.seed), shard_uris, first.row_tokens, storage_cfg), manifests
+
+
+def step_positions(position: int, first_step: int, last_step: int, global_batch: int,
+                   skip: list[list[int]]) -> list[tuple[int, int]]:
+    """(step, start position) for each step in [first_step, last_step)."""
+    out = []
+    for step in range(first_step, last_step):
+        out.append((step, position))
+        position = batch_indices(position, global_batch, skip)[1]
+    return out
+
+
+def _rank_batch(source: RowSource, step: int, position: int, global_batch: int, skip: list[list[int]],
+                dp_rank: int, dp_size: int) -> Batch:
+    indices, next_position = batch_indices(position, global_batch, skip)
+    mine = rank_slice(indices, dp_rank, dp_size)
+    return Batch(step, source.rows(mine), mine, next_position)
+
+
+class TokenStream:
+    """Batches for one data-parallel rank from a global position onward."""
+
+    def __init__(self, source: RowSource, global_batch: int, dp_rank: int, dp_size: int,
+                 skip: list[list[int]], engine: str = "local", prefetch: int = 4):
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by the {dp_size} "
+                             "data-parallel ranks")
+        self.source, self.global_batch, self.skip = source, global_batch, skip
+        self.dp_rank, self.dp_size, self.engine, self.prefetch = dp_rank, dp_size, engine, prefetch
+
+    def batches(self, position: int, first_step: int, last_step: int) -> Iterator[Batch]:
+        plan = step_positions(position, first_step, last_step, self.global_batch, self.skip)
+        if not plan:
+            return iter(())
+        if self.engine == "ray":
+            return self._ray_batches(plan)
+        return self._thread_batches(plan)
+
+    def _thread_batches(self, plan: list[tuple[int, int]]) -> Iterator[Batch]:
+        q: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for step, pos in plan:
+                    if stop.is_set():
+                        return
+                    q.put(_rank_batch(self.source, step, pos, self.global_batch, self.skip,
+                                      self.dp_rank, self.dp_size))
+                q.put(None)
+            except BaseException as e:  # surfaced in the consumer, which owns error handling
+                q.put(e)
+
+        thread = threading.Thread(target=produce, daemon=True, name="raylm-data")
+        thread.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    def _ray_batches(self, plan: list[tuple[int, int]]) -> Iterator[Batch]:
+        import ray.data
+
+        source, gb, skip, rank, size = self.source, self.global_batch, self.skip, self.dp_rank, self.dp_size
+
+        def read(items: dict) -> dict:
+            batches = [_rank_batch(source, int(s), int(p), gb, skip, rank, size)
+                       for s, p in zip(items["step"], items["position"])]
+            return {"step": np.array([b.step for b in batches]),
+                    "next_position": np.array([b.next_position for b in batches]),
+                    "indices": np.stack([np.array(b.indices) for b in batches]),
+                    "tokens": np.stack([b.tokens for b in batches])}
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True  # the order is the whole point
+        ctx.enable_progress_bars = False
+        ds = ray.data.from_items([{"step": s, "position": p} for s, p in plan],
+                                 override_num_blocks=max(1, min(len(plan), 64)))
+        ds = ds.map_batches(read, batch_size=1, num_cpus=0.25)
+        for item in ds.iter_batches(batch_size=1, prefetch_batches=self.prefetch, batch_format="numpy"):
+            yield Batch(int(item["step"][0]), item["tokens"][0], item["indices"][0].tolist(),
+                        int(item["next_position"][0]))

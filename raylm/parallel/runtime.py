@@ -1,0 +1,284 @@
+"""What the training loop sees of parallelism: one object that runs forward/backward over a
+rank's batch, clips, and exposes state for checkpoints, whatever the layout.
+
+The model stays a plain `Transformer`; the layout is applied here from outside, torchtitan's
+order: pipeline split, then per part tensor parallel, activation checkpointing, compile, and
+data parallel (FSDP2 `fully_shard` or FSDP2-based `replicate`) last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from raylm.config import Config, ConfigError
+from raylm.parallel import pipeline
+from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision, set_micro_batch_sync
+from raylm.parallel.mesh import ParallelMesh, build_mesh, num_stages
+from raylm.parallel.tensor import apply_tp
+
+ZERO_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "full": "ZeRO-3"}
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @staticmethod
+    def current(device: Optional[torch.device] = None) -> "World":
+        if dist.is_available() and dist.is_initialized():
+            rank, size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, size = 0, 1
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        return World(rank, size, local, device or torch.device("cpu"))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
+    if cfg.train.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    """A loss under loss-parallel is a replicated DTensor; the bookkeeping wants a plain tensor."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def merged_view(parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameter names are the plain model's, over all of this rank's parts.
+
+    Pipeline chunks are separate modules; checkpoints (`get_state_dict`) and optimizers need one
+    module naming every parameter they hold. The view shares the parts' submodules (no copies).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()
+    for part in parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict):
+                if not hasattr(view, name):
+                    setattr(view, name, nn.ModuleDict())
+                getattr(view, name).update(child)
+            else:
+                setattr(view, name, child)
+    return view
+
+
+class ParallelModel:
+    """A rank's share of the model (one part, or several pipeline chunks) and how to run it."""
+
+    def __init__(self, parts: list[nn.Module], cfg: Config, world: World, mesh: ParallelMesh):
+        self.parts, self.cfg, self.world, self.mesh = parts, cfg, world, mesh
+        self.model = merged_view(parts)
+        """Every parameter this rank holds, under the plain model's names (not callable with pp > 1)."""
+        self.layout: dict = describe(cfg, mesh)
+
+    # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
+    # peers share them, so they see the same samples.
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.cfg.parallel.loss_parallel else contextlib.nullcontext()
+
+    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+        """Forward and backward over this rank's share of the global batch, in micro-batches.
+
+        `tokens` is (local_batch, T+1). Gradients accumulate so that they equal those of the
+        mean loss over the whole global batch; returns that mean loss (a detached scalar,
+        averaged across data-parallel ranks).
+        """
+        (model,) = self.parts
+        micro = tokens.split(micro_batch_size)
+        total = torch.zeros((), device=self.world.device)
+        for i, mb in enumerate(micro):
+            set_micro_batch_sync(model, self.cfg.parallel.sharding, last=i == len(micro) - 1)
+            with self._loss_context():
+                with autocast(self.cfg, self.world.device):
+                    logits = model(mb[:, :-1])  # (B, T, vocab)
+                loss = cross_entropy(logits, mb[:, 1:]) / len(micro)
+                loss.backward()
+            total += _whole(loss.detach())
+        return self.mean_across_dp(total)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+        (model,) = self.parts
+        micro = tokens.split(micro_batch_size)
+        total = torch.zeros((), device=self.world.device)
+        for mb in micro:
+            with self._loss_context(), autocast(self.cfg, self.world.device):
+                total += _whole(cross_entropy(model(mb[:, :-1]), mb[:, 1:])) / len(micro)
+        return self.mean_across_dp(total)
+
+    def mean_across_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.mesh.dp is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp.get_group())
+            value /= self.dp_size
+        return value
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm before clipping (over every shard, TP slice and stage);
+        clips when max_norm > 0."""
+        grads = [p.grad for p in _unique_params(self.parts) if p.grad is not None]
+        # Gradients of one kind (same mesh and placements) reduce together; plain tensors are
+        # whole on this rank (or identical on its TP peers) and count as they are.
+        groups: dict[object, list[torch.Tensor]] = {}
+        for g in grads:
+            groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(g)
+        squares = torch.zeros((), device=self.world.device, dtype=torch.float32)
+        for group in groups.values():
+            squares += _whole(torch.nn.utils.get_total_norm(group, foreach=True)).float() ** 2
+        if self.mesh.pp is not None:  # each stage holds different parameters: sum over stages
+            dist.all_reduce(squares, group=self.mesh.pp.get_group())
+        norm = squares.sqrt()
+        if max_norm > 0:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            if coef < 1.0:
+                for group in groups.values():
+                    torch._foreach_mul_(group, coef)
+        return norm
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+
+class PipelineModel(ParallelModel):
+    """Pipeline stages on this rank, driven by a torch.distributed.pipelining schedule."""
+
+    def __init__(self, stages: list[PipelineStage], cfg: Config, world: World, mesh: ParallelMesh):
+        super().__init__([s.submod for s in stages], cfg, world, mesh)
+        self.stages = stages
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self._schedules: dict[int, object] = {}
+
+    def _schedule(self, local_batch: int, micro_batch_size: int):
+        n = self.cfg.parallel.pp_microbatches or local_batch // micro_batch_size
+        if local_batch % n:
+            raise ValueError(f"the local batch of {local_batch} sequences does not split into {n} pipeline "
+                             "micro-batches (parallel.pp_microbatches or train.micro_batch_size)")
+        if n not in self._schedules:
+            schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n, cross_entropy)
+            self._schedules[n] = schedule
+            self.layout.update(pp_microbatches=n,
+                               pp_bubble=pipeline.bubble_fraction(schedule, self.mesh.dims.pp, n))
+            if self.world.rank == 0:
+                print(f"[raylm.parallel] pipeline schedule {self.cfg.parallel.pp_schedule}: "
+                      f"{num_stages(self.cfg.parallel)} stages, {n} micro-batches, "
+                      f"bubble {self.layout['pp_bubble']:.1%} of compute time", flush=True)
+        return self._schedules[n]
+
+    def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool) -> torch.Tensor:
+        schedule = self._schedule(len(tokens), micro_batch_size)
+        inputs = (tokens[:, :-1],) if self.has_first else ()  # later stages receive activations
+        losses: list[torch.Tensor] = []
+        run = schedule.step if backward else schedule.eval
+        with self._loss_context(), autocast(self.cfg, self.world.device):
+            run(*inputs, target=tokens[:, 1:], losses=losses, return_outputs=False)
+        # The last stage's rank knows the loss; a sum over the pipeline group hands it to all.
+        loss = torch.stack([_whole(x.detach()) for x in losses]).mean() if self.has_last else \
+            torch.zeros((), device=self.world.device)
+        dist.all_reduce(loss, group=self.mesh.pp.get_group())
+        return self.mean_across_dp(loss)
+
+    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+        return self._run(tokens, micro_batch_size, backward=True)
+
+    @torch.no_grad()
+    def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+        return self._run(tokens, micro_batch_size, backward=False)
+
+
+def _unique_params(parts: list[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for part in parts:
+        for p in part.parameters():
+            seen.setdefault(id(p), p)  # a tied weight is one parameter
+    return list(seen.values())
+
+
+def describe(cfg: Config, mesh: ParallelMesh) -> dict:
+    """The layout in a few keys, for logs and metrics."""
+    p, d = cfg.parallel, mesh.dims
+    layout = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+              "data_parallel": ZERO_NAMES[p.sharding] if d.dp > 1 or p.sharding != "none" else "none",
+              "hsdp": p.sharding != "none" and d.dp_replicate > 1 and d.dp_shard > 1,
+              "activation_checkpointing": p.activation_checkpointing, "param_dtype": p.param_dtype}
+    if d.tp > 1:
+        layout.update(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+    if d.pp > 1:
+        layout.update(pp_schedule=p.pp_schedule, pp_stages=num_stages(p))
+    return layout
+
+
+def _parallelize(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
+    """Apply TP, activation checkpointing, compile and data parallelism to one part, in place."""
+    p = cfg.parallel
+    # Simplest path to weights identical to a single process: built on CPU with the seed, then
+    # moved and sharded (the full part passes through each device once).
+    part.to(device)
+    if mesh.tp is not None:
+        apply_tp(part, mesh.tp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+    apply_ac(part, p.activation_checkpointing, p.ac_every)
+    if cfg.train.compile:  # per block: the repeated structure compiles once; names stay the same
+        for block in part.layers.values():
+            block.compile()
+    policy = mixed_precision(p.param_dtype, p.reduce_dtype)
+    if mesh.fsdp is not None:
+        apply_fsdp(part, mesh.fsdp, sharding=p.sharding, mp_policy=policy, cpu_offload=p.cpu_offload)
+    elif mesh.dp is not None:
+        apply_replicate(part, mesh.dp, mp_policy=policy)
+
+
+def build_parallel_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> ParallelModel:
+    """Build the model with the run's seed (identical on every rank) and apply the configured layout."""
+    p = cfg.parallel
+    mesh = build_mesh(p, cfg.model, world.device.type)
+    if p.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
+        raise ConfigError(f"parallel.param_dtype={p.param_dtype} is applied by FSDP2, which needs "
+                          "torch.distributed and sharding != none or more than one data-parallel rank; "
+                          "in a single process use train.precision=bf16 (autocast)")
+    torch.manual_seed(cfg.train.seed)
+    model = model_factory()
+    if mesh.pp is None:
+        _parallelize(model, cfg, mesh, world.device)
+        parallel_model = ParallelModel([model], cfg, world, mesh)
+    else:
+        groups = pipeline.layer_split(model, p)
+        last = num_stages(p) - 1
+        stages = []
+        for sid in pipeline.stage_ids(mesh.pp.get_local_rank(), p):
+            part = pipeline.stage_module(model, groups[sid], first=sid == 0, last=sid == last)
+            _parallelize(part, cfg, mesh, world.device)
+            stages.append(PipelineStage(part, sid, last + 1, world.device, group=mesh.pp.get_group()))
+        del model
+        parallel_model = PipelineModel(stages, cfg, world, mesh)
+        parallel_model.layout["pp_layers"] = [len(g) for g in groups]
+    if world.rank == 0:
+        print(f"[raylm.parallel] layout {parallel_model.layout}", flush=True)
+    return parallel_model

@@ -1,0 +1,188 @@
+"""The training loop: plain torch, callable as a function with a config, hooks around each step.
+
+Ray stays at the edges: `TrainEnv` is how the loop reaches storage and the cluster, and
+`raylm.launch` provides the Ray Train one. Sweeps, the CLI and tests all call `train`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import ContextManager, Optional, Protocol
+
+import numpy as np
+import torch
+
+from raylm.config import Config, config_to_yaml, global_batch_sequences
+from raylm.data.manifest import load_dataset_tokenizer
+from raylm.data.stream import TokenStream, open_split
+from raylm.model.sizes import flops_per_token
+from raylm.model.transformer import Transformer
+from raylm.parallel.runtime import ParallelModel, World, build_parallel_model
+from raylm.train import checkpoint
+from raylm.train.metrics import MetricsLogger, peak_flops
+from raylm.train.optim import apply_lr, build_optimizer, lr_at
+from raylm.train.resolve import resolve_for_data
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    position: int = 0  # global index of the next sample to train on
+    tokens_seen: int = 0
+
+
+class TrainEnv(Protocol):
+    """Where the loop meets storage and the cluster (Ray Train, or plain files in tests)."""
+
+    run_dir: str  # local directory for metrics.jsonl and TensorBoard (rank 0 writes)
+
+    def device(self) -> torch.device:
+        """The device this rank trains on."""
+
+    def restore_dir(self) -> ContextManager[Optional[str]]:
+        """A local directory holding the checkpoint to resume from, or None."""
+
+    def save_checkpoint(self, step: int, metrics: dict, write) -> None:
+        """Call `write(local_dir)` on every rank, then publish the directory as a checkpoint."""
+
+    def report(self, metrics: dict) -> None:
+        """Progress for the cluster's bookkeeping (not every step: it may block)."""
+
+
+class Hook:
+    """Callbacks around each step; the stability guard and sweeps plug in here."""
+
+    def on_train_start(self, run: "Run") -> None: ...
+
+    def on_step_begin(self, run: "Run", step: int) -> None: ...
+
+    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None: ...
+
+    def on_train_end(self, run: "Run", metrics: dict) -> None: ...
+
+
+@dataclass
+class Run:
+    """The live objects of a run, handed to hooks."""
+
+    cfg: Config
+    world: World
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    seq_len: int
+    global_batch: int
+    history: list[dict] = field(default_factory=list)
+
+
+class _EvalSet:
+    """Fixed held-out batches: the first `eval_batches` global batches of the val split, in
+    file order, so every evaluation and every world size sees the same tokens."""
+
+    def __init__(self, cfg: Config, model: ParallelModel, global_batch: int):
+        source, _ = open_split(cfg.data, "val", cfg.storage, shuffle=False)
+        stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
+        self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
+                        for b in stream.batches(0, 0, cfg.train.eval_batches)]
+
+    def loss(self, model: ParallelModel, micro_batch_size: int) -> float:
+        model.train(False)
+        try:
+            device = model.world.device
+            losses = [model.eval_loss(b.to(device), micro_batch_size) for b in self.batches]
+            return float(torch.stack(losses).mean())
+        finally:
+            model.train(True)
+
+
+def _due(step: int, every: int, last: int) -> bool:
+    return step == last or (every > 0 and step % every == 0)
+
+
+def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
+    """Train per `cfg` on this process's rank; returns the last step's metrics."""
+    world = World.current(env.device())
+    source, manifests = open_split(cfg.data, "train", cfg.storage)
+    cfg = resolve_for_data(cfg, manifests[0])
+    seq_len = manifests[0].seq_len
+    global_batch = global_batch_sequences(cfg, seq_len)
+
+    model = build_parallel_model(lambda: Transformer(cfg.model), cfg, world)
+    optimizer = build_optimizer(model.parts, cfg.optim)
+    state = TrainState()
+    with env.restore_dir() as restore:
+        if restore is not None:
+            saved = checkpoint.load(restore, model, optimizer, world, manifests[0].tokenizer.sha256)
+            state = TrainState(saved["step"], saved["position"], saved["tokens_seen"])
+
+    local_batch = global_batch // model.dp_size
+    if global_batch % model.dp_size or local_batch % cfg.train.micro_batch_size:
+        raise ValueError(
+            f"global batch {global_batch} must split into {model.dp_size} data-parallel ranks × "
+            f"whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}")
+    stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, cfg.data.skip,
+                         engine=cfg.data.loader, prefetch=cfg.data.prefetch_chunks)
+    evals = _EvalSet(cfg, model, global_batch) if cfg.train.eval_every > 0 else None
+    # What a checkpoint needs besides tensors to be usable on its own (generation, export).
+    checkpoint_files = {checkpoint.CONFIG: config_to_yaml(cfg),
+                        checkpoint.TOKENIZER: load_dataset_tokenizer(
+                            cfg.data.mixture[0].path if cfg.data.mixture else cfg.data.path,
+                            cfg.storage, manifests[0]).to_json()}
+
+    run = Run(cfg, world, model, optimizer, state, seq_len, global_batch)
+    logger = MetricsLogger(cfg, env.run_dir, world, flops_per_token(cfg.model, seq_len),
+                           peak_flops(world.device, cfg.train.peak_tflops))
+    hooks = (logger, *hooks)
+    for hook in hooks:
+        hook.on_train_start(run)
+
+    steps = cfg.train.steps
+    last = min(steps, cfg.train.stop_at_step or steps)
+    metrics: dict = {}
+    t0 = time.perf_counter()
+    for batch in stream.batches(state.position, state.step, last):
+        step = batch.step
+        for hook in hooks:
+            hook.on_step_begin(run, step)
+        lr = lr_at(step, cfg.schedule, cfg.optim.lr, steps)
+        apply_lr(optimizer, lr)
+        tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(world.device)
+        loss = float(model.forward_backward(tokens, cfg.train.micro_batch_size))
+        grad_norm = float(model.clip_grad_norm(cfg.optim.grad_clip))
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
+            raise FloatingPointError(
+                f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; the weights were "
+                f"not updated. Samples of this step: global positions [{state.position}, "
+                f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        state.step = step + 1
+        state.position = batch.next_position
+        state.tokens_seen += global_batch * seq_len
+        now = time.perf_counter()
+        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens": state.tokens_seen, "step_time": now - t0}
+        t0 = now
+        if evals is not None and _due(state.step, cfg.train.eval_every, last):
+            metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)
+            t0 = time.perf_counter()  # evaluation is not step time
+        for hook in hooks:
+            hook.on_step_end(run, step, metrics)
+        run.history.append(metrics)
+
+        if _due(state.step, cfg.checkpoint.every_steps or last, last):
+            saved = {**vars(state), "tokenizer_sha256": manifests[0].tokenizer.sha256}
+            env.save_checkpoint(state.step, metrics, lambda d: checkpoint.save(
+                d, model, optimizer, world, saved, checkpoint_files))
+            t0 = time.perf_counter()
+        elif state.step % cfg.train.report_every == 0:
+            env.report(metrics)
+
+    for hook in hooks:
+        hook.on_train_end(run, metrics)
+    return metrics

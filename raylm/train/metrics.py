@@ -1,0 +1,109 @@
+"""Step metrics: throughput and MFU, a progress line, metrics.jsonl and TensorBoard (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from raylm.parallel.runtime import World
+
+if TYPE_CHECKING:
+    from raylm.config import Config
+    from raylm.train.loop import Run
+
+# Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12,
+                  "V100": 125e12, "4090": 165e12}
+
+
+def _measured_cpu_flops(n: int = 1024, repeats: int = 5) -> float:
+    """What this CPU's fp32 matmul actually achieves: the honest denominator for CPU MFU."""
+    g = torch.Generator().manual_seed(0)  # the global RNG belongs to training (dropout, resume)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> float:
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return value
+        raise ValueError(f"unknown GPU {name!r}: set train.peak_tflops for MFU")
+    return _measured_cpu_flops()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class MetricsLogger:
+    """The always-on hook: completes each step's metrics and writes them out on rank 0."""
+
+    def __init__(self, cfg: "Config", run_dir: str, world: World, flops_per_token: float, peak: float):
+        self.cfg, self.world = cfg, world
+        self.flops_per_token, self.peak = flops_per_token, peak
+        self.rank0 = world.rank == 0
+        self.tokens_per_s_ema: Optional[float] = None
+        self.step_time_ema: Optional[float] = None
+        self.file = None
+        self.writer = None
+        if self.rank0:
+            os.makedirs(run_dir, exist_ok=True)
+            self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            if cfg.train.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def on_train_start(self, run: "Run") -> None:
+        if self.rank0:
+            n = sum(p.numel() for p in run.model.model.parameters())
+            print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
+                  f"global batch {run.global_batch} × {run.seq_len} tokens, "
+                  f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
+
+    def on_step_begin(self, run: "Run", step: int) -> None:
+        pass
+
+    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
+        tokens_per_s = run.global_batch * run.seq_len / metrics["step_time"]
+        metrics["tokens_per_s"] = tokens_per_s
+        metrics["mfu"] = self.flops_per_token * tokens_per_s / (self.peak * run.world.world_size)
+        if not self.rank0:
+            return
+        ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
+        self.tokens_per_s_ema = ema(self.tokens_per_s_ema, tokens_per_s)
+        self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
+        self.file.write(json.dumps(metrics) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step":
+                    self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+        steps = self.cfg.train.steps
+        if metrics["step"] % self.cfg.train.log_every == 0 or metrics["step"] == steps or "val_loss" in metrics:
+            eta = format_duration(self.step_time_ema * (steps - metrics["step"]))
+            val = f" | val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+            print(f"step {metrics['step']:>6}/{steps} | loss {metrics['loss']:.4f}{val} | "
+                  f"lr {metrics['lr']:.2e} | gnorm {metrics['grad_norm']:.3f} | "
+                  f"{self.tokens_per_s_ema:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% | eta {eta}",
+                  flush=True)
+
+    def on_train_end(self, run: "Run", metrics: dict) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()

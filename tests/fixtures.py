@@ -1,0 +1,49 @@
+"""Session fixtures: one local Ray, and small corpora prepared by the real `prepare_dataset`."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from raylm.launch import LOCAL_RAY_ENV
+
+WORDS = ("the king queen castle river stone light dark bread wine horse sword crown field "
+         "winter summer old young gold silver song night morning sea ship").split()
+
+
+def write_corpus(directory, documents: int = 120, seed: int = 0) -> str:
+    """Plain-text documents with enough structure that a tiny model learns quickly."""
+    rng = random.Random(seed)
+    os.makedirs(directory, exist_ok=True)
+    for d in range(documents):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
+                 for _ in range(rng.randint(3, 8))]
+        with open(os.path.join(directory, f"doc{d:04d}.txt"), "w") as f:
+            f.write("\n".join(lines))
+    return str(directory)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(ray_session, tmp_path_factory) -> str:
+    """~120 documents, byte tokenizer, seq_len 32, small shards so chunks cross shard borders."""
+    from raylm.data.prepare import prepare_dataset
+
+    root = tmp_path_factory.mktemp("tiny")
+    corpus = write_corpus(root / "text")
+    out = str(root / "prepared")
+    prepare_dataset([corpus], out, tokenizer="byte", seq_len=32, val_fraction=0.1, shard_rows=300)
+    return out

@@ -1,0 +1,84 @@
+"""The training loop as a plain function (no Ray in the loop): learning, exact resume, errors."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from raylm.config import ConfigError, load_config
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import Hook, train
+
+
+def tiny_config(dataset, *extra):
+    return load_config(None, [
+        f"data.path={dataset}", "data.loader=local", "data.chunk_rows=8",
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=4", "train.eval_batches=2",
+        "train.tensorboard=false", "optim.lr=1e-2", "schedule.warmup_steps=2", "schedule.min_lr=1e-3",
+        *extra])
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {m["step"]: m["loss"] for m in map(json.loads, f)}
+
+
+def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
+    final = train(tiny_config(tiny_dataset, "train.steps=30", "checkpoint.every_steps=0"), LocalEnv(str(tmp_path)))
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= rows[0].keys()
+    assert "val_loss" in rows[3] and "val_loss" not in rows[2]
+    assert final["val_loss"] < 3.0
+    assert os.listdir(tmp_path / "checkpoint_00000030")
+
+
+def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
+    # Dropout on: resuming must also restore the RNG to reproduce the losses.
+    common = ("train.steps=12", "checkpoint.every_steps=3", "model.dropout=0.1")
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "straight")))
+    train(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), LocalEnv(str(tmp_path / "stopped")))
+    assert max(losses(tmp_path / "stopped")) == 6
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "stopped")))
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "stopped")
+    assert sorted(resumed) == list(range(1, 13))
+    for step in range(7, 13):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
+
+
+class PoisonWeights(Hook):
+    def on_step_begin(self, run, step):
+        if step == 3:
+            with torch.no_grad():
+                next(run.model.model.parameters()).fill_(float("nan"))
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, "train.steps=10", "checkpoint.every_steps=2")
+    with pytest.raises(FloatingPointError, match=r"step 3: loss nan .* global positions \[24, 32\)"):
+        train(cfg, LocalEnv(str(tmp_path)), hooks=(PoisonWeights(),))
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint_")) == ["checkpoint_00000002"]
+
+
+def test_model_vocab_smaller_than_tokenizer_is_refused(tiny_dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"model.vocab_size=100 is smaller than the dataset's tokenizer vocabulary \(257"):
+        train(tiny_config(tiny_dataset, "model.vocab_size=100", "train.steps=2"), LocalEnv(str(tmp_path)))
+
+
+def test_resume_refuses_a_checkpoint_of_another_tokenizer(tiny_dataset, tmp_path):
+    train(tiny_config(tiny_dataset, "train.steps=2", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+    state_file = tmp_path / "checkpoint_00000002" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["tokenizer_sha256"] = "0" * 64
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="refusing to mix tokenizers"):
+        train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+
+
+def test_global_batch_that_does_not_split_is_a_clear_error(tiny_dataset, tmp_path):
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        train(tiny_config(tiny_dataset, "train.micro_batch_size=3", "train.steps=2"), LocalEnv(str(tmp_path)))
