@@ -1,0 +1,155 @@
+"""Where documents come from: input files and directories (local or s3://), and the built-in corpus.
+
+A `Source` is one input file and the rule that cuts it into documents:
+
+    text     the whole file is one document (.txt; also the built-in corpus's .py files)
+    lines    one document per line (.txt with lines_as_documents)
+    jsonl    one JSON object per line, the document in its "text" field (.jsonl)
+    parquet  one document per row of the "text" column (.parquet)
+
+Empty (and null) documents are skipped everywhere, so no reader can produce two end-of-text
+tokens in a row downstream.
+
+The built-in corpus is the Python source of the running interpreter's standard library: it is on
+every machine that runs raylm, it is real text, and it makes a dataset with no download.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raylm.config import StorageConfig
+from raylm.data.storage import filesystem_for, is_s3, read_bytes
+
+KINDS_BY_SUFFIX = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+BUILTIN_CORPUS = f"builtin:python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
+_BUILTIN_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
+_PARQUET_BATCH_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class Source:
+    uri: str
+    kind: str
+    """How the file is cut into documents: text, lines, jsonl or parquet."""
+
+
+def _kind_of(uri: str, lines_as_documents: bool) -> str:
+    suffix = os.path.splitext(uri)[1].lower()
+    if suffix not in KINDS_BY_SUFFIX:
+        raise ValueError(f"input {uri}: unknown extension {suffix or '(none)'!r}; "
+                         f"valid: {', '.join(KINDS_BY_SUFFIX)}")
+    kind = KINDS_BY_SUFFIX[suffix]
+    return "lines" if kind == "text" and lines_as_documents else kind
+
+
+def _is_hidden(relative_path: str) -> bool:
+    # Directory walks skip ".x" and "_x" entries (.DS_Store, _SUCCESS, _temporary/), as Spark
+    # and pyarrow datasets do; a file named explicitly is always read.
+    return any(part.startswith((".", "_")) for part in relative_path.split("/"))
+
+
+def resolve_sources(inputs: list[str], lines_as_documents: bool = False,
+                    storage: Optional[StorageConfig] = None) -> list[Source]:
+    """The input files named by `inputs` (files, or directories walked recursively in sorted
+    order), in the order given. Raises for a missing input or a file of unknown extension."""
+    sources = []
+    for given in inputs:
+        fs, path = filesystem_for(given, storage)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"input {given} does not exist")
+        if info.type == pafs.FileType.Directory:
+            found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            paths = sorted(f.path for f in found if f.type == pafs.FileType.File
+                           and not _is_hidden(f.path[len(path):].lstrip("/")))
+            uris = [f"s3://{p}" if is_s3(given) else p for p in paths]
+        else:
+            uris = [given]
+        sources += [Source(uri, _kind_of(uri, lines_as_documents)) for uri in uris]
+    if not sources:
+        raise ValueError(f"no input files in {inputs}")
+    return sources
+
+
+def builtin_sources(max_documents: Optional[int] = None) -> list[Source]:
+    """The standard library's non-empty .py files (tests and IDLE excluded), one document each,
+    sorted by path relative to the stdlib directory so the order is the same on every run."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _BUILTIN_SKIP_DIRS]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if name.endswith(".py") and os.path.getsize(path) > 0:
+                found.append((os.path.relpath(path, root).replace(os.sep, "/"), path))
+    found.sort()
+    return [Source(path, "text") for _, path in found[:max_documents]]
+
+
+def _decode(data: bytes, uri: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"input {uri}: not valid UTF-8 at byte {e.start}") from None
+
+
+def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"input {uri} line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "text" not in record:
+            raise ValueError(f"input {uri} line {number}: expected an object with a 'text' "
+                             f"field, got {line[:80]!r}")
+        document = record["text"]
+        if document is not None and not isinstance(document, str):
+            raise ValueError(f"input {uri} line {number}: 'text' is a {type(document).__name__}, "
+                             f"expected a string")
+        if document:
+            yield document
+
+
+def _parquet_documents(source: Source, storage: Optional[StorageConfig]) -> Iterator[str]:
+    fs, path = filesystem_for(source.uri, storage)
+    with fs.open_input_file(path) as f:
+        parquet = pq.ParquetFile(f)
+        schema = parquet.schema_arrow
+        if "text" not in schema.names:
+            raise ValueError(f"input {source.uri}: no 'text' column (columns: {', '.join(schema.names)})")
+        column_type = schema.field("text").type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise ValueError(f"input {source.uri}: column 'text' is {column_type}, expected string")
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=["text"]):
+            yield from (document for document in batch.column(0).to_pylist() if document)
+
+
+def iter_documents(source: Source, storage: Optional[StorageConfig] = None) -> Iterator[str]:
+    """The non-empty documents of one input file, in file order. A .txt or .jsonl file is read
+    whole (split very large ones); a .parquet file is streamed by record batches."""
+    if source.kind == "parquet":
+        yield from _parquet_documents(source, storage)
+        return
+    text = _decode(read_bytes(source.uri, storage), source.uri)
+    if source.kind == "text":
+        if text:
+            yield text
+    elif source.kind == "lines":
+        yield from (line for line in (raw.removesuffix("\r") for raw in text.split("\n")) if line)
+    elif source.kind == "jsonl":
+        yield from _jsonl_documents(text, source.uri)
+    else:
+        raise ValueError(f"input {source.uri}: unknown source kind {source.kind!r}; "
+                         f"valid: text, lines, jsonl, parquet")

@@ -1,0 +1,126 @@
+"""Look at a prepared dataset (`raylm data inspect`) and check it end to end (`raylm data verify`)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raylm.config import StorageConfig
+from raylm.data.manifest import (TOKENS_COLUMN, DatasetError, Manifest, ShardInfo,
+                                 load_dataset_tokenizer, load_manifest)
+from raylm.data.storage import StorageError, join, read_bytes
+
+_STATS_MAX_ROWS = 4096
+_TOP_TOKENS = 10
+_SAMPLE_CHARS = 600
+
+
+def _read_rows(uri: str, storage: Optional[StorageConfig]) -> np.ndarray:
+    table = pq.read_table(pa.BufferReader(read_bytes(uri, storage)), columns=[TOKENS_COLUMN])
+    column = table[TOKENS_COLUMN].combine_chunks()
+    return column.flatten().to_numpy().reshape(len(column), column.type.list_size)  # (rows, row_tokens)
+
+
+def inspect_dataset(uri: str, storage: Optional[StorageConfig] = None) -> str:
+    """A readable summary: the manifest, per-split counts, token statistics from the first
+    train shard (up to 4096 rows), its most frequent tokens, and its first row decoded."""
+    manifest = load_manifest(uri, storage)
+    tokenizer = load_dataset_tokenizer(uri, storage, manifest)
+    t = manifest.tokenizer
+    lines = [
+        f"dataset      {uri}",
+        f"tokenizer    {t.kind} ({tokenizer.name}), vocab {t.vocab_size}, "
+        f"end-of-text {tokenizer.eot_token!r} = {t.eot_id}, sha256 {t.sha256[:12]}",
+        f"rows         {manifest.row_tokens} tokens (seq_len {manifest.seq_len} + 1), int32",
+        f"sources      {', '.join(manifest.sources)}",
+        f"split rule   {manifest.split_rule}, val_fraction {manifest.val_fraction}",
+    ]
+    for name, split in manifest.splits.items():
+        per_document = f"{split.tokens / split.documents:,.1f}" if split.documents else "-"
+        lines.append(f"{name:<12} {split.tokens:,} tokens, {split.rows:,} rows, "
+                     f"{split.documents:,} documents ({per_document} tokens each), "
+                     f"{len(split.shards)} shards")
+    train = manifest.splits["train"]
+    if not train.shards:
+        return "\n".join(lines)
+
+    rows = _read_rows(manifest.shard_uri(uri, "train", 0), storage)[:_STATS_MAX_ROWS]
+    targets = rows[:, 1:]  # each token of the stream once
+    counts = np.bincount(targets.reshape(-1), minlength=manifest.vocab_size)
+    lines.append(f"statistics   first {len(rows)} rows of {train.shards[0].file}: "
+                 f"{int(np.count_nonzero(counts))} distinct tokens, "
+                 f"{np.count_nonzero(targets == t.eot_id, axis=1).mean():.2f} end-of-text per row")
+    lines.append("most frequent tokens")
+    for token in np.argsort(-counts, kind="stable")[:_TOP_TOKENS]:
+        if counts[token]:
+            lines.append(f"  {int(token):>7} {counts[token] / targets.size:7.2%}  "
+                         f"{tokenizer.decode([int(token)])!r}")
+    sample = tokenizer.decode(rows[0].tolist())
+    lines.append(f"first row, decoded ({len(sample)} characters):")
+    lines.append(sample[:_SAMPLE_CHARS] + (" ..." if len(sample) > _SAMPLE_CHARS else ""))
+    return "\n".join(lines)
+
+
+def _shard_problems(uri: str, shard: ShardInfo, manifest: Manifest,
+                    storage: Optional[StorageConfig]) -> list[str]:
+    try:
+        data = read_bytes(uri, storage)
+    except StorageError:
+        return [f"{uri}: missing"]
+    sha256 = hashlib.sha256(data).hexdigest()
+    if sha256 != shard.sha256:
+        # The content cannot be trusted: further checks would only restate this.
+        return [f"{uri}: sha256 {sha256} differs from the manifest's {shard.sha256}"]
+    try:
+        column = pq.read_table(pa.BufferReader(data))[TOKENS_COLUMN]
+    except (pa.ArrowException, KeyError) as e:
+        return [f"{uri}: not a readable shard with a {TOKENS_COLUMN!r} column ({e})"]
+    expected_type = pa.list_(pa.int32(), manifest.row_tokens)
+    if column.type != expected_type:
+        return [f"{uri}: column {TOKENS_COLUMN!r} is {column.type}, expected {expected_type}"]
+    problems = []
+    if len(column) != shard.rows:
+        problems.append(f"{uri}: {len(column)} rows, the manifest says {shard.rows}")
+    rows = column.combine_chunks().flatten().to_numpy().reshape(len(column), manifest.row_tokens)
+    if rows.size and (rows.min() < 0 or rows.max() >= manifest.vocab_size):
+        problems.append(f"{uri}: token ids span {rows.min()}..{rows.max()}, outside the "
+                        f"vocabulary 0..{manifest.vocab_size - 1}")
+    documents = int(np.count_nonzero(rows[:, 1:] == manifest.tokenizer.eot_id))
+    if documents != shard.documents:
+        problems.append(f"{uri}: {documents} documents end here, the manifest says {shard.documents}")
+    if shard.tokens != shard.rows * manifest.seq_len:
+        problems.append(f"{uri}: the manifest says {shard.tokens} tokens for {shard.rows} rows "
+                        f"of seq_len {manifest.seq_len}")
+    return problems
+
+
+def verify_dataset(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
+    """Every problem found in the dataset at `uri` (empty: it is sound). Reads every shard:
+    its presence, sha256, column type, row count, token range and document count are checked
+    against the manifest, and so is the tokenizer file. Each message names the file."""
+    try:
+        manifest = load_manifest(uri, storage)
+    except DatasetError as e:
+        return [str(e)]
+    problems = []
+    try:
+        load_dataset_tokenizer(uri, storage, manifest)
+    except (DatasetError, ValueError) as e:
+        problems.append(str(e))
+    for name, split in manifest.splits.items():
+        for shard in split.shards:
+            problems += _shard_problems(join(uri, shard.file), shard, manifest, storage)
+    return problems
+
+
+def verify_or_raise(uri: str, storage: Optional[StorageConfig] = None) -> Manifest:
+    """The dataset's manifest, after `verify_dataset` found nothing wrong; else DatasetError."""
+    problems = verify_dataset(uri, storage)
+    if problems:
+        raise DatasetError(f"{uri} failed verification ({len(problems)} problems):\n  "
+                           + "\n  ".join(problems))
+    return load_manifest(uri, storage)

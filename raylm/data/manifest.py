@@ -1,0 +1,189 @@
+"""The manifest of a prepared dataset: what `raylm prepare` wrote and what the stream reads.
+
+A prepared dataset is a directory (local or s3://) holding
+
+    manifest.json        written last: a directory without it is not a dataset
+    tokenizer.json       the tokenizer that made the tokens (also for "byte")
+    train-00000.parquet  ...  val-00000.parquet ...
+
+Each shard has one column, `tokens`, of type fixed_size_list<int32>[row_tokens] where
+row_tokens = seq_len + 1, in row groups of 64 rows. The rows of a split are windows of its token
+stream, Megatron style: row k holds stream[k*seq_len : k*seq_len + seq_len + 1], so consecutive
+rows (also across shards) share one token and every token after the first is a target once.
+
+Counts: a shard's `tokens` is its number of targets, rows * seq_len; its `documents` is the number
+of end-of-text tokens among those targets (row[1:] of each row), that is documents that end in
+it. A split's counts are the sums over its shards; fewer than seq_len tokens at the end of a
+split's stream fill no row and are not counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from raylm.config import StorageConfig
+from raylm.data.storage import StorageError, join, read_bytes, write_bytes
+from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
+
+FORMAT = "raylm.prepared/1"
+MANIFEST_FILE = "manifest.json"
+TOKEN_DTYPE = "int32"
+TOKENS_COLUMN = "tokens"
+SPLITS = ("train", "val")
+
+
+class DatasetError(ValueError):
+    """A prepared dataset that is missing, incomplete or inconsistent; the message names it."""
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    """Path relative to the dataset directory."""
+    rows: int
+    tokens: int
+    documents: int
+    sha256: str
+    """Of the shard file's bytes."""
+
+
+@dataclass
+class SplitInfo:
+    documents: int = 0
+    tokens: int = 0
+    rows: int = 0
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @classmethod
+    def of_shards(cls, shards: list[ShardInfo]) -> SplitInfo:
+        return cls(documents=sum(s.documents for s in shards), tokens=sum(s.tokens for s in shards),
+                   rows=sum(s.rows for s in shards), shards=shards)
+
+
+@dataclass
+class TokenizerInfo:
+    kind: str
+    """"byte" or "hf"."""
+    file: str
+    sha256: str
+    """Of the tokenizer file's bytes (= `Tokenizer.sha256`)."""
+    vocab_size: int
+    eot_id: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> TokenizerInfo:
+        return cls(kind=tokenizer.kind, file=TOKENIZER_FILE, sha256=tokenizer.sha256,
+                   vocab_size=tokenizer.vocab_size, eot_id=tokenizer.eot_id)
+
+
+@dataclass
+class Manifest:
+    tokenizer: TokenizerInfo
+    seq_len: int
+    splits: dict[str, SplitInfo]
+    sources: list[str]
+    split_rule: str
+    """"hash": a document is val iff blake2b-64 of its UTF-8 text / 2**64 < val_fraction;
+    "position": one document, its first (1 - val_fraction) of tokens train, the rest val."""
+    val_fraction: float
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def row_tokens(self) -> int:
+        return self.seq_len + 1
+
+    def shard_uri(self, dataset_uri: str, split: str, index: int) -> str:
+        return join(dataset_uri, self.splits[split].shards[index].file)
+
+    def shard_uris(self, dataset_uri: str, split: str) -> list[str]:
+        return [join(dataset_uri, shard.file) for shard in self.splits[split].shards]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "tokenizer": asdict(self.tokenizer),
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "row_tokens": self.row_tokens,
+            "token_dtype": TOKEN_DTYPE,
+            "splits": {name: asdict(split) for name, split in self.splits.items()},
+            "sources": list(self.sources),
+            "split_rule": self.split_rule,
+            "val_fraction": self.val_fraction,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, dataset_uri: str, storage: Optional[StorageConfig] = None) -> None:
+        write_bytes(join(dataset_uri, MANIFEST_FILE), self.to_json().encode("utf-8"), storage)
+
+
+def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
+    """Parse and check a manifest; errors name `uri` and the offending key."""
+    if d.get("format") != FORMAT:
+        raise DatasetError(f"{uri}: format is {d.get('format')!r}, expected {FORMAT!r}")
+    try:
+        manifest = Manifest(
+            tokenizer=TokenizerInfo(**d["tokenizer"]),
+            seq_len=d["seq_len"],
+            splits={name: SplitInfo(**{**split, "shards": [ShardInfo(**s) for s in split["shards"]]})
+                    for name, split in d["splits"].items()},
+            sources=d["sources"],
+            split_rule=d["split_rule"],
+            val_fraction=d["val_fraction"],
+        )
+    except KeyError as e:
+        raise DatasetError(f"{uri}: missing key {e.args[0]!r}") from None
+    except TypeError as e:
+        raise DatasetError(f"{uri}: malformed entry ({e})") from None
+    checks = {"row_tokens": manifest.row_tokens, "vocab_size": manifest.vocab_size,
+              "token_dtype": TOKEN_DTYPE}
+    for key, expected in checks.items():
+        if d.get(key) != expected:
+            raise DatasetError(f"{uri}: {key} is {d.get(key)!r}, expected {expected!r}")
+    for name in SPLITS:
+        if name not in manifest.splits:
+            raise DatasetError(f"{uri}: no {name!r} split (splits: {', '.join(manifest.splits)})")
+    for name, split in manifest.splits.items():
+        if split != SplitInfo.of_shards(split.shards):
+            raise DatasetError(f"{uri}: split {name!r} totals (rows {split.rows}, tokens "
+                               f"{split.tokens}, documents {split.documents}) differ from the "
+                               f"sums over its shards")
+    return manifest
+
+
+def load_manifest(dataset_uri: str, storage: Optional[StorageConfig] = None) -> Manifest:
+    """The manifest of the prepared dataset at `dataset_uri` (a directory or s3:// prefix)."""
+    uri = join(dataset_uri, MANIFEST_FILE)
+    try:
+        data = read_bytes(uri, storage)
+    except StorageError:
+        raise DatasetError(f"{dataset_uri} is not a prepared dataset (no {MANIFEST_FILE}; "
+                           f"an interrupted prepare?)") from None
+    try:
+        d = json.loads(data)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{uri}: not valid JSON ({e})") from None
+    return manifest_from_dict(d, uri)
+
+
+def load_dataset_tokenizer(dataset_uri: str, storage: Optional[StorageConfig] = None,
+                           manifest: Optional[Manifest] = None) -> Tokenizer:
+    """The tokenizer stored with a prepared dataset, checked against the manifest's sha256."""
+    manifest = manifest or load_manifest(dataset_uri, storage)
+    uri = join(dataset_uri, manifest.tokenizer.file)
+    try:
+        data = read_bytes(uri, storage)
+    except StorageError:
+        raise DatasetError(f"{uri}: missing; the manifest names it as the dataset's tokenizer") from None
+    sha256 = hashlib.sha256(data).hexdigest()
+    if sha256 != manifest.tokenizer.sha256:
+        raise DatasetError(f"{uri}: sha256 {sha256} differs from the manifest's {manifest.tokenizer.sha256}")
+    return tokenizer_from_json(data.decode("utf-8"), name=uri)

@@ -1,0 +1,279 @@
+"""The data-preparation job: text -> tokens -> packed rows -> Parquet shards + manifest.
+
+    inputs ──Ray Data map_batches (one task per file, in parallel)──> documents' tokens
+           ──driver, in corpus order──> one token stream per split ──> rows ──Ray tasks──> shards
+
+Each document's tokens are followed by exactly one end-of-text token (empty documents are
+skipped), so consecutive documents are separated by one end-of-text token, never two.
+
+Split: a document goes to val iff the first 8 bytes of blake2b(UTF-8 text), read as an unsigned
+big-endian integer, are below val_fraction * 2**64 (duplicates land in the same split). A corpus
+of a single document is split by position instead: the first (1 - val_fraction) of its tokens
+train, the rest val, as nanoGPT does with tinyshakespeare.
+
+Determinism: Ray Data runs with preserve_order, and each split's stream is packed sequentially
+by the driver, so the same inputs give byte-identical shards whatever the scheduling.
+Shards and the tokenizer are written first and manifest.json last: an interrupted prepare
+leaves no manifest, and `load_manifest` refuses the directory. See `raylm.data.manifest` for
+the layout and the meaning of the counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from functools import lru_cache
+from itertools import chain
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from raylm.config import StorageConfig
+from raylm.data.corpus import BUILTIN_CORPUS, Source, builtin_sources, iter_documents, resolve_sources
+from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, Manifest, ShardInfo,
+                                 SplitInfo, TokenizerInfo)
+from raylm.data.storage import exists, filesystem_for, join, list_dir, write_bytes
+from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
+
+log = logging.getLogger(__name__)
+
+ROW_GROUP_ROWS = 64
+"""Rows per Parquet row group: training reads chunks of rows at random positions."""
+DEFAULT_SHARD_ROWS = 8192
+_DOCUMENTS_PER_BATCH = 256
+_MAX_PENDING_WRITES = 4
+"""Shards handed to writer tasks and not yet written, per split: bounds the driver's memory."""
+
+
+def prepare_dataset(
+    inputs: list[str],
+    output: str,
+    tokenizer: Union[str, Tokenizer] = "byte",
+    seq_len: int = 256,
+    val_fraction: float = 0.1,
+    lines_as_documents: bool = False,
+    storage: Optional[StorageConfig] = None,
+    max_documents: Optional[int] = None,
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    overwrite: bool = False,
+) -> Manifest:
+    """Tokenize `inputs` and write a prepared dataset to `output` (a directory or s3:// prefix).
+
+    inputs: .txt, .jsonl ("text" field) and .parquet ("text" column) files, or directories of
+        them (walked recursively); empty: the built-in corpus (Python's standard library).
+    tokenizer: "byte", the path/URI of a tokenizer.json, or a Tokenizer.
+    seq_len: tokens per training sequence; rows hold seq_len + 1 tokens.
+    lines_as_documents: each line of a .txt file is a document (else the whole file is one).
+    max_documents: keep only the first documents of the corpus (for tests and quick runs).
+    shard_rows: rows per shard file (the last shard of a split may hold fewer).
+    overwrite: replace a prepared dataset already at `output` (else that is an error).
+
+    Uses the connected Ray cluster, or starts (and afterwards stops) a local one.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if shard_rows < 1:
+        raise ValueError(f"shard_rows must be at least 1, got {shard_rows}")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"max_documents must be at least 1 (or None for all), got {max_documents}")
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, storage)
+    if exists(join(output, MANIFEST_FILE), storage):
+        if not overwrite:
+            raise FileExistsError(f"{output} already holds a prepared dataset; pass overwrite=True "
+                                  f"(--overwrite) to replace it")
+        _remove_dataset(output, storage)
+    if inputs:
+        sources, source_names = resolve_sources(inputs, lines_as_documents, storage), list(inputs)
+    else:
+        sources, source_names = builtin_sources(max_documents), [BUILTIN_CORPUS]
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init()
+    try:
+        splits, split_rule = _write_shards(sources, tok, output, seq_len, val_fraction,
+                                           storage, max_documents, shard_rows)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    if splits["train"].rows == 0:
+        raise ValueError(f"the train split has fewer than seq_len + 1 = {seq_len + 1} tokens; "
+                         f"give more input or a smaller seq_len")
+    if val_fraction > 0 and splits["val"].rows == 0:
+        log.warning("the val split of %s is empty: too few documents or tokens for val_fraction=%s",
+                    output, val_fraction)
+    tok.save(join(output, TOKENIZER_FILE), storage)
+    manifest = Manifest(tokenizer=TokenizerInfo.of(tok), seq_len=seq_len, splits=splits,
+                        sources=source_names, split_rule=split_rule, val_fraction=val_fraction)
+    manifest.save(output, storage)
+    return manifest
+
+
+def _remove_dataset(output: str, storage: Optional[StorageConfig]) -> None:
+    """Delete a previous dataset's files, the manifest first so that it never looks complete."""
+    fs, path = filesystem_for(output, storage)
+    shard_prefixes = tuple(f"{split}-" for split in SPLITS)
+    names = [MANIFEST_FILE] + [n for n in list_dir(output, storage) if n == TOKENIZER_FILE
+                               or (n.startswith(shard_prefixes) and n.endswith(".parquet"))]
+    for name in names:
+        fs.delete_file(f"{path}/{name}")
+
+
+def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: int,
+                  val_fraction: float, storage: Optional[StorageConfig],
+                  max_documents: Optional[int], shard_rows: int) -> tuple[dict[str, SplitInfo], str]:
+    """Pack each split's token stream into shards; returns the splits and the split rule."""
+    packers = {split: _Packer(output, split, seq_len, shard_rows, tok.eot_id, storage) for split in SPLITS}
+    batches = _tokenized_documents(sources, tok, val_fraction, storage, max_documents)
+    # Hold the first batches back until a second document shows this is not a one-document corpus.
+    held, documents = [], 0
+    for batch in batches:
+        held.append(batch)
+        documents += batch.num_rows
+        if documents > 1:
+            break
+    if documents == 0:
+        raise ValueError("the inputs hold no documents (every file or record is empty)")
+    if documents == 1:
+        split_rule = "position"
+        stream = np.concatenate([batch["tokens"].combine_chunks().flatten().to_numpy() for batch in held])
+        train_tokens = len(stream) - int(len(stream) * val_fraction)
+        packers["train"].add(stream[:train_tokens])
+        packers["val"].add(stream[train_tokens:])
+    else:
+        split_rule = "hash"
+        for batch in chain(held, batches):
+            is_val = batch["val"].to_numpy(zero_copy_only=False)
+            for split, mask in (("train", ~is_val), ("val", is_val)):
+                if mask.any():
+                    chosen = batch.filter(pa.array(mask))["tokens"].combine_chunks()
+                    packers[split].add(chosen.flatten().to_numpy())
+    return {split: packer.finish() for split, packer in packers.items()}, split_rule
+
+
+def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: float,
+                         storage: Optional[StorageConfig],
+                         max_documents: Optional[int]) -> Iterator[pa.Table]:
+    """Tables of (val: bool, tokens: list<int32>), one row per document in corpus order; each
+    document's tokens end with the end-of-text token."""
+    context = ray.data.DataContext.get_current()
+    preserve_order = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True
+    try:
+        files = ray.data.from_items([{"uri": s.uri, "kind": s.kind} for s in sources])
+        documents = files.map_batches(
+            _tokenize_file, batch_size=1, batch_format="pyarrow",
+            fn_kwargs={"tokenizer_json": tok.to_json(), "val_fraction": val_fraction, "storage": storage})
+        if max_documents is not None:
+            documents = documents.limit(max_documents)
+        yield from documents.iter_batches(batch_size=None, batch_format="pyarrow")
+    finally:
+        context.execution_options.preserve_order = preserve_order
+
+
+@lru_cache(maxsize=2)
+def _cached_tokenizer(tokenizer_json: str) -> Tokenizer:
+    # Ray reuses worker processes: build a large BPE once per worker, not once per file.
+    return tokenizer_from_json(tokenizer_json)
+
+
+def _is_val(text: str, val_fraction: float) -> bool:
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < val_fraction * 2**64
+
+
+def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
+                   storage: Optional[StorageConfig]) -> Iterator[pa.Table]:
+    """Ray Data UDF: the documents of one input file, tokenized, in batches."""
+    tok = _cached_tokenizer(tokenizer_json)
+    source = Source(files["uri"][0].as_py(), files["kind"][0].as_py())
+    texts: list[str] = []
+    for text in iter_documents(source, storage):
+        texts.append(text)
+        if len(texts) == _DOCUMENTS_PER_BATCH:
+            yield _token_table(source, tok, texts, val_fraction)
+            texts = []
+    if texts:
+        yield _token_table(source, tok, texts, val_fraction)
+
+
+def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction: float) -> pa.Table:
+    try:
+        encoded = tok.encode_batch(texts)
+    except Exception as e:
+        raise ValueError(f"input {source.uri}: cannot tokenize ({e})") from e
+    # A text of only characters the tokenizer drops encodes to nothing; skipping it keeps one
+    # end-of-text token between documents.
+    kept = [(text, ids + [tok.eot_id]) for text, ids in zip(texts, encoded) if ids]
+    lengths = [len(ids) for _, ids in kept]
+    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.fromiter(chain.from_iterable(ids for _, ids in kept), dtype=np.int32, count=int(offsets[-1]))
+    return pa.table({
+        "val": pa.array([_is_val(text, val_fraction) for text, _ in kept], type=pa.bool_()),
+        "tokens": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
+    })
+
+
+class _Packer:
+    """Cuts one split's token stream into rows of seq_len + 1 tokens (consecutive rows share a
+    token) and hands each full shard of rows to a writer task."""
+
+    def __init__(self, output: str, split: str, seq_len: int, shard_rows: int, eot_id: int,
+                 storage: Optional[StorageConfig]) -> None:
+        self.output, self.split, self.seq_len, self.shard_rows = output, split, seq_len, shard_rows
+        self.eot_id, self.storage = eot_id, storage
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.writes: list[ray.ObjectRef] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        while self.pending_tokens >= self.shard_rows * self.seq_len + 1:
+            self._cut(self.shard_rows)
+
+    def finish(self) -> SplitInfo:
+        rows = (self.pending_tokens - 1) // self.seq_len
+        if rows > 0:
+            self._cut(rows)
+        return SplitInfo.of_shards(ray.get(self.writes))
+
+    def _cut(self, rows: int) -> None:
+        stream = np.concatenate(self.pending)
+        end = rows * self.seq_len
+        windows = np.lib.stride_tricks.sliding_window_view(stream[:end + 1], self.seq_len + 1)
+        shard = np.ascontiguousarray(windows[::self.seq_len])  # (rows, seq_len + 1)
+        # The last token of this shard's last row is also the first of the next shard's first row.
+        self.pending = [stream[end:]]
+        self.pending_tokens = len(stream) - end
+        if len(self.writes) >= _MAX_PENDING_WRITES:
+            ray.wait(self.writes, num_returns=len(self.writes) - _MAX_PENDING_WRITES + 1)
+        name = f"{self.split}-{len(self.writes):05d}.parquet"
+        self.writes.append(_write_shard.remote(self.output, name, shard, self.eot_id, self.storage))
+
+
+def _shard_bytes(rows: np.ndarray) -> bytes:
+    """The Parquet file of one shard: column `tokens`, fixed_size_list<int32>[row width]."""
+    values = pa.array(rows.reshape(-1), type=pa.int32())
+    table = pa.table({TOKENS_COLUMN: pa.FixedSizeListArray.from_arrays(values, rows.shape[1])})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=ROW_GROUP_ROWS, compression="zstd",
+                   use_dictionary=False, write_statistics=False)
+    return sink.getvalue().to_pybytes()
+
+
+@ray.remote
+def _write_shard(output: str, name: str, rows: np.ndarray, eot_id: int,
+                 storage: Optional[StorageConfig]) -> ShardInfo:
+    data = _shard_bytes(rows)
+    write_bytes(join(output, name), data, storage)
+    return ShardInfo(file=name, rows=len(rows), tokens=len(rows) * (rows.shape[1] - 1),
+                     documents=int(np.count_nonzero(rows[:, 1:] == eot_id)),
+                     sha256=hashlib.sha256(data).hexdigest())

@@ -1,0 +1,190 @@
+"""Tokenizers: raw UTF-8 bytes, byte-level BPE trained here, or any Hugging Face tokenizer.json.
+
+Every tokenizer serialises to one JSON text (`to_json`), which `raylm prepare` writes next to the
+data so that a dataset always carries the tokenizer that made it; `sha256` fingerprints that text.
+
+raylm alone decides where end-of-text tokens go: documents are encoded without the tokenizer's
+own special tokens (a post-processor that appends </s> or prepends <s> is not applied), and
+special-token strings that occur inside a document are encoded as ordinary text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from functools import cached_property
+from itertools import chain, islice
+from typing import Iterable, Optional, Sequence
+
+import pyarrow.fs as pafs
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from raylm.config import StorageConfig
+from raylm.data.corpus import builtin_sources, iter_documents, resolve_sources
+from raylm.data.storage import StorageError, filesystem_for, join, read_bytes, write_bytes
+
+EOT_TOKEN = "<|endoftext|>"
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+"""End-of-text tokens recognised in a Hugging Face tokenizer, in order of preference."""
+BYTE_FORMAT = "raylm.byte/1"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer(ABC):
+    kind: str
+    """"byte" or "hf"."""
+    name: str
+    vocab_size: int
+    """One more than the largest token id."""
+    eot_id: int
+    eot_token: str
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens appear as their strings."""
+
+    @abstractmethod
+    def to_json(self) -> str:
+        """The tokenizer as JSON text; `tokenizer_from_json` reads it back."""
+
+    @cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
+
+    def save(self, uri: str, storage: Optional[StorageConfig] = None) -> None:
+        write_bytes(uri, self.to_json().encode("utf-8"), storage)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, "
+                f"eot={self.eot_token!r}:{self.eot_id})")
+
+
+class ByteTokenizer(Tokenizer):
+    """Ids 0..255 are the UTF-8 bytes of the text, 256 is <|endoftext|>: no training, no
+    unknown tokens, exact round trip of any text."""
+
+    kind = "byte"
+
+    def __init__(self) -> None:
+        self.name = "byte"
+        self.eot_token = EOT_TOKEN
+        self.eot_id = 256
+        self.vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                out.append(i)
+            elif i == self.eot_id:
+                out += self.eot_token.encode("utf-8")
+            else:
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary "
+                                 f"0..{self.vocab_size - 1}")
+        # Sampled ids can cut a multi-byte character: show U+FFFD rather than fail.
+        return out.decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        spec = {"format": BYTE_FORMAT, "special_tokens": {EOT_TOKEN: self.eot_id},
+                "vocab_size": self.vocab_size}
+        return json.dumps(spec, indent=2, sort_keys=True) + "\n"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer, from the text of its tokenizer.json."""
+
+    kind = "hf"
+
+    def __init__(self, json_text: str, name: str = "hf") -> None:
+        self.name = name
+        self._json = json_text
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_str(json_text)
+        except Exception as e:
+            raise ValueError(f"tokenizer {name}: not a valid Hugging Face tokenizer.json ({e})") from None
+        # A document that contains "</s>" or "<|endoftext|>" as text must not end early.
+        self._tokenizer.encode_special_tokens = True
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        found = [token for token in EOT_CANDIDATES if token in vocab]
+        if not found:
+            raise ValueError(f"tokenizer {name} has no end-of-text token: none of "
+                             f"{', '.join(EOT_CANDIDATES)} is in its vocabulary; add one as a "
+                             f"special token")
+        self.eot_token = found[0]
+        self.eot_id = vocab[self.eot_token]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self._json
+
+
+def tokenizer_from_json(json_text: str, name: str = "tokenizer") -> Tokenizer:
+    """A tokenizer from the text that `Tokenizer.to_json` (or Hugging Face) wrote."""
+    try:
+        spec = json.loads(json_text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tokenizer {name}: not valid JSON ({e})") from None
+    if isinstance(spec, dict) and spec.get("format") == BYTE_FORMAT:
+        return ByteTokenizer()
+    return HFTokenizer(json_text, name=name)
+
+
+def load_tokenizer(spec: str, storage: Optional[StorageConfig] = None) -> Tokenizer:
+    """`"byte"`, or the path/URI of a tokenizer.json (or of a directory holding one, such as a
+    prepared dataset or a Hugging Face model snapshot)."""
+    if spec == "byte":
+        return ByteTokenizer()
+    fs, path = filesystem_for(spec, storage)
+    uri = join(spec, TOKENIZER_FILE) if fs.get_file_info(path).type == pafs.FileType.Directory else spec
+    try:
+        data = read_bytes(uri, storage)
+    except StorageError:
+        raise StorageError(f"tokenizer {uri} not found; give 'byte' or the path/URI of a "
+                           f"tokenizer.json") from None
+    return tokenizer_from_json(data.decode("utf-8"), name=uri)
+
+
+def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
+              storage: Optional[StorageConfig] = None, lines_as_documents: bool = False,
+              max_documents: Optional[int] = None) -> Tokenizer:
+    """Train a byte-level BPE tokenizer (GPT-2 style pre-tokenization, <|endoftext|> special)
+    on the documents of `input_uris` (the built-in corpus when empty), write its tokenizer.json
+    to `output_uri` and return it. `vocab_size` counts the 256 bytes and <|endoftext|>."""
+    if vocab_size <= 257:
+        raise ValueError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
+                         f"use the 'byte' tokenizer for a byte vocabulary")
+    sources = (resolve_sources(input_uris, lines_as_documents, storage) if input_uris
+               else builtin_sources(max_documents))
+    documents = islice(chain.from_iterable(iter_documents(s, storage) for s in sources), max_documents)
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(documents, trainer=trainer)
+    tokenizer = HFTokenizer(bpe.to_str(), name=output_uri)
+    tokenizer.save(output_uri, storage)
+    return tokenizer

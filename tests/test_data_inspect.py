@@ -1,0 +1,97 @@
+"""`inspect_dataset`, `verify_dataset` and `load_manifest` on a real prepared dataset, then on
+copies of it damaged in the ways storage and people damage files."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from raylm.data.corpus import builtin_sources, iter_documents
+from raylm.data.inspect import inspect_dataset, verify_dataset, verify_or_raise
+from raylm.data.manifest import DatasetError, load_manifest
+from raylm.data.prepare import prepare_dataset
+
+
+@pytest.fixture(scope="module")
+def dataset(ray_session, tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("inspect") / "prepared")
+    prepare_dataset([], out, seq_len=64, val_fraction=0.2, max_documents=6, shard_rows=40)
+    return out
+
+
+@pytest.fixture
+def damaged(dataset, tmp_path) -> str:
+    """A copy of the dataset for one test to break."""
+    return str(shutil.copytree(dataset, tmp_path / "copy"))
+
+
+def test_inspect_summarises_counts_tokens_and_a_sample(dataset):
+    manifest = load_manifest(dataset)
+    report = inspect_dataset(dataset)
+    train = manifest.splits["train"]
+    assert f"train        {train.tokens:,} tokens, {train.rows:,} rows" in report
+    assert "byte (byte), vocab 257, end-of-text '<|endoftext|>' = 256" in report
+    assert "most frequent tokens" in report
+    assert "      32 " in report  # the space, most frequent in Python source
+    first_document = next(iter_documents(builtin_sources(1)[0]))
+    assert first_document[:40] in report  # the first row, decoded
+
+
+def test_sound_dataset_verifies(dataset):
+    assert verify_dataset(dataset) == []
+    assert verify_or_raise(dataset).to_dict() == load_manifest(dataset).to_dict()
+
+
+def test_flipped_bytes_are_caught_and_the_shard_named(damaged):
+    shard = f"{damaged}/train-00001.parquet"
+    with open(shard, "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    problems = verify_dataset(damaged)
+    assert len(problems) == 1 and problems[0].startswith(f"{shard}: sha256 ")
+    with pytest.raises(DatasetError, match="train-00001.parquet: sha256"):
+        verify_or_raise(damaged)
+
+
+def test_missing_shard_and_changed_tokenizer_are_named(damaged):
+    shard = load_manifest(damaged).shard_uri(damaged, "val", 0)
+    os.remove(shard)
+    with open(f"{damaged}/tokenizer.json", "a") as f:
+        f.write(" ")
+    problems = verify_dataset(damaged)
+    assert f"{shard}: missing" in problems
+    assert any(p.startswith(f"{damaged}/tokenizer.json: sha256") for p in problems)
+
+
+def test_counts_that_disagree_with_the_shard_are_named(damaged):
+    path = f"{damaged}/manifest.json"
+    manifest = json.load(open(path))
+    shard, split = manifest["splits"]["train"]["shards"][0], manifest["splits"]["train"]
+    shard["rows"] += 1
+    shard["documents"] += 1
+    split["rows"] += 1
+    split["documents"] += 1
+    json.dump(manifest, open(path, "w"))
+    uri = f"{damaged}/{shard['file']}"
+    problems = verify_dataset(damaged)
+    assert f"{uri}: {shard['rows'] - 1} rows, the manifest says {shard['rows']}" in problems
+    assert any(p.startswith(f"{uri}: ") and "documents end here" in p for p in problems)
+    assert any(p.startswith(f"{uri}: the manifest says") and "tokens for" in p for p in problems)
+
+
+def test_incomplete_datasets_are_refused(damaged):
+    path = f"{damaged}/manifest.json"
+    manifest = json.load(open(path))
+    del manifest["seq_len"]
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(DatasetError, match=f"{path}: missing key 'seq_len'"):
+        load_manifest(damaged)
+    os.remove(path)
+    message = f"{damaged} is not a prepared dataset (no manifest.json; an interrupted prepare?)"
+    with pytest.raises(DatasetError) as caught:
+        load_manifest(damaged)
+    assert str(caught.value) == message
+    assert verify_dataset(damaged) == [message]
