@@ -23,6 +23,10 @@ from raylm.data.manifest import Manifest, load_manifest
 from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
 
 
+STEPS_PER_READ_TASK = 16
+READ_TASK_CPUS = 0.25  # reads are I/O-bound; a whole CPU each would starve the training workers
+
+
 @dataclass
 class Batch:
     step: int
@@ -53,7 +57,7 @@ class ShardReader:
         if key not in self._groups:
             pf, _ = self._file(uri)
             column = pf.read_row_group(group, columns=["tokens"]).column("tokens").combine_chunks()
-            rows = column.values.to_numpy(zero_copy_only=False).reshape(-1, self.row_tokens)
+            rows = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, self.row_tokens)
             self._groups[key] = rows
             if len(self._groups) > self.cache_groups:
                 self._groups.popitem(last=False)
@@ -176,10 +180,13 @@ class TokenStream:
         import ray.data
 
         source, gb, skip, rank, size = self.source, self.global_batch, self.skip, self.dp_rank, self.dp_size
+        # One read task per span of steps: a Ray task per step would cost more than the read.
+        span = max(1, min(STEPS_PER_READ_TASK, len(plan) // max(1, self.prefetch)))
+        spans = [plan[i:i + span] for i in range(0, len(plan), span)]
 
         def read(items: dict) -> dict:
-            batches = [_rank_batch(source, int(s), int(p), gb, skip, rank, size)
-                       for s, p in zip(items["step"], items["position"])]
+            batches = [_rank_batch(source, step, pos, gb, skip, rank, size)
+                       for k in items["span"] for step, pos in spans[int(k)]]
             return {"step": np.array([b.step for b in batches]),
                     "next_position": np.array([b.next_position for b in batches]),
                     "indices": np.stack([np.array(b.indices) for b in batches]),
@@ -188,9 +195,9 @@ class TokenStream:
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # the order is the whole point
         ctx.enable_progress_bars = False
-        ds = ray.data.from_items([{"step": s, "position": p} for s, p in plan],
-                                 override_num_blocks=max(1, min(len(plan), 64)))
-        ds = ds.map_batches(read, batch_size=1, num_cpus=0.25)
+        ds = ray.data.from_items([{"span": k} for k in range(len(spans))],
+                                 override_num_blocks=max(1, min(len(spans), 64)))
+        ds = ds.map_batches(read, batch_size=1, num_cpus=READ_TASK_CPUS)
         for item in ds.iter_batches(batch_size=1, prefetch_batches=self.prefetch, batch_format="numpy"):
             yield Batch(int(item["step"][0]), item["tokens"][0], item["indices"][0].tolist(),
                         int(item["next_position"][0]))

@@ -1,0 +1,137 @@
+"""Ray Train glue: start or join Ray, size the worker group, and run `train` on every worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from typing import Iterator, Optional
+
+import torch
+
+from raylm.config import Config, config_from_dict, config_to_dict, config_to_yaml
+from raylm.data.stream import open_split
+from raylm.train import checkpoint
+from raylm.train.loop import train
+from raylm.train.resolve import resolve_for_data
+
+# Every server raylm starts listens on loopback only; token auth would break later CLI calls.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                 "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def start_ray(cfg: Config) -> None:
+    """Join `run.ray_address`, or start a local single-node Ray sized for the run."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    address = cfg.run.ray_address
+    if address not in (None, "local"):
+        ray.init(address=address)
+        return
+    p = cfg.parallel
+    # Logical CPUs: the workers' reservations plus room for Ray Data's read tasks.
+    num_cpus = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(p.num_workers * p.cpus_per_worker) + 2)
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})
+
+
+def run_dir(cfg: Config) -> str:
+    if cfg.run.storage_path.startswith("s3://"):
+        raise NotImplementedError("s3:// run storage arrives with the S3 streaming work")
+    return os.path.join(os.path.abspath(cfg.run.storage_path), cfg.run.name)
+
+
+class RayTrainEnv:
+    """Checkpoints through `ray.train.report`; resume from `ray.train.get_checkpoint()`."""
+
+    def __init__(self, local_run_dir: str):
+        self.run_dir = local_run_dir
+
+    def device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    @contextlib.contextmanager
+    def restore_dir(self) -> Iterator[Optional[str]]:
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            yield None
+            return
+        with ckpt.as_directory() as directory:
+            yield directory
+
+    def save_checkpoint(self, step: int, metrics: dict, write) -> None:
+        import ray.train
+
+        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+            write(tmp)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
+                             checkpoint_dir_name=checkpoint.dir_name(step))
+
+    def report(self, metrics: dict) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+def _train_fn_per_worker(loop_config: dict) -> None:
+    cfg = config_from_dict(loop_config["config"])
+    train(cfg, RayTrainEnv(loop_config["run_dir"]))
+
+
+def resolve(cfg: Config) -> Config:
+    """Check the data against the model on the driver, so a mismatch fails before any worker starts."""
+    _, manifests = open_split(cfg.data, "train", cfg.storage)
+    return resolve_for_data(cfg, manifests[0])
+
+
+def launch(cfg: Config) -> dict:
+    """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    cfg = resolve(cfg)
+    start_ray(cfg)
+    directory = run_dir(cfg)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.yaml"), "w") as f:
+        f.write(config_to_yaml(cfg))
+
+    restore = None if cfg.checkpoint.resume == "never" else checkpoint.latest_complete(directory)
+    if cfg.checkpoint.resume == "required" and restore is None:
+        raise FileNotFoundError(f"checkpoint.resume=required but {directory} holds no complete checkpoint")
+    if restore:
+        print(f"raylm: resuming from {restore}", flush=True)
+
+    p = cfg.parallel
+    trainer = TorchTrainer(
+        _train_fn_per_worker,
+        train_loop_config={"config": config_to_dict(cfg), "run_dir": directory},
+        scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
+                                               resources_per_worker={"CPU": p.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name, storage_path=os.path.abspath(cfg.run.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
+        resume_from_checkpoint=ray.train.Checkpoint(restore) if restore else None,
+    )
+    trainer.fit()
+    return last_metrics(directory)
+
+
+def last_metrics(directory: str) -> dict:
+    path = os.path.join(directory, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    return json.loads(lines[-1]) if lines else {}
