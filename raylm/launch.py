@@ -48,10 +48,12 @@ def run_dir(cfg: Config) -> str:
 
 
 class RayTrainEnv:
-    """Checkpoints through `ray.train.report`; resume from `ray.train.get_checkpoint()`."""
+    """Checkpoints through `ray.train.report`. Resumes from `ray.train.get_checkpoint()` (the
+    latest of this run, after a worker-group restart), else from `initial_checkpoint` (the latest
+    complete one an earlier invocation left, found by the driver)."""
 
-    def __init__(self, local_run_dir: str):
-        self.run_dir = local_run_dir
+    def __init__(self, local_run_dir: str, initial_checkpoint: Optional[str] = None):
+        self.run_dir, self.initial_checkpoint = local_run_dir, initial_checkpoint
 
     def device(self) -> torch.device:
         import ray.train.torch
@@ -64,7 +66,7 @@ class RayTrainEnv:
 
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
-            yield None
+            yield self.initial_checkpoint
             return
         with ckpt.as_directory() as directory:
             yield directory
@@ -85,7 +87,7 @@ class RayTrainEnv:
 
 def _train_fn_per_worker(loop_config: dict) -> None:
     cfg = config_from_dict(loop_config["config"])
-    train(cfg, RayTrainEnv(loop_config["run_dir"]))
+    train(cfg, RayTrainEnv(loop_config["run_dir"], loop_config["restore"]))
 
 
 def resolve(cfg: Config) -> Config:
@@ -115,14 +117,13 @@ def launch(cfg: Config) -> dict:
     p = cfg.parallel
     trainer = TorchTrainer(
         _train_fn_per_worker,
-        train_loop_config={"config": config_to_dict(cfg), "run_dir": directory},
+        train_loop_config={"config": config_to_dict(cfg), "run_dir": directory, "restore": restore},
         scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
                                                resources_per_worker={"CPU": p.cpus_per_worker}),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=os.path.abspath(cfg.run.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
-        resume_from_checkpoint=ray.train.Checkpoint(restore) if restore else None,
     )
     trainer.fit()
     return last_metrics(directory)

@@ -1,0 +1,165 @@
+"""`raylm` subcommands: prepare, tokenizer train, train, generate, data inspect|verify, plan."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from raylm.config import ConfigError, StorageConfig, describe_fields, load_config
+
+
+def _storage(args: argparse.Namespace) -> StorageConfig:
+    return StorageConfig(endpoint_url=args.endpoint_url, region=args.region)
+
+
+def _add_storage_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// locations "
+                        "(credentials come from the AWS environment or profile)")
+    parser.add_argument("--region", help="S3 region (default: AWS_REGION, else us-east-1)")
+
+
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from raylm.data.prepare import prepare_dataset
+    from raylm.launch import start_ray
+
+    start_ray(load_config(None, [f"run.ray_address={args.ray_address}"] if args.ray_address else []))
+    manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
+                               val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
+                               storage=_storage(args), max_documents=args.max_documents,
+                               overwrite=args.overwrite)
+    for split, info in manifest.splits.items():
+        print(f"{split}: {info.documents} documents, {info.tokens:,} tokens, {info.rows} rows "
+              f"in {len(info.shards)} shard(s)")
+    print(f"wrote {args.output}/manifest.json")
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> None:
+    from raylm.tokenizer import train_bpe
+
+    tok = train_bpe(args.input, args.vocab_size, args.output, storage=_storage(args))
+    print(f"wrote {args.output}: BPE with {tok.vocab_size} tokens")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from raylm.launch import launch
+
+    if args.help_config:
+        print(describe_fields())
+        return
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append("checkpoint.resume=required")
+    cfg = load_config(args.config, overrides)
+    metrics = launch(cfg)
+    if metrics:
+        print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
+              + (f", val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from raylm.generate import generate_text
+
+    print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                                      args.top_k, args.seed))
+
+
+def cmd_data(args: argparse.Namespace) -> None:
+    from raylm.data.inspect import inspect_dataset, verify_dataset
+
+    if args.action == "inspect":
+        print(inspect_dataset(args.uri, _storage(args)))
+        return
+    problems = verify_dataset(args.uri, _storage(args))
+    for problem in problems:
+        print(f"FAIL {problem}")
+    if problems:
+        sys.exit(1)
+    print(f"OK {args.uri}: every shard's checksum and row count match the manifest")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from raylm.parallel.plan import run_plan
+
+    print(run_plan(model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                   gpu_memory=args.gpu_memory, seq_len=args.seq_len,
+                   global_batch_tokens=args.global_batch_tokens, precision=args.precision,
+                   micro_batch_size=args.micro_batch_size, output=args.output))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="tokenize and pack text into Parquet shards (a Ray Data job)")
+    p.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories, local or s3://; "
+                   "omitted: the built-in corpus (this Python's standard library sources)")
+    p.add_argument("--output", required=True, help="dataset directory or s3:// prefix")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path/URI")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--lines-as-documents", action="store_true", help=".txt: one document per line")
+    p.add_argument("--max-documents", type=int, help="stop after this many documents")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_prepare)
+
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="action", required=True)
+    t = tsub.add_parser("train", help="train a byte-level BPE tokenizer with Hugging Face tokenizers")
+    t.add_argument("--input", nargs="+", required=True)
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--output", required=True, help="tokenizer.json path or s3:// URI")
+    _add_storage_args(t)
+    t.set_defaults(fn=cmd_tokenizer_train)
+
+    p = sub.add_parser("train", help="train on Ray Train per a YAML config with dotted overrides",
+                       epilog="example: raylm train configs/demo-cpu.yaml model.n_layers=4 optim.lr=3e-4")
+    p.add_argument("config", nargs="?", help="YAML config (keys: `raylm train --help-config`)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
+    p.add_argument("--resume", action="store_true",
+                   help="require a checkpoint to resume from (resuming is automatic when one exists)")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its help")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory (latest)")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("data", help="inspect or verify a prepared dataset")
+    p.add_argument("action", choices=["inspect", "verify"])
+    p.add_argument("uri", help="dataset directory or s3:// prefix")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_data)
+
+    p = sub.add_parser("plan", help="estimate per-GPU memory of parallel layouts and recommend one")
+    p.add_argument("--model", required=True, help="named size (e.g. 175b) or a YAML config")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory", default="80GB")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch-tokens", type=int)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--precision", default="mixed", choices=["mixed", "bf16", "fp32", "fp16"])
+    p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
+    p.set_defaults(fn=cmd_plan)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"raylm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""End to end on a local Ray cluster: Ray Train workers, Ray Data streaming, DCP checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raylm.config import load_config
+from raylm.launch import launch
+
+pytestmark = pytest.mark.slow
+
+
+def ray_config(dataset, storage, *extra):
+    return load_config(None, [
+        f"data.path={dataset}", "data.chunk_rows=8", "run.storage_path=" + str(storage),
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=2",
+        "optim.lr=1e-2", "schedule.warmup_steps=2", "schedule.min_lr=1e-3", "parallel.num_workers=2",
+        "run.max_failures=0", *extra])
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path):
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=falls", "train.steps=20", "train.eval_every=10",
+                      "checkpoint.every_steps=10"))
+    run_dir = tmp_path / "falls"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.5
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= rows[0].keys()
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.model.vocab_size == 257 and saved.train.seq_len == 32
+    assert any(name.startswith("events.") for name in os.listdir(run_dir / "tensorboard"))
+    assert {"checkpoint_00000010", "checkpoint_00000020"} <= set(os.listdir(run_dir))
+
+    out = subprocess.run([sys.executable, "-m", "raylm.cli", "generate", "--checkpoint", str(run_dir),
+                          "--prompt", "The king", "--max-new-tokens", "60", "--seed", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The king") and len(out.stdout.strip()) > len("The king") + 30
+
+
+def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=4", "train.eval_every=0", "model.dropout=0.1")
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=straight", *common))
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "train.stop_at_step=4"))
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common))
+    straight = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight")}
+    resumed = {r["step"]: r["loss"] for r in metrics(tmp_path / "resumed")}
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
