@@ -1,0 +1,489 @@
+"""Local paths and s3:// URIs behind one filesystem interface (pyarrow.fs).
+
+Every location raylm reads or writes (inputs, prepared datasets, tokenizers, runs,
+checkpoints) goes through this module, so a local directory and an S3 prefix behave alike.
+
+S3 settings, first match wins:
+  endpoint     storage.endpoint_url, $AWS_ENDPOINT_URL_S3, $AWS_ENDPOINT_URL, the AWS profile's
+               endpoint_url, else AWS itself.
+  region       storage.region, $AWS_REGION, $AWS_DEFAULT_REGION, the profile's region, us-east-1.
+  credentials  the AWS SDK chain, resolved by pyarrow inside each process: $AWS_ACCESS_KEY_ID /
+               $AWS_SECRET_ACCESS_KEY / $AWS_SESSION_TOKEN, then $AWS_PROFILE (~/.aws/credentials
+               and config), then instance metadata. raylm never holds them, so they cannot reach
+               configs, logs or pickled filesystems (a pickled S3FileSystem carries no keys).
+
+Failures become StorageError subclasses whose message names the URI, the endpoint and what to
+check. Transient ones (throttling, 5xx, reset connections) are retried with backoff: by the
+AWS SDK per request, and by this module around each whole operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raylm.config import StorageConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Requests per S3 call inside the AWS SDK. 3 is pyarrow's default, which is also what a
+# pickled S3FileSystem gets on a Ray worker: pickling drops `retry_strategy`.
+_SDK_ATTEMPTS = 3
+_CONNECT_TIMEOUT_S = 5.0
+# Our own attempts around whole operations, for errors that outlast the SDK's retries.
+_ATTEMPTS = 3
+_BACKOFF_S = 0.5
+
+
+class StorageError(OSError):
+    """A location that cannot be read or written; the message names the URI."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """No file, object or directory at the URI."""
+
+
+class BucketNotFoundError(StorageNotFoundError):
+    """The URI's S3 bucket does not exist at the endpoint."""
+
+
+class StorageAccessError(StorageError, PermissionError):
+    """Access denied, or credentials the endpoint does not accept."""
+
+
+class StorageUnreachableError(StorageError, ConnectionError):
+    """The S3 endpoint cannot be connected to."""
+
+
+# -- secrets ----------------------------------------------------------------------------------
+
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_REDACTIONS = (
+    # key=value / key: value forms of AWS settings, presigned-URL parameters and auth headers.
+    (re.compile(r"(?i)\b(aws_secret_access_key|aws_session_token|secret_key|secret|password|"
+                r"session_token|token|x-amz-signature|x-amz-credential|x-amz-security-token|"
+                r"signature|credential)(\s*[=:]\s*)(\"[^\"]*\"|'[^']*'|[^\s,;&\"']+)"), r"\1\2***"),
+    (re.compile(r"\b(A3T[A-Z0-9]|AKIA|ASIA|AGPA|AIDA|AROA|AIPA|ANPA|ANVA)[A-Z0-9]{16}\b"), r"\1***"),
+    # AWS secret keys: 40 base64 characters, mixed case (so 40-hex git hashes stay readable).
+    (re.compile(r"(?<![A-Za-z0-9/+=])(?=[A-Za-z0-9/+=]*[a-z])(?=[A-Za-z0-9/+=]*[A-Z])"
+                r"[A-Za-z0-9/+=]{40}(?![A-Za-z0-9/+=])"), "***"),
+    (re.compile(r"://[^/\s:@]+:[^/\s@]+@"), "://***@"),  # user:password@host
+)
+
+
+def redact(text: str) -> str:
+    """`text` with anything that looks like an AWS key, secret, token or password replaced by
+    ***, including the literal values of the secret AWS_* variables set in this process."""
+    for name in _SECRET_ENV:
+        value = os.environ.get(name)
+        if value and len(value) >= 8:
+            text = text.replace(value, "***")
+    for pattern, replacement in _REDACTIONS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+# -- S3 settings and filesystems ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _S3Settings:
+    endpoint_url: Optional[str]
+    region: str
+
+    def where(self) -> str:
+        return f"endpoint {self.endpoint_url}" if self.endpoint_url else f"AWS S3, region {self.region}"
+
+
+_ENV_KEYS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+             "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE",
+             "AWS_SHARED_CREDENTIALS_FILE", "AWS_ACCESS_KEY_ID")
+# Per process, keyed by settings and credential environment. Cleared in forked children: an
+# AWS SDK client's connections must not be shared across a fork. Pickled filesystems (Ray
+# shipping them to workers) are rebuilt by pyarrow from their options, without credentials.
+_CACHE: dict[tuple, tuple[pafs.S3FileSystem, _S3Settings]] = {}
+_KNOWN_BUCKETS: set[tuple[Optional[str], str]] = set()
+os.register_at_fork(after_in_child=_CACHE.clear)
+
+
+def _env_key() -> tuple:
+    # Secrets enter the cache key only as a digest: a new key must give a new filesystem.
+    digest = hashlib.sha256("\0".join(os.environ.get(n, "") for n in _SECRET_ENV).encode())
+    return tuple(os.environ.get(n) for n in _ENV_KEYS) + (digest.hexdigest(),)
+
+
+def _profile() -> dict:
+    """The active AWS profile's config section; {} without a profile or config file."""
+    config_file = os.environ.get("AWS_CONFIG_FILE", os.path.expanduser("~/.aws/config"))
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+    if not profile and not os.path.exists(config_file):
+        return {}
+    import botocore.exceptions
+    import botocore.session
+
+    try:
+        return botocore.session.Session().get_scoped_config()
+    except botocore.exceptions.ProfileNotFound:
+        raise StorageAccessError(
+            f"AWS profile {profile!r} (from AWS_PROFILE) is not in {config_file} or the "
+            "credentials file: set AWS_PROFILE to an existing profile") from None
+
+
+def _resolve(storage: StorageConfig) -> _S3Settings:
+    env = os.environ
+    profile: Optional[dict] = None
+    endpoint = storage.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        profile = _profile()
+        endpoint = profile.get("endpoint_url")
+    region = storage.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if not region:
+        region = (profile if profile is not None else _profile()).get("region") or "us-east-1"
+    if endpoint:
+        scheme, sep, host = endpoint.partition("://")
+        if scheme not in ("http", "https") or not sep or not host.strip("/"):
+            raise StorageError(
+                f"S3 endpoint {endpoint!r} (storage.endpoint_url or AWS_ENDPOINT_URL*) is not a "
+                "URL: expected http://host:port or https://host")
+        endpoint = endpoint.rstrip("/")
+    return _S3Settings(endpoint_url=endpoint, region=region)
+
+
+def _build(settings: _S3Settings, **extra: object) -> pafs.S3FileSystem:
+    kwargs: dict = dict(region=settings.region, connect_timeout=_CONNECT_TIMEOUT_S,
+                        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=_SDK_ATTEMPTS))
+    if settings.endpoint_url:
+        scheme, _, host = settings.endpoint_url.partition("://")
+        kwargs.update(endpoint_override=host, scheme=scheme)
+    return pafs.S3FileSystem(**kwargs, **extra)
+
+
+def _s3(storage: Optional[StorageConfig]) -> tuple[pafs.S3FileSystem, _S3Settings]:
+    storage = storage or StorageConfig()
+    key = (storage.endpoint_url, storage.region) + _env_key()
+    if key not in _CACHE:
+        settings = _resolve(storage)
+        _CACHE[key] = (_build(settings), settings)
+    return _CACHE[key]
+
+
+# -- URIs -----------------------------------------------------------------------------------
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def join(uri: str, *parts: str) -> str:
+    out = uri.rstrip("/")
+    for part in parts:
+        out = f"{out}/{part.strip('/')}"
+    return out
+
+
+def filesystem_for(uri: str, storage: Optional[StorageConfig] = None) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem that serves `uri`, and the path inside it (no scheme): the pair
+    that Ray Data (`filesystem=`) and Ray Train (`storage_filesystem=`) take."""
+    if is_s3(uri):
+        path = uri[len("s3://"):].rstrip("/")
+        if not path or path.startswith("/"):
+            raise StorageError(f"{uri!r}: no bucket name; expected s3://bucket/prefix")
+        return _s3(storage)[0], path
+    return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+_AWS_CODE = re.compile(r"AWS Error (\w+)(?: \(HTTP status (\d+)\))?")
+_CREDENTIAL_REASONS = {
+    "INVALID_ACCESS_KEY_ID": "the endpoint does not know this access key id",
+    "SIGNATURE_DOES_NOT_MATCH": "the secret key does not match the access key id",
+    "EXPIRED_TOKEN": "the session token has expired",
+    "INVALID_CLIENT_TOKEN_ID": "the security token is not valid",
+    "ACCESS_DENIED": "access denied",
+}
+_TRANSIENT = {"SLOW_DOWN", "SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "THROTTLING",
+              "REQUEST_TIMEOUT", "NETWORK_CONNECTION"}
+# curl 6: cannot resolve host, 7: cannot connect. The SDK has retried; more only delays the error.
+_UNREACHABLE = re.compile(r"curlCode: (6|7)\b")
+
+
+def _aws_code(e: BaseException) -> tuple[Optional[str], Optional[int]]:
+    match = _AWS_CODE.search(str(e))
+    if not match:
+        return None, None
+    return match.group(1), int(match.group(2)) if match.group(2) else None
+
+
+def _is_transient(e: BaseException) -> bool:
+    code, status = _aws_code(e)
+    if code is None or _UNREACHABLE.search(str(e)):
+        return False
+    return code in _TRANSIENT or (status is not None and status >= 500)
+
+
+def _credentials_source() -> str:
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+    return f"AWS profile {profile!r}" if profile else "the default AWS profile or instance role"
+
+
+def _bucket_exists(fs: pafs.FileSystem, path: str, storage: Optional[StorageConfig]) -> bool:
+    """False only when the endpoint says the bucket of `path` is missing (errors: unknown)."""
+    bucket, endpoint = path.split("/", 1)[0], _s3(storage)[1].endpoint_url
+    if (endpoint, bucket) in _KNOWN_BUCKETS:
+        return True
+    try:
+        found = fs.get_file_info(bucket).type != pafs.FileType.NotFound
+    except OSError:
+        return True
+    if found:
+        _KNOWN_BUCKETS.add((endpoint, bucket))
+    return found
+
+
+def _translate(e: OSError, uri: str, fs: pafs.FileSystem, storage: Optional[StorageConfig]) -> StorageError:
+    if isinstance(e, StorageError):
+        return e
+    if not is_s3(uri):
+        if isinstance(e, FileNotFoundError):
+            return StorageNotFoundError(f"{uri}: no such file or directory")
+        if isinstance(e, PermissionError):
+            return StorageAccessError(f"{uri}: permission denied")
+        return StorageError(f"{uri}: {redact(str(e))}")
+    settings = _s3(storage)[1]
+    path = uri[len("s3://"):]
+    code, status = _aws_code(e)
+    missing_bucket = code == "NO_SUCH_BUCKET" or re.search(r"Bucket '[^']*' not found", str(e))
+    if not missing_bucket and (isinstance(e, FileNotFoundError) or status == 404
+                               or code in ("NO_SUCH_KEY", "RESOURCE_NOT_FOUND")):
+        if _bucket_exists(fs, path, storage):
+            return StorageNotFoundError(f"{uri}: no such object or prefix ({settings.where()})")
+        missing_bucket = True
+    if missing_bucket:
+        return BucketNotFoundError(
+            f"{uri}: bucket {path.split('/', 1)[0]!r} does not exist ({settings.where()}); "
+            "check the bucket name, the endpoint and the region")
+    if code in _CREDENTIAL_REASONS or status == 403:
+        return StorageAccessError(
+            f"{uri}: {_CREDENTIAL_REASONS.get(code or '', 'access denied')} [{code}] "
+            f"({settings.where()}); credentials come from {_credentials_source()}: check "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the profile, and that they may access "
+            "this bucket")
+    if _UNREACHABLE.search(str(e)):
+        return StorageUnreachableError(
+            f"{uri}: cannot connect to {settings.where()}; check storage.endpoint_url "
+            "(or AWS_ENDPOINT_URL) and that the server is running")
+    return StorageError(f"{uri}: {redact(str(e))} ({settings.where()})")
+
+
+def _retrying(uri: str, storage: Optional[StorageConfig], action: str,
+              op: Callable[[pafs.FileSystem, str], T]) -> T:
+    """op(fs, path), retried with exponential backoff on transient S3 errors; any failure
+    leaves as a StorageError naming `uri`."""
+    fs, path = filesystem_for(uri, storage)
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            return op(fs, path)
+        except OSError as e:
+            # Decided by the error, not by `uri`: copy_dir's S3 side may be the other one.
+            if attempt == _ATTEMPTS or not _is_transient(e):
+                raise _translate(e, uri, fs, storage) from e
+            delay = _BACKOFF_S * 2 ** (attempt - 1) * (1 + random.random())
+            log.warning("%s: %s failed (%s); retry %d/%d in %.1f s", uri, action,
+                        redact(str(e)), attempt, _ATTEMPTS - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# -- operations -----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _output(fs: pafs.FileSystem, path: str, s3: bool) -> Iterator[pa.NativeFile]:
+    if s3:
+        out = fs.open_output_stream(path)
+        try:
+            yield out
+        except BaseException:
+            # pyarrow cannot abort an upload (closing completes it): delete the partial object
+            # rather than leave it for readers to find.
+            out.close()
+            with contextlib.suppress(OSError):
+                fs.delete_file(path)
+            raise
+        out.close()
+        return
+    # Local: write beside the target and rename, so readers see the old file or the whole new
+    # one (manifests and markers must appear whole).
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    out = fs.open_output_stream(tmp)
+    try:
+        yield out
+        out.close()
+        os.replace(tmp, path)
+    except BaseException:
+        out.close()
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def open_output(uri: str, storage: Optional[StorageConfig] = None) -> Iterator[pa.NativeFile]:
+    """A writable stream to `uri` that appears whole when the block ends and not at all if it
+    raises (local: temp file + rename; S3: completed upload, deleted again on error). Errors
+    opening or finishing are StorageErrors; writes inside the block are not retried."""
+    fs, path = filesystem_for(uri, storage)
+    try:
+        with _output(fs, path, is_s3(uri)) as out:
+            yield out
+    except OSError as e:
+        raise _translate(e, uri, fs, storage) from e
+
+
+@contextlib.contextmanager
+def open_input(uri: str, storage: Optional[StorageConfig] = None) -> Iterator[pa.NativeFile]:
+    """A seekable readable file (parquet, torch.load, ...); missing or denied: StorageError."""
+    fs, path = filesystem_for(uri, storage)
+    try:
+        f = fs.open_input_file(path)
+    except OSError as e:
+        raise _translate(e, uri, fs, storage) from e
+    with f:
+        yield f
+
+
+def read_bytes(uri: str, storage: Optional[StorageConfig] = None) -> bytes:
+    def op(fs: pafs.FileSystem, path: str) -> bytes:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    return _retrying(uri, storage, "read", op)
+
+
+def write_bytes(uri: str, data: bytes, storage: Optional[StorageConfig] = None) -> None:
+    """Write `data` to `uri` whole (atomic replace locally; one object on S3)."""
+    def op(fs: pafs.FileSystem, path: str) -> None:
+        with _output(fs, path, is_s3(uri)) as out:
+            out.write(data)
+    _retrying(uri, storage, "write", op)
+
+
+def exists(uri: str, storage: Optional[StorageConfig] = None) -> bool:
+    """Whether a file or directory is at `uri`; a missing S3 bucket is an error, not False."""
+    def op(fs: pafs.FileSystem, path: str) -> bool:
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            return True
+        if is_s3(uri) and not _bucket_exists(fs, path, storage):
+            raise FileNotFoundError(path)  # becomes BucketNotFoundError
+        return False
+    return _retrying(uri, storage, "stat", op)
+
+
+def file_size(uri: str, storage: Optional[StorageConfig] = None) -> int:
+    def op(fs: pafs.FileSystem, path: str) -> int:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(path)
+        if info.type != pafs.FileType.File:
+            raise StorageError(f"{uri}: is a directory, not a file")
+        return info.size
+    return _retrying(uri, storage, "stat", op)
+
+
+def _listing(uri: str, storage: Optional[StorageConfig], recursive: bool) -> tuple[str, list[pafs.FileInfo]]:
+    def op(fs: pafs.FileSystem, path: str) -> tuple[str, list[pafs.FileInfo]]:
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True))
+        if not infos and is_s3(uri) and not _bucket_exists(fs, path, storage):
+            raise FileNotFoundError(path)  # becomes BucketNotFoundError
+        return path, infos
+    return _retrying(uri, storage, "list", op)
+
+
+def list_dir(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
+    """Names (not paths) of the entries directly under `uri`, sorted; empty if it does not
+    exist (a missing S3 bucket is an error)."""
+    return sorted(info.base_name for info in _listing(uri, storage, recursive=False)[1])
+
+
+def list_files(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
+    """Paths relative to `uri` of every file below it, sorted; empty if it does not exist."""
+    path, infos = _listing(uri, storage, recursive=True)
+    start = len(path.rstrip("/")) + 1
+    return sorted(info.path[start:] for info in infos if info.type == pafs.FileType.File)
+
+
+def make_dirs(uri: str, storage: Optional[StorageConfig] = None) -> None:
+    _retrying(uri, storage, "mkdir", lambda fs, path: fs.create_dir(path, recursive=True))
+
+
+def delete_dir(uri: str, storage: Optional[StorageConfig] = None) -> None:
+    """Delete `uri` and everything below it; nothing there already is fine."""
+    def op(fs: pafs.FileSystem, path: str) -> None:
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            fs.delete_dir(path)
+    _retrying(uri, storage, "delete", op)
+
+
+def delete_file(uri: str, storage: Optional[StorageConfig] = None) -> None:
+    """Delete the file at `uri`; a missing file is fine."""
+    def op(fs: pafs.FileSystem, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_file(path)
+    _retrying(uri, storage, "delete", op)
+
+
+def copy_dir(src_uri: str, dst_uri: str, storage: Optional[StorageConfig] = None) -> None:
+    """Copy the tree at `src_uri` to `dst_uri` (local or S3 on either side), overwriting files
+    of the same name. Files appear one at a time: write a completion marker after this."""
+    src_fs, src_path = filesystem_for(src_uri, storage)
+
+    def is_dir(fs: pafs.FileSystem, path: str) -> bool:
+        return fs.get_file_info(path).type == pafs.FileType.Directory
+    if not _retrying(src_uri, storage, "stat", is_dir):
+        raise _translate(FileNotFoundError(src_path), src_uri, src_fs, storage)
+
+    def op(dst_fs: pafs.FileSystem, dst_path: str) -> None:
+        pafs.copy_files(src_path, dst_path, source_filesystem=src_fs,
+                        destination_filesystem=dst_fs, use_threads=True)
+    try:
+        _retrying(dst_uri, storage, f"copy from {src_uri}", op)
+    except StorageError as e:  # the failing side may be either one: name both
+        raise type(e)(f"copying {src_uri} to {dst_uri}: {e}") from e.__cause__
+
+
+def free_bytes(uri: str) -> Optional[int]:
+    """Free space on the disk of local `uri` (or of its nearest existing parent); None for S3."""
+    if is_s3(uri):
+        return None
+    path = os.path.abspath(uri)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def ensure_bucket(uri: str, storage: Optional[StorageConfig] = None) -> None:
+    """Create the bucket of s3:// `uri` if missing (development and tests; production buckets
+    belong to whoever owns the account)."""
+    if not is_s3(uri):
+        raise StorageError(f"{uri}: ensure_bucket needs an s3:// URI")
+    fs, path = filesystem_for(uri, storage)
+    settings, bucket = _s3(storage)[1], path.split("/", 1)[0]
+    try:
+        _build(settings, allow_bucket_creation=True).create_dir(bucket)
+    except OSError as e:
+        raise _translate(e, f"s3://{bucket}", fs, storage) from e
+    _KNOWN_BUCKETS.add((settings.endpoint_url, bucket))
