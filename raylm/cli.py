@@ -7,6 +7,8 @@ import sys
 from typing import Optional
 
 from raylm.config import ConfigError, StorageConfig, describe_fields, load_config
+from raylm.data.manifest import DatasetError
+from raylm.data.storage import StorageError
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -156,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, DatasetError, StorageError, FileNotFoundError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
 

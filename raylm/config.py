@@ -74,6 +74,9 @@ class DataConfig:
     loader: Literal["ray", "local"] = "ray"
     """`ray` streams rows through Ray Data with background prefetch; `local` reads with
     pyarrow in the training process (for tests and runs without Ray)."""
+    verify: bool = True
+    """Check every shard's checksum and row count on the driver before training starts
+    (reads the dataset once; turn off for datasets too large to read up front)."""
     prefetch_chunks: int = 4
     skip: list[list[int]] = field(default_factory=list)
     """Global sample ranges [start, end) never fed to the model (rolling past bad data)."""
@@ -114,6 +117,9 @@ class TrainConfig:
     """Sequences per forward/backward on one rank; accumulation fills the global batch."""
     seq_len: Optional[int] = None
     """Tokens per training sequence; None takes the dataset's seq_len."""
+    stop_at_step: Optional[int] = None
+    """End this invocation after this step, with a checkpoint, leaving the schedule to
+    train.steps (time-boxed or preemptible jobs; the next invocation resumes)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """bf16 runs the forward under autocast; weights and optimizer stay fp32."""
     seed: int = 1337
@@ -148,12 +154,49 @@ class ParallelConfig:
     """GPUs and NCCL; otherwise CPU and gloo."""
     cpus_per_worker: float = 1.0
     dp_replicate: int = 1
+    """Data-parallel replicas; with dp_shard > 1 and sharding != none this is HSDP: shard within
+    a group of dp_shard ranks (a node), replicate across groups."""
     dp_shard: int = -1
-    """-1 infers the degree from the world size."""
+    """Data-parallel ranks that shard parameters/gradients/optimizer state (per `sharding`);
+    -1 infers it: world size / (dp_replicate * tp * pp)."""
     tp: int = 1
+    """Tensor-parallel degree (Megatron column/row splits); divides n_heads, n_kv_heads,
+    the MLP width and the vocabulary."""
     pp: int = 1
+    """Pipeline-parallel degree: ranks that each hold a contiguous group of layers."""
     sharding: Literal["none", "optimizer", "gradients", "full"] = "none"
-    """none: DDP; optimizer: ZeRO-1; gradients: ZeRO-2; full: ZeRO-3 (FSDP2)."""
+    """none: DDP (replicate over every data-parallel rank); optimizer: ZeRO-1, gradients:
+    ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py)."""
+    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    """Recompute blocks' activations in backward: none, every block (full), or every
+    ac_every-th block (every_k)."""
+    ac_every: int = 2
+    """every_k: checkpoint blocks whose index is a multiple of this."""
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Dtype FSDP2/replicate compute in (parameters are cast for forward/backward; the sharded
+    master copy and the optimizer stay fp32). Needs torch.distributed; fp16 has no loss scaling."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of gradient reductions across data-parallel ranks."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 sharding only)."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms and the residual stream along the sequence (needs seq_len % tp == 0)."""
+    loss_parallel: bool = False
+    """With tp > 1: cross entropy on vocabulary-sharded logits, never gathering them."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                         "zbv_zero_bubble", "dualpipev"] = "1f1b"
+    """torch.distributed.pipelining schedule. gpipe, 1f1b: one stage per rank; interleaved_1f1b,
+    looped_bfs, interleaved_zero_bubble: pp_virtual_stages >= 2 per rank (looped);
+    zbv_zero_bubble, dualpipev: exactly 2 per rank in a V."""
+    pp_microbatches: Optional[int] = None
+    """Micro-batches per pipeline step; None: local batch / train.micro_batch_size."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (model chunks); total stages = pp * pp_virtual_stages."""
+    pp_layer_split: list[int] = field(default_factory=list)
+    """Layers per stage in order, e.g. [3, 5] (sums to model.n_layers); empty: by pp_balance."""
+    pp_balance: Literal["params", "layers"] = "params"
+    """Without pp_layer_split: contiguous stages with balanced parameter counts (the embedding
+    counts on the first stage, norm and head on the last) or balanced layer counts."""
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Iterator, Optional
 import torch
 
 from raylm.config import Config, config_from_dict, config_to_dict, config_to_yaml
+from raylm.data import storage
+from raylm.data.inspect import verify_or_raise
 from raylm.data.stream import open_split
 from raylm.train import checkpoint
 from raylm.train.loop import train
@@ -41,10 +43,21 @@ def start_ray(cfg: Config) -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})
 
 
-def run_dir(cfg: Config) -> str:
-    if cfg.run.storage_path.startswith("s3://"):
-        raise NotImplementedError("s3:// run storage arrives with the S3 streaming work")
-    return os.path.join(os.path.abspath(cfg.run.storage_path), cfg.run.name)
+def storage_root(cfg: Config) -> str:
+    path = cfg.run.storage_path
+    return path if storage.is_s3(path) else os.path.abspath(path)
+
+
+def run_uri(cfg: Config) -> str:
+    """The run directory: config, checkpoints and metrics (local path or s3:// URI)."""
+    return storage.join(storage_root(cfg), cfg.run.name)
+
+
+def local_run_dir(cfg: Config) -> str:
+    """Where rank 0 writes metrics and TensorBoard: the run directory itself when it is local,
+    else a local mirror whose metrics.jsonl is uploaded with every checkpoint."""
+    uri = run_uri(cfg)
+    return os.path.join(tempfile.gettempdir(), "raylm-runs", uri[len("s3://"):]) if storage.is_s3(uri) else uri
 
 
 class RayTrainEnv:
@@ -52,8 +65,9 @@ class RayTrainEnv:
     latest of this run, after a worker-group restart), else from `initial_checkpoint` (the latest
     complete one an earlier invocation left, found by the driver)."""
 
-    def __init__(self, local_run_dir: str, initial_checkpoint: Optional[str] = None):
-        self.run_dir, self.initial_checkpoint = local_run_dir, initial_checkpoint
+    def __init__(self, cfg: Config, initial_checkpoint: Optional[str] = None):
+        self.cfg, self.initial_checkpoint = cfg, initial_checkpoint
+        self.run_dir = local_run_dir(cfg)
 
     def device(self) -> torch.device:
         import ray.train.torch
@@ -65,10 +79,13 @@ class RayTrainEnv:
         import ray.train
 
         ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
-            yield self.initial_checkpoint
+        if ckpt is None and self.initial_checkpoint is None:
+            yield None
             return
-        with ckpt.as_directory() as directory:
+        if ckpt is None:
+            fs, path = storage.filesystem_for(self.initial_checkpoint, self.cfg.storage)
+            ckpt = ray.train.Checkpoint(path, filesystem=fs)
+        with ckpt.as_directory() as directory:  # a download when the run lives on S3
             yield directory
 
     def save_checkpoint(self, step: int, metrics: dict, write) -> None:
@@ -78,6 +95,10 @@ class RayTrainEnv:
             write(tmp)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
                              checkpoint_dir_name=checkpoint.dir_name(step))
+        uri = run_uri(self.cfg)
+        if storage.is_s3(uri) and ray.train.get_context().get_world_rank() == 0:
+            with open(os.path.join(self.run_dir, "metrics.jsonl"), "rb") as f:
+                storage.write_bytes(storage.join(uri, "metrics.jsonl"), f.read(), self.cfg.storage)
 
     def report(self, metrics: dict) -> None:
         import ray.train
@@ -87,12 +108,16 @@ class RayTrainEnv:
 
 def _train_fn_per_worker(loop_config: dict) -> None:
     cfg = config_from_dict(loop_config["config"])
-    train(cfg, RayTrainEnv(loop_config["run_dir"], loop_config["restore"]))
+    train(cfg, RayTrainEnv(cfg, loop_config["restore"]))
 
 
 def resolve(cfg: Config) -> Config:
-    """Check the data against the model on the driver, so a mismatch fails before any worker starts."""
+    """Check the data against the model on the driver, so a bad shard or a mismatch fails
+    before any worker starts."""
     _, manifests = open_split(cfg.data, "train", cfg.storage)
+    if cfg.data.verify:
+        for component in cfg.data.mixture or [cfg.data]:
+            verify_or_raise(component.path, cfg.storage)
     return resolve_for_data(cfg, manifests[0])
 
 
@@ -103,30 +128,29 @@ def launch(cfg: Config) -> dict:
 
     cfg = resolve(cfg)
     start_ray(cfg)
-    directory = run_dir(cfg)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.yaml"), "w") as f:
-        f.write(config_to_yaml(cfg))
+    uri = run_uri(cfg)
+    storage.write_bytes(storage.join(uri, "config.yaml"), config_to_yaml(cfg).encode(), cfg.storage)
 
-    restore = None if cfg.checkpoint.resume == "never" else checkpoint.latest_complete(directory)
+    restore = None if cfg.checkpoint.resume == "never" else checkpoint.latest_complete(uri, cfg.storage)
     if cfg.checkpoint.resume == "required" and restore is None:
-        raise FileNotFoundError(f"checkpoint.resume=required but {directory} holds no complete checkpoint")
+        raise FileNotFoundError(f"checkpoint.resume=required but {uri} holds no complete checkpoint")
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
 
     p = cfg.parallel
+    root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
     trainer = TorchTrainer(
         _train_fn_per_worker,
-        train_loop_config={"config": config_to_dict(cfg), "run_dir": directory, "restore": restore},
+        train_loop_config={"config": config_to_dict(cfg), "restore": restore},
         scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
                                                resources_per_worker={"CPU": p.cpus_per_worker}),
         run_config=ray.train.RunConfig(
-            name=cfg.run.name, storage_path=os.path.abspath(cfg.run.storage_path),
+            name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
     )
     trainer.fit()
-    return last_metrics(directory)
+    return last_metrics(local_run_dir(cfg))
 
 
 def last_metrics(directory: str) -> dict:

@@ -26,8 +26,15 @@ def write_corpus(directory, documents: int = 120, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(request):
     import ray
+
+    # Workers inherit the environment Ray starts with: bring up S3 (and its AWS_* credentials)
+    # first, so that S3 tests can share this cluster. Without a `weed` binary, Ray runs alone.
+    try:
+        request.getfixturevalue("s3_server")
+    except pytest.skip.Exception:
+        pass
 
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)

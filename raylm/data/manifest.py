@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from raylm.config import StorageConfig
-from raylm.data.storage import StorageError, join, read_bytes, write_bytes
+from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, join, read_bytes,
+                                write_bytes)
 from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
 
 FORMAT = "raylm.prepared/1"
@@ -164,7 +165,9 @@ def load_manifest(dataset_uri: str, storage: Optional[StorageConfig] = None) -> 
     uri = join(dataset_uri, MANIFEST_FILE)
     try:
         data = read_bytes(uri, storage)
-    except StorageError:
+    except BucketNotFoundError:
+        raise  # its message already says what is wrong; "not a prepared dataset" would mislead
+    except StorageNotFoundError:
         raise DatasetError(f"{dataset_uri} is not a prepared dataset (no {MANIFEST_FILE}; "
                            f"an interrupted prepare?)") from None
     try:

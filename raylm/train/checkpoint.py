@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 from typing import Optional
 
@@ -24,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from raylm.config import StorageConfig
+from raylm.data import storage
 from raylm.parallel.runtime import ParallelModel, World
 
 PREFIX = "checkpoint_"
@@ -37,7 +40,11 @@ def dir_name(step: int) -> str:
 
 
 def _rng_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, "rng", f"rank_{rank:05d}.pt")
+    return os.path.join(directory, _rng_name(rank))
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng/rank_{rank:05d}.pt"
 
 
 def _rng_state() -> dict:
@@ -55,9 +62,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# Optimizer state flattened to one entry per parameter name ("state.layers.0.w.exp_avg",
+# "param_groups.layers.0.w.lr"): pipeline stages hold different parameters, and only per-name
+# entries let any layout (or a single process) load any other's.
+_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def _states(model: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    (part,) = model.parts  # several parts (pipeline stages) merge their dicts
-    return get_state_dict(part, optimizer)
+    # model.model spans all of this rank's parts (pipeline chunks) under the plain model's names.
+    return get_state_dict(model.model, optimizer, options=_STATE_DICT_OPTIONS)
 
 
 def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
@@ -91,8 +104,8 @@ def load(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer,
                          f"but the dataset uses {tokenizer_sha256[:12]}: refusing to mix tokenizers")
     model_sd, optim_sd = _states(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-    (part,) = model.parts
-    set_state_dict(part, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=_STATE_DICT_OPTIONS)
     rng = _rng_file(directory, world.rank)
     # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
     if os.path.exists(rng) and state["world_size"] == world.world_size:
@@ -107,29 +120,26 @@ def load_model_weights(directory: str, model: torch.nn.Module) -> None:
     model.load_state_dict(sd)
 
 
-def incomplete_reason(directory: str) -> Optional[str]:
-    """None when the checkpoint is whole, else what is missing."""
-    meta_path = os.path.join(directory, ".metadata")
-    if not os.path.exists(meta_path):
+def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
+    """None when the checkpoint at `uri` (local or s3://) is whole, else what is missing."""
+    present = set(storage.list_files(uri, storage_cfg))
+    if ".metadata" not in present:
         return "no DCP .metadata (the save did not finish)"
-    if not os.path.exists(os.path.join(directory, TRAIN_STATE)):
+    if TRAIN_STATE not in present:
         return f"no {TRAIN_STATE}"
-    with open(os.path.join(directory, TRAIN_STATE)) as f:
-        world_size = json.load(f)["world_size"]
-    metadata = dcp.FileSystemReader(directory).read_metadata()
-    files = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    files |= {os.path.relpath(_rng_file(directory, r), directory) for r in range(world_size)}
-    missing = sorted(f for f in files if not os.path.exists(os.path.join(directory, f)))
+    world_size = json.loads(storage.read_bytes(storage.join(uri, TRAIN_STATE), storage_cfg))["world_size"]
+    metadata = pickle.loads(storage.read_bytes(storage.join(uri, ".metadata"), storage_cfg))  # DCP's format
+    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    needed |= {_rng_name(r) for r in range(world_size)}
+    missing = sorted(needed - present)
     return f"missing {', '.join(missing[:5])}" if missing else None
 
 
-def latest_complete(run_dir: str) -> Optional[str]:
-    """The newest complete checkpoint directory under a local run directory."""
-    if not os.path.isdir(run_dir):
-        return None
-    names = sorted((n for n in os.listdir(run_dir) if n.startswith(PREFIX)), reverse=True)
+def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
+    """The newest complete checkpoint under a run directory (local or s3://), or None."""
+    names = sorted((n for n in storage.list_dir(run_uri, storage_cfg) if n.startswith(PREFIX)), reverse=True)
     for name in names:
-        path = os.path.join(run_dir, name)
-        if incomplete_reason(path) is None:
-            return path
+        uri = storage.join(run_uri, name)
+        if incomplete_reason(uri, storage_cfg) is None:
+            return uri
     return None
