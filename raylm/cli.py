@@ -86,7 +86,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     print(run_plan(model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                    gpu_memory=args.gpu_memory, seq_len=args.seq_len,
                    global_batch_tokens=args.global_batch_tokens, precision=args.precision,
-                   micro_batch_size=args.micro_batch_size, output=args.output))
+                   micro_batch_size=args.micro_batch_size, output=args.output,
+                   activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int)
     p.add_argument("--global-batch-tokens", type=int)
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--precision", default="mixed", choices=["mixed", "bf16", "fp32", "fp16"])
+    p.add_argument("--precision", default="mixed", choices=["mixed", "amp", "bf16", "fp32", "fp16"],
+                   help="mixed: bf16 compute + fp32 master and Adam (16 bytes/param); amp: fp32 weights "
+                   "under bf16 autocast (train.precision=bf16); bf16: pure bf16 (8 bytes/param)")
+    p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "every_k", "auto"],
+                   help="auto: the least recomputation that fits")
+    p.add_argument("--vocab-size", type=int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
     p.set_defaults(fn=cmd_plan)
     return parser
