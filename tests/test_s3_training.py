@@ -68,3 +68,20 @@ def test_corrupted_shard_on_s3_is_refused_by_name(s3_server, s3_bucket, tmp_path
 def test_missing_bucket_is_a_clear_error_naming_the_uri(s3_server, tmp_path):
     with pytest.raises(StorageError, match="s3://no-such-bucket-raylm/data.*bucket 'no-such-bucket-raylm' does not exist"):
         launch(s3_config(s3_server, "s3://no-such-bucket-raylm/data", str(tmp_path), "train.steps=2"))
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_stream_from_s3_covers_the_epoch_once_at_any_world_size(s3_server, s3_dataset, engine):
+    from raylm.config import DataConfig
+    from raylm.data.stream import TokenStream, open_split
+
+    source, manifests = open_split(DataConfig(path=s3_dataset, chunk_rows=8), "train", s3_server.storage)
+    rows = manifests[0].splits["train"].rows
+    steps = rows // 6
+    per_size = {}
+    for dp_size in (1, 2, 3):
+        streams = [list(TokenStream(source, 6, r, dp_size, [], engine).batches(0, 0, steps)) for r in range(dp_size)]
+        per_size[dp_size] = [[g for b in step for g in b.indices] for step in zip(*streams)]
+    assert per_size[1] == per_size[2] == per_size[3]
+    located = [source.order.locate(g) for step in per_size[1] for g in step]
+    assert len(located) == len(set(located)) == steps * 6

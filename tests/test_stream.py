@@ -72,3 +72,24 @@ def test_ray_data_engine_yields_the_same_batches(tiny_dataset):
     for a, b in zip(local, ray_):
         assert [x.step for x in a] == [x.step for x in b] == list(range(2, 10))
         assert all(np.array_equal(x.tokens, y.tokens) and x.indices == y.indices for x, y in zip(a, b))
+
+
+def test_mixture_of_real_datasets_keeps_its_proportions(tiny_dataset, tmp_path):
+    from raylm.config import MixtureComponent
+    from raylm.data.prepare import prepare_dataset
+    from tests.fixtures import write_corpus
+
+    other = str(tmp_path / "other")
+    prepare_dataset([write_corpus(tmp_path / "text", documents=60, seed=7)], other, tokenizer="byte", seq_len=32)
+    data = DataConfig(mixture=[MixtureComponent(tiny_dataset, 0.7), MixtureComponent(other, 0.3)], chunk_rows=8)
+    source, _ = open_split(data, "train", None)
+    stream = TokenStream(source, 10, 0, 1, [], "local")
+    owners = [source.order.locate(g)[0] for b in stream.batches(0, 0, 100) for g in b.indices]
+    assert len(owners) == 1000 and abs(owners.count(0) / 1000 - 0.7) < 0.01
+    # Each row's tokens are those of the row its owner's shard holds at the located position.
+    batch = next(TokenStream(source, 10, 0, 1, [], "local").batches(0, 0, 1))
+    for g, tokens in zip(batch.indices, batch.tokens):
+        d, shard, row = source.order.locate(g)
+        expected = pq.read_table(source.shard_uris[d][shard]).column("tokens")[row].as_py()
+        assert list(tokens) == expected
+    assert {source.order.locate(g)[0] for g in batch.indices} == {0, 1}
