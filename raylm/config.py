@@ -419,6 +419,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={t.steps}]")
     if not 0.0 < s.decay_fraction <= 1.0:
         raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
+    # The parallel layout's rules (degrees vs num_workers, TP divisibility, pipeline schedule and
+    # split) live with the mesh; they run again against the live world size when the mesh is built.
+    from raylm.parallel.mesh import check_parallel_config
+
+    check_parallel_config(cfg.parallel, m, cfg.parallel.num_workers)
 
 
 def global_batch_sequences(cfg: Config, seq_len: int) -> int:

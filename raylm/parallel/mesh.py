@@ -1,0 +1,168 @@
+"""Parallel degrees -> a validated DeviceMesh, and the data-parallel coordinates of this rank.
+
+Mesh dimensions follow torchtitan's order, outermost first: ["pp", "dp_replicate", "dp_shard", "tp"].
+TP is innermost so a TP group is made of neighbouring ranks (one node); pipeline stages are
+outermost, so only the activations of stage boundaries cross the slowest links. Only dimensions
+in use are built; "dp_shard" is kept at size 1 when sharding is on, so FSDP2 (and its mixed
+precision) runs even on a single GPU. The data-parallel dimensions flatten into "dp": data
+loading, loss averaging and DDP use it; ranks with the same dp coordinate (TP and PP peers)
+consume the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from raylm.config import ConfigError, ModelConfig, ParallelConfig
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
+
+
+def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
+    """The four degrees for `world_size` ranks, inferring dp_shard=-1; an error says why not."""
+    for name in ("dp_replicate", "tp", "pp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if p.dp_shard == 0 or p.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (infer), got {p.dp_shard}")
+    others = p.dp_replicate * p.tp * p.pp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % others:
+            raise ConfigError(f"cannot infer parallel.dp_shard: world size {world_size} is not divisible by "
+                              f"dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {others}")
+        dp_shard = world_size // others
+    dims = ParallelDims(p.pp, p.dp_replicate, dp_shard, p.tp)
+    if dims.world_size != world_size:
+        raise ConfigError(f"parallel degrees {dims} multiply to {dims.world_size}, but the world size "
+                          f"(parallel.num_workers) is {world_size}; make the product equal it or set "
+                          "dp_shard=-1 to infer it")
+    return dims
+
+
+def num_stages(p: ParallelConfig) -> int:
+    return p.pp * p.pp_virtual_stages
+
+
+def check_parallel_config(p: ParallelConfig, model: ModelConfig, world_size: int) -> ParallelDims:
+    """Every rule a layout must satisfy before any process group exists; returns the degrees."""
+    dims = resolve_dims(p, world_size)
+    if p.ac_every < 1:
+        raise ConfigError(f"parallel.ac_every must be >= 1, got {p.ac_every}")
+    if p.cpu_offload and p.sharding == "none":
+        raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.sharding to optimizer, gradients or full")
+    if dims.tp == 1 and (p.sequence_parallel or p.loss_parallel):
+        raise ConfigError("parallel.sequence_parallel and parallel.loss_parallel split over the tensor-parallel "
+                          f"group: they need parallel.tp > 1 (tp={dims.tp})")
+    if dims.tp > 1:
+        _check_tp_divides(model, dims.tp)
+    if dims.pp > 1:
+        _check_pipeline(p, model)
+    return dims
+
+
+def _check_tp_divides(model: ModelConfig, tp: int) -> None:
+    from raylm.model.transformer import ffn_hidden_size
+
+    sizes = {"n_heads": model.n_heads, "n_kv_heads": model.n_kv_heads or model.n_heads,
+             "the MLP width (ffn_hidden)": ffn_hidden_size(model)}
+    if model.vocab_size is not None:  # unknown until the dataset is resolved
+        sizes["vocab_size"] = model.vocab_size
+    for name, size in sizes.items():
+        if size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model {name}={size}")
+
+
+def _check_pipeline(p: ParallelConfig, model: ModelConfig) -> None:
+    v, stages = p.pp_virtual_stages, num_stages(p)
+    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank: set "
+                          f"pp_virtual_stages=1 (got {v}) or choose interleaved_1f1b")
+    if p.pp_schedule in V_SCHEDULES and v != 2:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V: "
+                          f"set pp_virtual_stages=2 (got {v})")
+    if p.pp_schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} interleaves several stages per rank: "
+                          f"set pp_virtual_stages >= 2 (got {v}), or use 1f1b")
+    if model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings shares the embedding with the output head, which live on the "
+                          f"first and last pipeline stages: untie them or set parallel.pp=1 (pp={p.pp})")
+    if p.pp_microbatches is not None and p.pp_microbatches < 1:
+        raise ConfigError(f"parallel.pp_microbatches must be >= 1 or null, got {p.pp_microbatches}")
+    if p.pp_layer_split:
+        split = p.pp_layer_split
+        if len(split) != stages or sum(split) != model.n_layers or min(split) < 1:
+            raise ConfigError(f"parallel.pp_layer_split={split} must give >= 1 layer to each of the "
+                              f"{stages} stages (pp={p.pp} x pp_virtual_stages={v}) and sum to "
+                              f"model.n_layers={model.n_layers}")
+    elif model.n_layers < stages:
+        raise ConfigError(f"{stages} pipeline stages (pp={p.pp} x pp_virtual_stages={v}) need at least "
+                          f"{stages} layers; model.n_layers={model.n_layers}")
+
+
+@dataclass
+class ParallelMesh:
+    """The device mesh of a run and its named sub-meshes (None where a dimension is absent)."""
+
+    dims: ParallelDims
+    world: Optional[DeviceMesh] = None
+    pp: Optional[DeviceMesh] = None
+    tp: Optional[DeviceMesh] = None
+    dp: Optional[DeviceMesh] = None
+    """All data-parallel ranks as one dimension (replicate x shard): DDP, data, loss averaging."""
+    fsdp: Optional[DeviceMesh] = None
+    """FSDP2's mesh: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D dp_shard; None without sharding."""
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.get_local_rank() if self.dp is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+
+def build_mesh(p: ParallelConfig, model: ModelConfig, device_type: str) -> ParallelMesh:
+    """Validate the layout against the live world and build its DeviceMesh."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    dims = check_parallel_config(p, model, world_size)
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+    names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and p.sharding != "none"))
+    if not dist.is_initialized() or not names:
+        return ParallelMesh(dims)
+    world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    sub = {n: world[n] for n in names}
+    dp_names = tuple(n for n in ("dp_replicate", "dp_shard") if n in names)
+    if len(dp_names) == 2:
+        dp = world[dp_names]._flatten(mesh_dim_name="dp")
+    else:
+        dp = sub.get(dp_names[0]) if dp_names else None
+    fsdp = None
+    if p.sharding != "none":  # then "dp_shard" is always in the mesh
+        fsdp = world[dp_names] if len(dp_names) == 2 else sub["dp_shard"]
+    return ParallelMesh(dims, world, pp=sub.get("pp"), tp=sub.get("tp"), dp=dp, fsdp=fsdp)
