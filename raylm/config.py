@@ -140,10 +140,19 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 500
     """Save every N steps (and at the last step); 0 saves only at the end."""
+    every_minutes: Optional[float] = None
+    """Also save when this many minutes have passed since the last save (rank 0's clock)."""
     resume: Literal["auto", "never", "required"] = "auto"
     """`auto` resumes from the run's latest complete checkpoint when there is one."""
     keep_last: Optional[int] = None
-    """Keep only this many most recent checkpoints (None keeps all)."""
+    """Keep only this many most recent checkpoints (None keeps all) ..."""
+    keep_every: Optional[int] = None
+    """... plus every checkpoint whose step is a multiple of this."""
+    write_attempts: int = 3
+    """Attempts to write a checkpoint (with backoff) before the failure counts."""
+    allow_failures: bool = False
+    """Keep training when a checkpoint cannot be written, warning on every step until one
+    succeeds. Off (the default): training stops with the error; it never goes on silently."""
 
 
 @dataclass
@@ -423,7 +432,7 @@ def validate(cfg: Config) -> None:
     # split) live with the mesh; they run again against the live world size when the mesh is built.
     from raylm.parallel.mesh import check_parallel_config
 
-    check_parallel_config(cfg.parallel, m, cfg.parallel.num_workers)
+    check_parallel_config(cfg.parallel, m, cfg.parallel.num_workers, t.seq_len)
 
 
 def global_batch_sequences(cfg: Config, seq_len: int) -> int:

@@ -68,6 +68,7 @@ class RayTrainEnv:
     def __init__(self, cfg: Config, initial_checkpoint: Optional[str] = None):
         self.cfg, self.initial_checkpoint = cfg, initial_checkpoint
         self.run_dir = local_run_dir(cfg)
+        self.checkpoint_root = run_uri(cfg)
 
     def device(self) -> torch.device:
         import ray.train.torch
@@ -88,17 +89,20 @@ class RayTrainEnv:
         with ckpt.as_directory() as directory:  # a download when the run lives on S3
             yield directory
 
-    def save_checkpoint(self, step: int, metrics: dict, write) -> None:
+    @contextlib.contextmanager
+    def staging_dir(self, step: int) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+            yield tmp
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
         import ray.train
 
-        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
-            write(tmp)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=checkpoint.dir_name(step))
-        uri = run_uri(self.cfg)
-        if storage.is_s3(uri) and ray.train.get_context().get_world_rank() == 0:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=checkpoint.dir_name(step))
+        if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
             with open(os.path.join(self.run_dir, "metrics.jsonl"), "rb") as f:
-                storage.write_bytes(storage.join(uri, "metrics.jsonl"), f.read(), self.cfg.storage)
+                storage.write_bytes(storage.join(self.checkpoint_root, "metrics.jsonl"), f.read(), self.cfg.storage)
+        return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
 
     def report(self, metrics: dict) -> None:
         import ray.train
@@ -147,7 +151,8 @@ def launch(cfg: Config) -> dict:
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last)),
+            # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
     )
     trainer.fit()
     return last_metrics(local_run_dir(cfg))

@@ -74,7 +74,7 @@ def test_resume_refuses_a_checkpoint_of_another_tokenizer(tiny_dataset, tmp_path
     state_file = tmp_path / "checkpoint_00000002" / "train_state.json"
     state = json.loads(state_file.read_text())
     state["tokenizer_sha256"] = "0" * 64
-    state_file.write_text(json.dumps(state))
+    state_file.write_text(json.dumps(state, indent=1))  # same size: the manifest still holds
     with pytest.raises(ValueError, match="refusing to mix tokenizers"):
         train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=0"), LocalEnv(str(tmp_path)))
 

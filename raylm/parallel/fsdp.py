@@ -4,12 +4,12 @@ Every data-parallel layout uses FSDP2's per-parameter DTensor sharding, so TP an
 with all of them and every layout's checkpoint is a DCP state dict of DTensors under the plain
 model's names:
 
-| sharding    | wrapper                                   | between micro-batches               |
-|-------------|-------------------------------------------|-------------------------------------|
-| none (DDP)  | `replicate` (FSDP2-based DDP) over dp     | no all-reduce until the last one    |
-| optimizer   | `fully_shard`, reshard_after_forward=False| full grads kept, no reduce until the last; params stay gathered |
-| gradients   | `fully_shard`, reshard_after_forward=False| grads reduce-scattered each one; params stay gathered |
-| full        | `fully_shard`, reshard_after_forward=True | grads reduce-scattered; params re-gathered each forward and backward |
+| sharding  | wrapper (per block, then the root)      | between micro-batches                           |
+|-----------|-----------------------------------------|-------------------------------------------------|
+| none      | `replicate` (FSDP2's DDP) over all dp   | grads kept whole, all-reduced after the last    |
+| optimizer | `fully_shard`, reshard_after_forward=F  | params stay gathered; grads whole, reduced once |
+| gradients | `fully_shard`, reshard_after_forward=F  | params stay gathered; grads reduce-scattered    |
+| full      | `fully_shard`, reshard_after_forward=T  | params re-gathered each pass; grads scattered   |
 
 ZeRO-1 (`optimizer`) on FSDP2: during a step parameters are whole (gathered once, kept through
 every micro-batch) and gradients are whole and reduced once, as in ZeRO-1; AdamW state and the
@@ -21,7 +21,9 @@ plain AdamW over DTensors, so DCP saves and reshards it like every other layout,
 `ZeroRedundancyOptimizer` (consolidated, rank-local state) does not.
 
 HSDP is `fully_shard` on the 2-D (dp_replicate, dp_shard) mesh: shard within a group, all-reduce
-across groups.
+across groups. With pipeline parallelism the micro-batches belong to the schedule, and the
+pipeline stage decides instead: every stage keeps gradients whole and parameters gathered until
+its last micro-batch.
 """
 
 from __future__ import annotations

@@ -69,8 +69,10 @@ def num_stages(p: ParallelConfig) -> int:
     return p.pp * p.pp_virtual_stages
 
 
-def check_parallel_config(p: ParallelConfig, model: ModelConfig, world_size: int) -> ParallelDims:
-    """Every rule a layout must satisfy before any process group exists; returns the degrees."""
+def check_parallel_config(p: ParallelConfig, model: ModelConfig, world_size: int,
+                          seq_len: Optional[int] = None) -> ParallelDims:
+    """Every rule a layout must satisfy before any process group exists; returns the degrees.
+    `seq_len` is checked when known (the dataset sets it)."""
     dims = resolve_dims(p, world_size)
     if p.ac_every < 1:
         raise ConfigError(f"parallel.ac_every must be >= 1, got {p.ac_every}")
@@ -81,6 +83,9 @@ def check_parallel_config(p: ParallelConfig, model: ModelConfig, world_size: int
                           f"group: they need parallel.tp > 1 (tp={dims.tp})")
     if dims.tp > 1:
         _check_tp_divides(model, dims.tp)
+    if p.sequence_parallel and seq_len is not None and seq_len % dims.tp:
+        raise ConfigError(f"parallel.sequence_parallel splits sequences over tp={dims.tp} ranks: "
+                          f"train.seq_len={seq_len} must be a multiple of it")
     if dims.pp > 1:
         _check_pipeline(p, model)
     return dims
@@ -147,10 +152,11 @@ class ParallelMesh:
         return self.dims.dp
 
 
-def build_mesh(p: ParallelConfig, model: ModelConfig, device_type: str) -> ParallelMesh:
+def build_mesh(p: ParallelConfig, model: ModelConfig, device_type: str,
+               seq_len: Optional[int] = None) -> ParallelMesh:
     """Validate the layout against the live world and build its DeviceMesh."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = check_parallel_config(p, model, world_size)
+    dims = check_parallel_config(p, model, world_size, seq_len)
     sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
     names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and p.sharding != "none"))
     if not dist.is_initialized() or not names:

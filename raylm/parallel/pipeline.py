@@ -190,7 +190,8 @@ def simulated_bubble(pipeline_order: dict[int, list], n_stages: int) -> float:
         progressed = False
         for r, queue in queues.items():
             while queue:
-                needed = [d for leaf in leaves(queue[0]) for d in deps(leaf) if d not in {key(x) for x in leaves(queue[0])}]
+                own = {key(leaf) for leaf in leaves(queue[0])}  # an overlapped F+B feeds itself
+                needed = [d for leaf in leaves(queue[0]) for d in deps(leaf) if d not in own]
                 if any(d not in done for d in needed):
                     break
                 action = queue.pop(0)

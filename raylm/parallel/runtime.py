@@ -87,8 +87,9 @@ class ParallelModel:
 
     def __init__(self, parts: list[nn.Module], cfg: Config, world: World, mesh: ParallelMesh):
         self.parts, self.cfg, self.world, self.mesh = parts, cfg, world, mesh
+        # Every parameter this rank holds, under the plain model's names (with pp > 1 a view of
+        # the chunks for checkpoints and optimizers, not a callable model).
         self.model = merged_view(parts)
-        """Every parameter this rank holds, under the plain model's names (not callable with pp > 1)."""
         self.layout: dict = describe(cfg, mesh)
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
@@ -258,7 +259,7 @@ def _parallelize(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch
 def build_parallel_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> ParallelModel:
     """Build the model with the run's seed (identical on every rank) and apply the configured layout."""
     p = cfg.parallel
-    mesh = build_mesh(p, cfg.model, world.device.type)
+    mesh = build_mesh(p, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
     if p.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
         raise ConfigError(f"parallel.param_dtype={p.param_dtype} is applied by FSDP2, which needs "
                           "torch.distributed and sharding != none or more than one data-parallel rank; "
@@ -279,6 +280,9 @@ def build_parallel_model(model_factory: Callable[[], nn.Module], cfg: Config, wo
         del model
         parallel_model = PipelineModel(stages, cfg, world, mesh)
         parallel_model.layout["pp_layers"] = [len(g) for g in groups]
+    # Dropout masks: different on each data-parallel rank, the same within a TP group (whose
+    # replicated activations must stay identical on every rank).
+    torch.manual_seed(cfg.train.seed + 1 + mesh.dp_rank)
     if world.rank == 0:
         print(f"[raylm.parallel] layout {parallel_model.layout}", flush=True)
     return parallel_model

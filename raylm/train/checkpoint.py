@@ -13,10 +13,12 @@ import json
 import os
 import pickle
 import random
+import time
 from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from raylm.config import StorageConfig
+from raylm.config import Config, StorageConfig
 from raylm.data import storage
 from raylm.parallel.runtime import ParallelModel, World
 
@@ -94,7 +96,7 @@ def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer,
 def load(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
          tokenizer_sha256: str) -> dict:
     """Restore model, optimizer and this rank's RNG from `directory`; returns the train state."""
-    problem = incomplete_reason(directory)
+    problem = incomplete_reason(directory, require_manifest=False)  # Ray hands us only what all ranks reported
     if problem:
         raise RuntimeError(f"cannot resume from {directory}: {problem}")
     with open(os.path.join(directory, TRAIN_STATE)) as f:
@@ -120,9 +122,21 @@ def load_model_weights(directory: str, model: torch.nn.Module) -> None:
     model.load_state_dict(sd)
 
 
-def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
-    """None when the checkpoint at `uri` (local or s3://) is whole, else what is missing."""
+def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None,
+                      require_manifest: bool = True) -> Optional[str]:
+    """None when the checkpoint at `uri` (local or s3://) is whole, else what is missing.
+
+    Whole means: the final manifest exists and every file it lists has its size (a crash while
+    writing leaves no manifest), and every file DCP's index and the per-rank RNG need exists.
+    """
     present = set(storage.list_files(uri, storage_cfg))
+    if require_manifest:
+        if MANIFEST not in present:
+            return f"no {MANIFEST} (the save did not finish)"
+        listed = json.loads(storage.read_bytes(storage.join(uri, MANIFEST), storage_cfg))["files"]
+        for name, size in listed.items():
+            if name not in present or storage.file_size(storage.join(uri, name), storage_cfg) != size:
+                return f"{name} is missing or not the size the manifest records"
     if ".metadata" not in present:
         return "no DCP .metadata (the save did not finish)"
     if TRAIN_STATE not in present:
@@ -143,3 +157,117 @@ def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -
         if incomplete_reason(uri, storage_cfg) is None:
             return uri
     return None
+
+
+# ----------------------------------------------------------------------------- policy
+
+MANIFEST = "checkpoint_manifest.json"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; training stops rather than go on unprotected."""
+
+
+def finalize(uri: str, storage_cfg: Optional[StorageConfig] = None) -> None:
+    """Write the manifest (every file and its size) last: only then is the checkpoint latest."""
+    problem = incomplete_reason(uri, storage_cfg, require_manifest=False)
+    if problem:
+        raise CheckpointWriteError(f"checkpoint {uri} is incomplete after publishing: {problem}")
+    files = {name: storage.file_size(storage.join(uri, name), storage_cfg)
+             for name in storage.list_files(uri, storage_cfg)}
+    storage.write_bytes(storage.join(uri, MANIFEST), json.dumps({"files": files}, indent=1).encode(), storage_cfg)
+
+
+def retained(names: list[str], keep_last: Optional[int], keep_every: Optional[int]) -> set[str]:
+    """Which checkpoint directory names retention keeps (the newest is always kept)."""
+    names = sorted(names)
+    keep = set(names[-keep_last:] if keep_last else names) | set(names[-1:])
+    if keep_every:
+        keep |= {n for n in names if int(n[len(PREFIX):]) % keep_every == 0}
+    return keep
+
+
+def _local_state_bytes(model: ParallelModel, optimizer: torch.optim.Optimizer) -> int:
+    tensors = [p for part in model.parts for p in part.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+def _check_space(uri: str, needed: int) -> None:
+    free = storage.free_bytes(uri)
+    if free is not None and free < needed:
+        raise OSError(28, f"not enough free space for a checkpoint at {uri}: {free / 1e6:.1f} MB free, "
+                          f"about {needed / 1e6:.1f} MB needed")
+
+
+class Checkpointer:
+    """When to save, and saving safely: all ranks agree that their part was written before the
+    checkpoint is published; failed writes are retried, then stop training unless
+    `checkpoint.allow_failures`, in which case every later step warns until a save succeeds."""
+
+    def __init__(self, cfg: Config, env, model: ParallelModel, optimizer: torch.optim.Optimizer,
+                 world: World, files: dict[str, str]):
+        self.cfg, self.env, self.model, self.optimizer, self.world, self.files = cfg, env, model, optimizer, world, files
+        self.last_save = time.monotonic()
+        self.failing_since: Optional[int] = None
+
+    def _agree(self, flag: bool, op: str) -> bool:
+        """`op`="all": every rank's flag; "rank0": rank 0's flag, on every rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return flag
+        t = torch.tensor([int(flag)], device=self.world.device)
+        if op == "all":
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        else:
+            dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def due(self, step: int, last: int) -> bool:
+        c = self.cfg.checkpoint
+        if step == last or (c.every_steps > 0 and step % c.every_steps == 0):
+            return True
+        if c.every_minutes is None:
+            return False
+        return self._agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
+
+    def save(self, step: int, train_state: dict, metrics: dict) -> Optional[str]:
+        """The published checkpoint's URI, or None when it failed and failures are allowed."""
+        c, root, storage_cfg = self.cfg.checkpoint, self.env.checkpoint_root, self.cfg.storage
+        local = _local_state_bytes(self.model, self.optimizer)
+        total = torch.tensor([local], device=self.world.device, dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        error: Optional[BaseException] = None
+        for attempt in range(c.write_attempts):
+            error = None
+            with self.env.staging_dir(step) as directory:
+                try:
+                    _check_space(directory, int(1.1 * local))
+                    if self.world.rank == 0:
+                        _check_space(root, int(1.1 * total.item()))
+                    save(directory, self.model, self.optimizer, self.world, train_state, self.files)
+                except OSError as e:
+                    error = e
+                if self._agree(error is None, "all"):
+                    uri = self.env.publish(step, directory, metrics)
+                    break
+            if attempt + 1 < c.write_attempts:
+                time.sleep(min(30.0, 2.0 ** attempt))
+        else:
+            reason = error or "another rank could not write its part"
+            if not c.allow_failures:
+                raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {root} after "
+                                           f"{c.write_attempts} attempts ({reason}). Training stops so that it "
+                                           "never runs unprotected; free space or fix storage, then resume") from error
+            self.failing_since = self.failing_since or step
+            return None
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's part is published before the manifest says so
+        if self.world.rank == 0:
+            finalize(uri, storage_cfg)
+            names = [n for n in storage.list_dir(root, storage_cfg) if n.startswith(PREFIX)]
+            for name in sorted(set(names) - retained(names, c.keep_last, c.keep_every)):
+                storage.delete_dir(storage.join(root, name), storage_cfg)
+        self.failing_since = None
+        self.last_save = time.monotonic()
+        return uri

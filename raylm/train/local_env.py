@@ -16,6 +16,7 @@ class LocalEnv:
 
     def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False):
         self.run_dir, self.resume, self.use_gpu = run_dir, resume, use_gpu
+        self.checkpoint_root = run_dir
         os.makedirs(run_dir, exist_ok=True)
 
     def device(self) -> torch.device:
@@ -27,8 +28,13 @@ class LocalEnv:
     def restore_dir(self) -> Iterator[Optional[str]]:
         yield checkpoint.latest_complete(self.run_dir) if self.resume else None
 
-    def save_checkpoint(self, step: int, metrics: dict, write) -> None:
-        write(os.path.join(self.run_dir, checkpoint.dir_name(step)))
+    @contextlib.contextmanager
+    def staging_dir(self, step: int) -> Iterator[str]:
+        directory = os.path.join(self.run_dir, checkpoint.dir_name(step))
+        yield directory  # ranks share the disk: each writes its part in place
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        return directory
 
     def report(self, metrics: dict) -> None:
         pass

@@ -6,9 +6,9 @@ Ray stays at the edges: `TrainEnv` is how the loop reaches storage and the clust
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import ContextManager, Optional, Protocol
 
@@ -42,11 +42,16 @@ class TrainEnv(Protocol):
     def device(self) -> torch.device:
         """The device this rank trains on."""
 
+    checkpoint_root: str  # where published checkpoints live (local path or s3:// URI)
+
     def restore_dir(self) -> ContextManager[Optional[str]]:
         """A local directory holding the checkpoint to resume from, or None."""
 
-    def save_checkpoint(self, step: int, metrics: dict, write) -> None:
-        """Call `write(local_dir)` on every rank, then publish the directory as a checkpoint."""
+    def staging_dir(self, step: int) -> ContextManager[str]:
+        """A local directory for this rank's part of the checkpoint of `step`."""
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
 
     def report(self, metrics: dict) -> None:
         """Progress for the cluster's bookkeeping (not every step: it may block)."""
@@ -75,7 +80,7 @@ class Run:
     state: TrainState
     seq_len: int
     global_batch: int
-    history: list[dict] = field(default_factory=list)
+    history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
 
 
 class _EvalSet:
@@ -96,10 +101,6 @@ class _EvalSet:
             return float(torch.stack(losses).mean())
         finally:
             model.train(True)
-
-
-def _due(step: int, every: int, last: int) -> bool:
-    return step == last or (every > 0 and step % every == 0)
 
 
 def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
@@ -131,6 +132,7 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
                         checkpoint.TOKENIZER: load_dataset_tokenizer(
                             cfg.data.mixture[0].path if cfg.data.mixture else cfg.data.path,
                             cfg.storage, manifests[0]).to_json()}
+    checkpointer = checkpoint.Checkpointer(cfg, env, model, optimizer, world, checkpoint_files)
 
     run = Run(cfg, world, model, optimizer, state, seq_len, global_batch)
     logger = MetricsLogger(cfg, env.run_dir, world, flops_per_token(cfg.model, seq_len),
@@ -139,6 +141,20 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
     for hook in hooks:
         hook.on_train_start(run)
 
+    try:
+        metrics = _train_steps(run, env, stream, hooks, checkpointer, evals, manifests[0].tokenizer.sha256)
+        for hook in hooks:
+            hook.on_train_end(run, metrics)
+    finally:
+        logger.close()
+    return metrics
+
+
+def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, checkpointer: checkpoint.Checkpointer,
+                 evals: Optional[_EvalSet], tokenizer_sha256: str) -> dict:
+    """The steps from the run's current state to its last step; returns the last metrics."""
+    cfg, world, model, optimizer, state = run.cfg, run.world, run.model, run.optimizer, run.state
+    seq_len, global_batch = run.seq_len, run.global_batch
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_at_step or steps)
     metrics: dict = {}
@@ -168,21 +184,21 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "tokens": state.tokens_seen, "step_time": now - t0}
         t0 = now
-        if evals is not None and _due(state.step, cfg.train.eval_every, last):
+        if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)
             t0 = time.perf_counter()  # evaluation is not step time
         for hook in hooks:
             hook.on_step_end(run, step, metrics)
         run.history.append(metrics)
 
-        if _due(state.step, cfg.checkpoint.every_steps or last, last):
-            saved = {**vars(state), "tokenizer_sha256": manifests[0].tokenizer.sha256}
-            env.save_checkpoint(state.step, metrics, lambda d: checkpoint.save(
-                d, model, optimizer, world, saved, checkpoint_files))
+        if checkpointer.due(state.step, last):
+            checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": tokenizer_sha256},
+                              metrics)
             t0 = time.perf_counter()
         elif state.step % cfg.train.report_every == 0:
             env.report(metrics)
+        if checkpointer.failing_since is not None and world.rank == 0:
+            print(f"WARNING: no checkpoint has been written since step {checkpointer.failing_since}: "
+                  "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
 
-    for hook in hooks:
-        hook.on_train_end(run, metrics)
     return metrics

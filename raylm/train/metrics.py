@@ -103,7 +103,13 @@ class MetricsLogger:
                   flush=True)
 
     def on_train_end(self, run: "Run", metrics: dict) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Also called when training fails, so that no file stays open."""
         if self.file is not None:
             self.file.close()
+            self.file = None
         if self.writer is not None:
             self.writer.close()
+            self.writer = None

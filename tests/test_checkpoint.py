@@ -1,0 +1,90 @@
+"""Checkpoint safety: completeness, crash mid-write, a full disk, retention."""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from raylm.train import checkpoint
+from raylm.train.checkpoint import CheckpointWriteError
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import train
+from tests.test_train_loop import losses, tiny_config
+
+
+def checkpoints(run_dir):
+    return sorted(n for n in os.listdir(run_dir) if n.startswith(checkpoint.PREFIX))
+
+
+def test_crash_mid_write_resumes_from_the_previous_complete_checkpoint(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0")
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "straight")))
+    run = tmp_path / "crashed"
+    train(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), LocalEnv(str(run)))
+    # What a crash while writing step 6 leaves: a shard cut short and no final manifest.
+    step6 = run / "checkpoint_00000006"
+    os.remove(step6 / checkpoint.MANIFEST)
+    shard = next(p for p in step6.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "no checkpoint_manifest.json" in checkpoint.incomplete_reason(str(step6))
+    assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000004")
+
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(run)))
+    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    for step in (5, 6, 7, 8):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+
+
+def test_manifest_records_every_file_and_detects_a_changed_one(tiny_dataset, tmp_path):
+    train(tiny_config(tiny_dataset, "train.steps=2", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+    ckpt = tmp_path / "checkpoint_00000002"
+    listed = json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"]
+    assert {".metadata", "train_state.json", "config.yaml", "tokenizer.json", "rng/rank_00000.pt"} <= set(listed)
+    assert checkpoint.incomplete_reason(str(ckpt)) is None
+    (ckpt / "config.yaml").write_text("changed")
+    assert "config.yaml" in checkpoint.incomplete_reason(str(ckpt))
+
+
+def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
+    train(tiny_config(tiny_dataset, "train.steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+                      "checkpoint.keep_every=4", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+    assert checkpoints(tmp_path) == ["checkpoint_00000004", "checkpoint_00000008",
+                                     "checkpoint_00000009", "checkpoint_00000010"]
+    assert checkpoint.retained(["checkpoint_00000001"], 0, None) == {"checkpoint_00000001"}
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 256 KiB filesystem (tmpfs): too small for a checkpoint of the test model."""
+    mount = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_stops_training_with_a_clear_error(tiny_dataset, tiny_filesystem, tmp_path):
+    run = tiny_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "train.tensorboard=false", "checkpoint.write_attempts=2")
+    with pytest.raises(CheckpointWriteError, match=r"step 3: no checkpoint could be written .* not enough free space"):
+        train(cfg, LocalEnv(str(run)))
+    assert max(losses(run)) == 3  # stopped at the failed save, not one step later
+    assert checkpoint.latest_complete(str(run)) is None
+
+
+def test_allowed_failures_continue_but_warn_every_step(tiny_dataset, tiny_filesystem, capsys):
+    run = tiny_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "checkpoint.write_attempts=1", "checkpoint.allow_failures=true")
+    train(cfg, LocalEnv(str(run)))
+    out = capsys.readouterr().out
+    assert max(losses(run)) == 6
+    assert out.count("WARNING: no checkpoint has been written since step 3") == 4  # steps 3, 4, 5, 6
+    assert checkpoint.latest_complete(str(run)) is None
