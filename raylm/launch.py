@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -43,9 +44,12 @@ def start_ray(cfg: Config) -> None:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})
 
 
+def _absolute(uri: str) -> str:
+    return uri if not uri or storage.is_s3(uri) else os.path.abspath(uri)
+
+
 def storage_root(cfg: Config) -> str:
-    path = cfg.run.storage_path
-    return path if storage.is_s3(path) else os.path.abspath(path)
+    return _absolute(cfg.run.storage_path)
 
 
 def run_uri(cfg: Config) -> str:
@@ -116,8 +120,11 @@ def _train_fn_per_worker(loop_config: dict) -> None:
 
 
 def resolve(cfg: Config) -> Config:
-    """Check the data against the model on the driver, so a bad shard or a mismatch fails
-    before any worker starts."""
+    """Local paths made absolute (workers run elsewhere), and the data checked against the model
+    on the driver, so a bad shard or a mismatch fails before any worker starts."""
+    data = dataclasses.replace(cfg.data, path=_absolute(cfg.data.path), mixture=[
+        dataclasses.replace(c, path=_absolute(c.path)) for c in cfg.data.mixture])
+    cfg = dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, storage_path=_absolute(cfg.run.storage_path)))
     _, manifests = open_split(cfg.data, "train", cfg.storage)
     if cfg.data.verify:
         for component in cfg.data.mixture or [cfg.data]:

@@ -27,9 +27,12 @@ def metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path):
-    launch(ray_config(tiny_dataset, tmp_path, "run.name=falls", "train.steps=20", "train.eval_every=10",
-                      "checkpoint.every_steps=10"))
+def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path, monkeypatch):
+    # Relative paths, as a user types them: workers run in other directories.
+    monkeypatch.chdir(tmp_path)
+    launch(ray_config(os.path.relpath(tiny_dataset), "runs", "run.name=falls", "train.steps=20",
+                      "train.eval_every=10", "checkpoint.every_steps=10"))
+    tmp_path = tmp_path / "runs"
     run_dir = tmp_path / "falls"
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 21))
