@@ -158,7 +158,12 @@ class CheckpointConfig:
 @dataclass
 class ParallelConfig:
     num_workers: int = 2
-    """Ray Train workers (processes); one per GPU with use_gpu."""
+    """Ray Train workers (processes); one per GPU with use_gpu. The most workers when elastic."""
+    min_workers: Optional[int] = None
+    """Elastic: run on as few as this many workers when nodes drop, growing back to num_workers
+    when capacity returns (each resize restarts from the latest checkpoint)."""
+    resize_check_s: float = 10.0
+    """Elastic: how often Ray Train looks for capacity to grow into."""
     use_gpu: bool = False
     """GPUs and NCCL; otherwise CPU and gloo."""
     cpus_per_worker: float = 1.0

@@ -8,39 +8,56 @@ import json
 import math
 import os
 import tempfile
+import time
 from typing import Iterator, Optional
 
 import torch
 
-from raylm.config import Config, config_from_dict, config_to_dict, config_to_yaml
+from ray.train import UserCallback
+
+from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, config_to_yaml, global_batch_sequences
 from raylm.data import storage
+from raylm.data.storage import redact
 from raylm.data.inspect import verify_or_raise
 from raylm.data.stream import open_split
 from raylm.train import checkpoint
 from raylm.train.loop import train
+from raylm.train.metrics import append_event
 from raylm.train.resolve import resolve_for_data
 
-# Every server raylm starts listens on loopback only; token auth would break later CLI calls.
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0"}
+# Token auth would break later CLI calls against a cluster raylm started; usage stats phone home.
+LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def use_loopback() -> None:
+    """Make a Ray started from this process bind every server to 127.0.0.1.
+
+    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, to decide whether the node
+    advertises a routable address; the environment covers the processes Ray spawns, and the
+    module constant this process, where Ray is usually imported already.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    for key, value in {**LOCAL_RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
+        os.environ.setdefault(key, value)
+    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
 
 
 def start_ray(cfg: Config) -> None:
-    """Join `run.ray_address`, or start a local single-node Ray sized for the run."""
+    """Join `run.ray_address`, or start a local single-node Ray (loopback only) sized for the run."""
     import ray
 
     if ray.is_initialized():
         return
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
     address = cfg.run.ray_address
     if address not in (None, "local"):
         ray.init(address=address)
         return
+    use_loopback()
     p = cfg.parallel
     # Logical CPUs: the workers' reservations plus room for Ray Data's read tasks.
     num_cpus = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(p.num_workers * p.cpus_per_worker) + 2)
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1",
+    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})
 
 
@@ -126,10 +143,49 @@ def resolve(cfg: Config) -> Config:
         dataclasses.replace(c, path=_absolute(c.path)) for c in cfg.data.mixture])
     cfg = dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, storage_path=_absolute(cfg.run.storage_path)))
     _, manifests = open_split(cfg.data, "train", cfg.storage)
+    check_world_sizes(cfg, manifests[0].seq_len)
     if cfg.data.verify:
         for component in cfg.data.mixture or [cfg.data]:
             verify_or_raise(component.path, cfg.storage)
     return resolve_for_data(cfg, manifests[0])
+
+
+def check_world_sizes(cfg: Config, seq_len: int) -> None:
+    """Every world size the run may have must split the global batch into whole micro-batches:
+    an elastic resize keeps the global batch and recomputes gradient accumulation."""
+    p = cfg.parallel
+    sizes = range(p.min_workers or p.num_workers, p.num_workers + 1)
+    global_batch = global_batch_sequences(cfg, seq_len)
+    bad = []
+    for n in sizes:
+        dp = n // (p.tp * p.pp)
+        if n % (p.tp * p.pp) or global_batch % (dp * cfg.train.micro_batch_size):
+            bad.append(n)
+    if bad:
+        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={p.tp}, pp={p.pp}, "
+                          f"train.micro_batch_size={cfg.train.micro_batch_size}); choose a global batch that "
+                          f"every size in [{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
+
+
+class RecoveryLog(UserCallback):
+    """Driver side of the recovery record: each worker failure, with its cause, goes to
+    events.jsonl (the restarted workers add when and from which step training resumed)."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "events.jsonl")
+        self.last_checkpoint: Optional[str] = None
+
+    def after_report(self, run_context, metrics: list, checkpoint) -> None:
+        if checkpoint is not None:
+            self.last_checkpoint = checkpoint.path
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        event = {"event": "failure", "time": time.time(),
+                 "cause": {str(rank): redact(f"{type(e).__name__}: {e}")[:1000]
+                           for rank, e in worker_exceptions.items()},
+                 "restart_from": self.last_checkpoint}
+        print(f"raylm: worker failure, restarting from {self.last_checkpoint}: {event['cause']}", flush=True)
+        append_event(self.path, event)
 
 
 def launch(cfg: Config) -> dict:
@@ -153,11 +209,14 @@ def launch(cfg: Config) -> dict:
     trainer = TorchTrainer(
         _train_fn_per_worker,
         train_loop_config={"config": config_to_dict(cfg), "restore": restore},
-        scaling_config=ray.train.ScalingConfig(num_workers=p.num_workers, use_gpu=p.use_gpu,
-                                               resources_per_worker={"CPU": p.cpus_per_worker}),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(p.min_workers, p.num_workers) if p.min_workers else p.num_workers,
+            use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
+            elastic_resize_monitor_interval_s=p.resize_check_s),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            callbacks=[RecoveryLog(local_run_dir(cfg))],
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
     )

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raylm.launch import LOCAL_RAY_ENV
+from raylm.launch import use_loopback
 
 WORDS = ("the king queen castle river stone light dark bread wine horse sword crown field "
          "winter summer old young gold silver song night morning sea ship").split()
@@ -36,10 +36,9 @@ def ray_session(request):
     except pytest.skip.Exception:
         pass
 
-    for key, value in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    use_loopback()
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
     yield ray
     ray.shutdown()
 

@@ -36,6 +36,12 @@ def test_crash_mid_write_resumes_from_the_previous_complete_checkpoint(tiny_data
     straight, resumed = losses(tmp_path / "straight"), losses(run)
     for step in (5, 6, 7, 8):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+    # The recovery is on record, and the redone steps appear once in the metrics.
+    with open(run / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 9))
+    with open(run / "events.jsonl") as f:
+        (event,) = [json.loads(line) for line in f]
+    assert event["event"] == "resumed" and event["from_step"] == 4 and event["steps_lost"] == 2
 
 
 def test_manifest_records_every_file_and_detects_a_changed_one(tiny_dataset, tmp_path):
