@@ -232,6 +232,10 @@ class RunConfig:
     """Logical CPUs of a local Ray started by raylm (None: enough for the workers and data)."""
     max_failures: int = 3
     """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
+    health_check: bool = True
+    """Self-test each worker at start (allocation, matmul, all-reduce against known values)."""
+    straggler_factor: float = 3.0
+    """Report ranks whose rank-local step time exceeds this × the median rank's; 0 disables."""
 
 
 @dataclass

@@ -21,6 +21,7 @@ from raylm.data.storage import redact
 from raylm.data.inspect import verify_or_raise
 from raylm.data.stream import open_split
 from raylm.train import checkpoint
+from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
 from raylm.train.metrics import append_event
 from raylm.train.resolve import resolve_for_data
@@ -132,8 +133,15 @@ class RayTrainEnv:
 
 
 def _train_fn_per_worker(loop_config: dict) -> None:
+    import ray
+
     cfg = config_from_dict(loop_config["config"])
-    train(cfg, RayTrainEnv(cfg, loop_config["restore"]))
+    env = RayTrainEnv(cfg, loop_config["restore"])
+    node_id = ray.get_runtime_context().get_node_id()
+    if cfg.run.health_check:
+        self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
+    hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
+    train(cfg, env, hooks)
 
 
 def resolve(cfg: Config) -> Config:
@@ -217,6 +225,9 @@ def launch(cfg: Config) -> dict:
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             callbacks=[RecoveryLog(local_run_dir(cfg))],
+            # Train's print patch tees every print into its logger as well: lines came out twice.
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                             "OMP_NUM_THREADS": str(max(1, int(p.cpus_per_worker)))}},
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
     )

@@ -87,3 +87,11 @@ def s3_bucket(s3_server: S3TestServer) -> Iterator[str]:
         pass
 
 # ====================================== end of S3 fixtures ===================================
+
+
+# =============================================================================================
+# A local multi-node Ray cluster (head + 2 worker "nodes" on 127.0.0.x), for chaos tests.
+# =============================================================================================
+from raylm.testing.cluster import local_cluster as _local_cluster_body  # noqa: E402
+
+local_cluster = pytest.fixture(scope="module")(_local_cluster_body)

@@ -22,6 +22,7 @@ from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.runtime import ParallelModel, World, build_parallel_model
 from raylm.train import checkpoint
+from raylm.train.hooks import Hook
 from raylm.train.metrics import MetricsLogger, peak_flops
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.resolve import resolve_for_data
@@ -57,18 +58,6 @@ class TrainEnv(Protocol):
         """Progress for the cluster's bookkeeping (not every step: it may block)."""
 
 
-class Hook:
-    """Callbacks around each step; the stability guard and sweeps plug in here."""
-
-    def on_train_start(self, run: "Run") -> None: ...
-
-    def on_step_begin(self, run: "Run", step: int) -> None: ...
-
-    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None: ...
-
-    def on_train_end(self, run: "Run", metrics: dict) -> None: ...
-
-
 @dataclass
 class Run:
     """The live objects of a run, handed to hooks."""
@@ -80,6 +69,8 @@ class Run:
     state: TrainState
     seq_len: int
     global_batch: int
+    flops_per_token: float
+    peak_flops: float  # per device
     history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
 
 
@@ -134,10 +125,10 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
                             cfg.storage, manifests[0]).to_json()}
     checkpointer = checkpoint.Checkpointer(cfg, env, model, optimizer, world, checkpoint_files)
 
-    run = Run(cfg, world, model, optimizer, state, seq_len, global_batch)
-    logger = MetricsLogger(cfg, env.run_dir, world, flops_per_token(cfg.model, seq_len),
-                           peak_flops(world.device, cfg.train.peak_tflops))
-    hooks = (logger, *hooks)
+    run = Run(cfg, world, model, optimizer, state, seq_len, global_batch,
+              flops_per_token(cfg.model, seq_len), peak_flops(world.device, cfg.train.peak_tflops))
+    logger = MetricsLogger(cfg, env.run_dir, world)
+    hooks = (*hooks, logger)  # last: it writes out what the other hooks added
     for hook in hooks:
         hook.on_train_start(run)
 
@@ -159,7 +150,13 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
     last = min(steps, cfg.train.stop_at_step or steps)
     metrics: dict = {}
     t0 = time.perf_counter()
-    for batch in stream.batches(state.position, state.step, last):
+    batches = stream.batches(state.position, state.step, last)
+    while True:
+        wait_start = time.perf_counter()
+        batch = next(batches, None)
+        if batch is None:
+            break
+        data_wait = time.perf_counter() - wait_start
         step = batch.step
         for hook in hooks:
             hook.on_step_begin(run, step)
@@ -181,8 +178,11 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         state.position = batch.next_position
         state.tokens_seen += global_batch * seq_len
         now = time.perf_counter()
+        tokens_per_s = global_batch * seq_len / (now - t0)
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens": state.tokens_seen, "step_time": now - t0}
+                   "tokens": state.tokens_seen, "step_time": now - t0, "data_wait": data_wait,
+                   "tokens_per_s": tokens_per_s,
+                   "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
         t0 = now
         if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)

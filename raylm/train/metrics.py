@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from raylm.parallel.runtime import World
+from raylm.train.hooks import Hook
 
 if TYPE_CHECKING:
     from raylm.config import Config
@@ -60,12 +61,11 @@ def append_event(path: str, event: dict) -> None:
         f.write(json.dumps(event) + "\n")
 
 
-class MetricsLogger:
-    """The always-on hook: completes each step's metrics and writes them out on rank 0."""
+class MetricsLogger(Hook):
+    """The always-on hook, run after all others: writes each step's metrics out on rank 0."""
 
-    def __init__(self, cfg: "Config", run_dir: str, world: World, flops_per_token: float, peak: float):
+    def __init__(self, cfg: "Config", run_dir: str, world: World):
         self.cfg, self.world = cfg, world
-        self.flops_per_token, self.peak = flops_per_token, peak
         self.rank0 = world.rank == 0
         self.tokens_per_s_ema: Optional[float] = None
         self.step_time_ema: Optional[float] = None
@@ -105,22 +105,16 @@ class MetricsLogger:
         print(f"raylm: resumed at step {restored_step} on {self.world.world_size} worker(s); "
               f"{lost} step(s) of work lost", flush=True)
 
-    def on_step_begin(self, run: "Run", step: int) -> None:
-        pass
-
     def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
-        tokens_per_s = run.global_batch * run.seq_len / metrics["step_time"]
-        metrics["tokens_per_s"] = tokens_per_s
-        metrics["mfu"] = self.flops_per_token * tokens_per_s / (self.peak * run.world.world_size)
         if not self.rank0:
             return
         ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
-        self.tokens_per_s_ema = ema(self.tokens_per_s_ema, tokens_per_s)
+        self.tokens_per_s_ema = ema(self.tokens_per_s_ema, metrics["tokens_per_s"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
         self.file.write(json.dumps(metrics) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
-                if key != "step":
+                if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(f"train/{key}", value, metrics["step"])
         steps = self.cfg.train.steps
         if metrics["step"] % self.cfg.train.log_every == 0 or metrics["step"] == steps or "val_loss" in metrics:

@@ -1,0 +1,416 @@
+"""A local multi-node Ray cluster of real `ray start` processes, for development and tests.
+
+    with LocalCluster(num_nodes=2, cpus_per_node=2) as cluster:
+        os.environ.update(cluster.driver_env())
+        ray.init(address=cluster.address)
+        cluster.kill_node(2)                 # SIGKILL node 2's processes: a node loss
+        cluster.wait_for_alive([0, 1])       # Ray noticed (a few seconds)
+        cluster.start_node(2)                # same IP and temp dir; Ray gives it a new node id
+
+Node 0 is the head (GCS; `head_cpus` CPUs, 0 by default so that work lands on worker nodes
+and killing a node kills the work on it). Nodes 1..num_nodes are workers with `cpus_per_node`
+CPUs each. Node i has IP 127.0.0.{i+2}, its own temp dir and explicitly chosen free ports;
+everything listens on loopback. Not 127.0.0.1: Ray rewrites that address to the machine's
+external one when a node joins (unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which
+`ray start` refuses to join a cluster at all); 127.0.0.2.. are taken as they are.
+
+A node's processes: those carrying its marker variable (set for its `ray start`, inherited by
+the daemons it leaves) and their descendants. Agents and workers rename themselves with
+setproctitle, which may wipe their environment and command line, so only the process tree
+reaches them; hence a kill freezes the tree (SIGSTOP) before SIGKILL, or the raylet's children
+would be orphaned, and lost, the moment it died. PIDs are kept with their start time: a PID
+reused by an unrelated process is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+from unittest import mock
+
+# Dead-node detection in ~3 s instead of Ray's default ~30 s (the GCS pings each raylet every
+# period; `threshold` missed pings mark the node dead). The timeout covers frozen nodes, whose
+# health-check RPCs hang rather than fail.
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
+                          "health_check_timeout_ms": 1000}
+# Token auth would break every later CLI call or driver; a loopback cluster needs none.
+# RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: an elastic Train run gives up on a lost node sooner.
+BASE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+NODE_MARKER = "RAYLM_LOCAL_CLUSTER_NODE"  # value: the node's temp dir, unique per node
+_PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+               "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
+# Head-only listeners; the two metric servers are set through the environment (no flag) and
+# would otherwise collide with any other Ray head on this machine.
+_HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")
+_HEAD_PORT_ENV = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+_START_ATTEMPTS = 3
+
+
+class LocalClusterError(RuntimeError):
+    """A node failed to start or stop; the message names the node and quotes its log."""
+
+
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot): survives PID reuse
+
+
+def _stat(pid: int) -> Optional[tuple[int, int, str]]:
+    """(ppid, start ticks, state) of a process, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19]), fields[0]
+
+
+def _process_table() -> dict[int, tuple[int, int, str]]:
+    return {int(e): info for e in os.listdir("/proc") if e.isdigit() and (info := _stat(int(e)))}
+
+
+def _alive(proc: Proc) -> bool:
+    info = _stat(proc[0])
+    # A SIGKILLed orphan stays a zombie until PID 1 reaps it; some container inits never do.
+    return info is not None and info[1] == proc[1] and info[2] not in "ZX"
+
+
+def _has_marker(pid: int, marker: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker in f.read().split(b"\0")
+    except OSError:  # gone, or another user's process
+        return False
+
+
+def _with_descendants(roots: Iterable[Proc], table: dict[int, tuple[int, int, str]]) -> set[Proc]:
+    found = {p for p in roots if p[0] in table and table[p[0]][1] == p[1]}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    stack = [pid for pid, _ in found]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            proc = (child, table[child][1])
+            if proc not in found:
+                found.add(proc)
+                stack.append(child)
+    return {p for p in found if table[p[0]][2] not in "ZX"}
+
+
+def _signal(proc: Proc, sig: int) -> None:
+    if _alive(proc):  # checked just before: never signal a PID that now names another process
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc[0], sig)
+
+
+def kill_process_trees(roots: Iterable[Proc], timeout_s: float = 10.0) -> set[Proc]:
+    """SIGKILL `roots` and all their descendants; returns what was killed once all are gone.
+
+    The trees are frozen first (SIGSTOP, repeated until no new descendant appears), so nothing
+    forks or is orphaned between the survey and the kill."""
+    roots, frozen = set(roots), set()
+    while True:
+        new = _with_descendants(roots | frozen, _process_table()) - frozen
+        if not new:
+            break
+        for proc in new:
+            _signal(proc, signal.SIGSTOP)
+        frozen |= new
+    for proc in frozen:
+        _signal(proc, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in frozen if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        raise LocalClusterError(f"processes {sorted(p[0] for p in left)} survived SIGKILL for {timeout_s:.0f} s")
+    return frozen
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class Node:
+    index: int
+    ip: str
+    cpus: int
+    temp_dir: str
+    procs: list[Proc] = field(default_factory=list)  # as last seen; refreshed by `processes`
+
+    @property
+    def is_head(self) -> bool:
+        return self.index == 0
+
+
+class LocalCluster:
+    """A Ray head and `num_nodes` worker nodes on this machine, each a real `ray start`."""
+
+    def __init__(self, num_nodes: int, cpus_per_node: int, head_cpus: int = 0,
+                 system_config: Optional[dict] = None, env: Optional[dict[str, str]] = None,
+                 root: Optional[str] = None, object_store_mb: int = 128, start_timeout_s: float = 180.0):
+        if not 1 <= num_nodes <= 250:
+            raise ValueError(f"num_nodes={num_nodes}: need 1..250 worker nodes (IPs 127.0.0.3..)")
+        if cpus_per_node < 1 or head_cpus < 0:
+            raise ValueError(f"cpus_per_node={cpus_per_node}, head_cpus={head_cpus}: need ≥ 1 and ≥ 0")
+        self.system_config = {**FAST_FAILURE_DETECTION, **(system_config or {})}
+        self.env = {**BASE_ENV, **(env or {})}
+        self.object_store_mb, self.start_timeout_s = object_store_mb, start_timeout_s
+        # Short: Ray's unix sockets live under the temp dir and paths are limited to 107 bytes.
+        self.owns_root = root is None
+        self.root = root or tempfile.mkdtemp(prefix="raylm-cluster-", dir="/tmp")
+        self.nodes = [Node(i, f"127.0.0.{i + 2}", head_cpus if i == 0 else cpus_per_node,
+                           os.path.join(self.root, f"node{i}")) for i in range(num_nodes + 1)]
+        self.gcs_port: Optional[int] = None
+        self._gcs_client = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The GCS address, for `ray.init(address=...)` and `ray start --address`."""
+        if self.gcs_port is None:
+            raise LocalClusterError("the cluster is not started: call start() first")
+        return f"{self.nodes[0].ip}:{self.gcs_port}"
+
+    def start(self) -> "LocalCluster":
+        """Start the head, then all worker nodes together; returns once Ray sees every node."""
+        self._launch([self.nodes[0]])
+        self._launch(self.nodes[1:])
+        return self
+
+    def start_node(self, index: int) -> None:
+        """Start worker node `index` again after `kill_node`: same IP and temp dir, new ports."""
+        node = self._worker(index)
+        if self.processes(index):
+            raise LocalClusterError(f"node {index} ({node.ip}) is running: kill_node({index}) first")
+        self._launch([node])
+
+    def kill_node(self, index: int) -> list[int]:
+        """SIGKILL every process of worker node `index` (raylet, agents, workers); returns their PIDs."""
+        node = self._worker(index)
+        killed = kill_process_trees(self._roots(node))
+        node.procs = []
+        return sorted(pid for pid, _ in killed)
+
+    def stop(self) -> None:
+        """Kill every process this cluster started, by PID, all frozen first (no node sees
+        another go away). Idempotent."""
+        kill_process_trees(set().union(*(self._roots(node) for node in self.nodes)))
+        for node in self.nodes:
+            node.procs = []
+        self.gcs_port, self._gcs_client = None, None
+        if self.owns_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- what is running --------------------------------------------------------------------
+
+    def processes(self, index: int) -> list[int]:
+        """PIDs of node `index`'s live processes (its daemons and their descendants)."""
+        node = self.nodes[index]
+        node.procs = sorted(_with_descendants(self._roots(node), _process_table()))
+        return [pid for pid, _ in node.procs]
+
+    def node_ids(self) -> dict[int, str]:
+        """Ray node id (hex) of each node that Ray considers alive, by node index."""
+        from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+        ids, started = {}, {}
+        for info in self._node_infos():
+            index = self._index_of(info.node_manager_address)
+            # A restarted node registers anew while its old registration may still look alive
+            # (until the health checks fail): the newest registration is the node.
+            alive = info.state == GcsNodeInfo.GcsNodeState.ALIVE
+            if index is not None and alive and info.start_time_ms >= started.get(index, 0):
+                ids[index], started[index] = info.node_id.hex(), info.start_time_ms
+        return ids
+
+    def alive_nodes(self) -> list[int]:
+        """Indexes of the nodes that Ray considers alive."""
+        return sorted(self.node_ids())
+
+    def wait_for_alive(self, indexes: Iterable[int], timeout_s: float = 60.0) -> float:
+        """Wait until exactly `indexes` are alive in Ray's view; returns the seconds waited."""
+        want = sorted(indexes)
+        return _wait(lambda: self.alive_nodes() == want, timeout_s,
+                     lambda: f"alive nodes {self.alive_nodes()}, expected {want}")
+
+    def driver_env(self) -> dict[str, str]:
+        """Environment for a driver process: auth off like the nodes, RAY_ADDRESS set."""
+        return {**self.env, "RAY_ADDRESS": self.address}
+
+    # -- state file (for the CLI, where each command is a new process) ----------------------
+
+    def save(self, path: str) -> None:
+        state = {"root": self.root, "owns_root": self.owns_root, "gcs_port": self.gcs_port,
+                 "system_config": self.system_config, "env": self.env,
+                 "object_store_mb": self.object_store_mb, "start_timeout_s": self.start_timeout_s,
+                 "nodes": [asdict(n) for n in self.nodes]}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, indent=1)
+        os.replace(tmp, path)  # a crash mid-write must not lose the PIDs of a running cluster
+
+    @classmethod
+    def load(cls, path: str) -> "LocalCluster":
+        with open(path) as f:
+            state = json.load(f)
+        nodes = [Node(**{**n, "procs": [tuple(p) for p in n["procs"]]}) for n in state["nodes"]]
+        cluster = cls(len(nodes) - 1, max(1, nodes[1].cpus), nodes[0].cpus, state["system_config"],
+                      state["env"], state["root"], state["object_store_mb"], state["start_timeout_s"])
+        cluster.owns_root, cluster.gcs_port, cluster.nodes = state["owns_root"], state["gcs_port"], nodes
+        return cluster
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _worker(self, index: int) -> Node:
+        if not 1 <= index < len(self.nodes):
+            raise ValueError(f"node {index}: worker nodes are 1..{len(self.nodes) - 1} "
+                             "(node 0, the head, holds the GCS and is not killed alone)")
+        return self.nodes[index]
+
+    def _index_of(self, ip: str) -> Optional[int]:
+        return next((n.index for n in self.nodes if n.ip == ip), None)
+
+    def _roots(self, node: Node) -> set[Proc]:
+        """The node's recorded processes still alive, plus every process carrying its marker."""
+        marker = f"{NODE_MARKER}={node.temp_dir}".encode()
+        table = _process_table()
+        marked = {(pid, info[1]) for pid, info in table.items() if _has_marker(pid, marker)}
+        return marked | {p for p in node.procs if _alive(p)}
+
+    def _node_infos(self) -> list:
+        if self._gcs_client is None:
+            from ray._raylet import GcsClient  # no driver needed, unlike ray.nodes()
+
+            self._gcs_client = GcsClient(address=self.address)
+        return list(self._gcs_client.get_all_node_info(timeout=10).values())
+
+    def _command(self, node: Node) -> tuple[list[str], dict[str, str]]:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(self.env)
+        env[NODE_MARKER] = node.temp_dir
+        # 0 (as a single-node setup may have left it) makes `ray start` refuse to join a cluster.
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        ports = free_ports(len(_PORT_FLAGS) + (len(_HEAD_PORT_FLAGS) + len(_HEAD_PORT_ENV)) * node.is_head)
+        args = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={node.ip}",
+                f"--temp-dir={node.temp_dir}", f"--num-cpus={node.cpus}", "--disable-usage-stats",
+                f"--object-store-memory={self.object_store_mb * 2 ** 20}",
+                # Port 0: workers bind OS-chosen ports, which cannot collide across nodes.
+                "--min-worker-port=0", "--max-worker-port=0"]
+        args += [f"--{flag}={ports.pop()}" for flag in _PORT_FLAGS]
+        if node.is_head:
+            self.gcs_port = ports.pop()
+            args += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
+                     f"--dashboard-host={node.ip}", f"--system-config={json.dumps(self.system_config)}"]
+            args += [f"--{flag}={ports.pop()}" for flag in _HEAD_PORT_FLAGS[1:]]
+            env.update({name: str(ports.pop()) for name in _HEAD_PORT_ENV})
+        else:
+            args.append(f"--address={self.address}")
+        return args, env
+
+    def _spawn(self, node: Node) -> tuple[subprocess.Popen, str]:
+        os.makedirs(node.temp_dir, exist_ok=True)
+        args, env = self._command(node)
+        log_path = os.path.join(self.root, f"node{node.index}-ray-start.log")
+        # A file, not a pipe: the daemons inherit it and would hold a pipe open forever.
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        return proc, log_path
+
+    def _launch(self, nodes: list[Node]) -> None:
+        """Run `ray start` for `nodes` concurrently; return once Ray reports each one alive.
+
+        `ray start` gives a raylet 30 s (fixed in Ray) to register; on a loaded machine that
+        can fail, so a failed start is cleaned up and tried again while time is left."""
+        previous = self.node_ids() if self.gcs_port is not None else {}
+        deadline = time.monotonic() + self.start_timeout_s
+        pending, logs = list(nodes), {}
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            started = [(node, *self._spawn(node)) for node in pending]
+            pending = []
+            for node, proc, log_path in started:
+                logs[node.index] = log_path
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()  # what it already started carries the node's marker: found below
+                    proc.wait()
+                    code = None
+                if code == 0:
+                    continue
+                kill_process_trees(self._roots(node))
+                if attempt == _START_ATTEMPTS or time.monotonic() > deadline:
+                    raise LocalClusterError(f"`ray start` of node {node.index} ({node.ip}) "
+                                            f"{'timed out' if code is None else f'exited with {code}'} "
+                                            f"(attempt {attempt}):\n{_tail(log_path)}")
+                pending.append(node)
+            if not pending:
+                break
+        for node in nodes:
+            try:
+                _wait(lambda: self.node_ids().get(node.index) not in (None, previous.get(node.index)),
+                      max(1.0, deadline - time.monotonic()),
+                      lambda: f"node {node.index} ({node.ip}) has not registered with the GCS")
+            except TimeoutError as e:
+                raise LocalClusterError(f"{e}; see {node.temp_dir}/session_latest/logs\n"
+                                        f"{_tail(logs[node.index])}") from None
+            self.processes(node.index)
+
+
+def _wait(done: Callable[[], bool], timeout_s: float, describe: Callable[[], str]) -> float:
+    start = time.monotonic()
+    while not done():
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"after {timeout_s:.0f} s: {describe()}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def local_cluster(num_nodes: int = 2, cpus_per_node: int = 2, **kwargs) -> Iterator[LocalCluster]:
+    """Body of the `local_cluster` pytest fixture: 1 head (0 CPUs) + 2 workers of 2 CPUs.
+
+    Sets the driver environment (auth off, RAY_ADDRESS) in this process while it lasts, so
+    that a test can `ray.init()`; stops every process afterwards."""
+    with LocalCluster(num_nodes, cpus_per_node, **kwargs) as cluster, \
+            mock.patch.dict(os.environ, cluster.driver_env()):
+        yield cluster

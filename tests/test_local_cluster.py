@@ -1,0 +1,136 @@
+"""The local multi-node cluster: real `ray start` nodes, a node loss by SIGKILL, a rejoin.
+
+The driver runs in a subprocess: a process holds one Ray connection, and the session's
+`ray_session` (a single-node Ray started by earlier tests) may already hold this one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from raylm.testing.cluster import LocalCluster, LocalClusterError, kill_process_trees
+from raylm.testing.cluster import local_cluster as _local_cluster
+
+local_cluster = pytest.fixture(scope="module")(_local_cluster)
+
+# Places a detached actor on each given node (it outlives this driver, so the test can find
+# its PID among the node's processes) and reports what the driver sees.
+DRIVER = """
+import json, os, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+ray.init(address=os.environ["RAY_ADDRESS"], namespace="raylm-local-cluster-test")
+
+@ray.remote(num_cpus=1, lifetime="detached")
+class Where:
+    def where(self):
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+actors = [Where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+          for node_id in sys.argv[1:]]
+placed = ray.get([a.where.remote() for a in actors], timeout=60)
+nodes = [{"ip": n["NodeManagerAddress"], "cpus": n["Resources"].get("CPU", 0), "alive": n["Alive"]}
+         for n in ray.nodes()]
+print(json.dumps({"nodes": nodes, "placed": placed}))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_driver_sees_every_node_and_tasks_land_where_pinned(local_cluster: LocalCluster):
+    ids = local_cluster.node_ids()
+    assert sorted(ids) == [0, 1, 2]
+    out = subprocess.run([sys.executable, "-c", DRIVER, ids[1], ids[2]], capture_output=True, text=True,
+                         env={**os.environ, **local_cluster.driver_env()}, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted((n["ip"], n["cpus"]) for n in seen["nodes"] if n["alive"]) == [
+        ("127.0.0.2", 0), ("127.0.0.3", 2), ("127.0.0.4", 2)]
+    for index, placed in zip((1, 2), seen["placed"]):
+        assert (placed["ip"], placed["node_id"]) == (local_cluster.nodes[index].ip, ids[index])
+        # The actor is one of the node's processes: killing the node kills the work on it.
+        assert placed["pid"] in local_cluster.processes(index)
+
+
+@pytest.mark.slow
+def test_killed_node_is_declared_dead_and_rejoins(local_cluster: LocalCluster):
+    old_id = local_cluster.node_ids()[2]
+    pids = local_cluster.processes(2)
+    assert pids, "node 2 has no processes to kill"
+    killed = local_cluster.kill_node(2)
+    assert set(pids) <= set(killed)
+    assert not [pid for pid in killed if _running(pid)]
+    assert local_cluster.processes(2) == []
+
+    dead_after = local_cluster.wait_for_alive([0, 1], timeout_s=15)
+    print(f"node 2 declared dead {dead_after:.1f} s after SIGKILL")
+    began = time.monotonic()
+    local_cluster.start_node(2)
+    print(f"node 2 rejoined in {time.monotonic() - began:.1f} s")
+    assert local_cluster.alive_nodes() == [0, 1, 2]
+    assert local_cluster.node_ids()[2] != old_id  # a new registration, not the old one revived
+    assert local_cluster.processes(2)
+    with pytest.raises(LocalClusterError, match="node 2 .* is running"):
+        local_cluster.start_node(2)
+
+
+@pytest.mark.slow
+def test_stop_leaves_none_of_the_started_processes(local_cluster: LocalCluster):
+    pids = [pid for node in local_cluster.nodes for pid in local_cluster.processes(node.index)]
+    assert len(pids) >= 3 * 3  # each node: raylet, dashboard agent, runtime env agent, more
+    root = local_cluster.root
+    local_cluster.stop()
+    assert not [pid for pid in pids if _running(pid)]
+    assert not os.path.exists(root)
+    local_cluster.stop()  # idempotent: the fixture stops it again
+
+
+def test_kill_process_trees_kills_descendants_and_spares_a_reused_pid(tmp_path):
+    # A parent whose child would be orphaned (and lost) if the parent died first.
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                               "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "up"
+    start = int(open(f"/proc/{parent.pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    # The same PID with another start time is another process: it must not be signalled.
+    assert kill_process_trees([(parent.pid, start + 1)]) == set()
+    assert parent.poll() is None
+    killed = kill_process_trees([(parent.pid, start)])
+    parent.wait(timeout=10)
+    assert parent.returncode == -signal.SIGKILL
+    assert len(killed) == 2 and not [pid for pid, _ in killed if _running(pid)]
+
+
+def test_state_file_round_trip_and_argument_errors(tmp_path):
+    cluster = LocalCluster(3, 4, head_cpus=1, env={"X": "1"}, root=str(tmp_path))
+    cluster.gcs_port = 12345
+    cluster.nodes[2].procs = [(111, 222)]
+    cluster.save(str(tmp_path / "state.json"))
+    loaded = LocalCluster.load(str(tmp_path / "state.json"))
+    assert loaded.address == "127.0.0.2:12345"
+    assert [(n.ip, n.cpus) for n in loaded.nodes] == [("127.0.0.2", 1), ("127.0.0.3", 4),
+                                                      ("127.0.0.4", 4), ("127.0.0.5", 4)]
+    assert loaded.nodes[2].procs == [(111, 222)] and loaded.env["X"] == "1"
+    assert loaded.system_config["health_check_period_ms"] == 1000
+    with pytest.raises(ValueError, match="node 0: worker nodes are 1..3"):
+        loaded.kill_node(0)
+    with pytest.raises(ValueError, match="num_nodes=0"):
+        LocalCluster(0, 2)
+    with pytest.raises(LocalClusterError, match="not started"):
+        LocalCluster(1, 1, root=str(tmp_path)).address
