@@ -148,6 +148,9 @@ class CheckpointConfig:
     """Keep only this many most recent checkpoints (None keeps all) ..."""
     keep_every: Optional[int] = None
     """... plus every checkpoint whose step is a multiple of this."""
+    async_save: bool = False
+    """Stage the state in memory and write it in the background (DCP async_save on a process
+    group of its own); training continues while the checkpoint is written and published."""
     write_attempts: int = 3
     """Attempts to write a checkpoint (with backoff) before the failure counts."""
     allow_failures: bool = False

@@ -14,6 +14,9 @@ import os
 import pickle
 import random
 import time
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -76,11 +79,21 @@ def _states(model: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dic
 
 
 def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-         train_state: dict, files: dict[str, str]) -> None:
+         train_state: dict, files: dict[str, str], async_group: Optional[dist.ProcessGroup] = None
+         ) -> Optional[Future]:
     """Write this rank's part of the checkpoint into `directory` (called on every rank);
-    rank 0 adds the train state and `files` (name -> text: the config, the tokenizer)."""
+    rank 0 adds the train state and `files` (name -> text: the config, the tokenizer).
+
+    With `async_group`, the tensors are staged in memory and written on a background thread
+    (DCP async_save, its collectives on that group); the returned future completes the write.
+    """
     model_sd, optim_sd = _states(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    state = {"model": model_sd, "optim": optim_sd}
+    future = None
+    if async_group is None:
+        dcp.save(state, checkpoint_id=directory)
+    else:
+        future = dcp.async_save(state, checkpoint_id=directory, process_group=async_group)
     os.makedirs(os.path.dirname(_rng_file(directory, world.rank)), exist_ok=True)
     torch.save(_rng_state(), _rng_file(directory, world.rank))
     if world.rank == 0:
@@ -91,6 +104,7 @@ def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer,
         state = {**train_state, "world_size": world.world_size, "dp_size": model.dp_size}
         with open(os.path.join(directory, TRAIN_STATE), "w") as f:
             json.dump(state, f, indent=1)
+    return future
 
 
 def load(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
@@ -200,20 +214,43 @@ def _check_space(uri: str, needed: int) -> None:
                           f"about {needed / 1e6:.1f} MB needed")
 
 
+@dataclass
+class _Pending:
+    """An async save in flight: its staging directory stays open until it is published."""
+
+    step: int
+    directory: str
+    stack: ExitStack
+    future: Future
+    metrics: dict
+
+
 class Checkpointer:
     """When to save, and saving safely: all ranks agree that their part was written before the
     checkpoint is published; failed writes are retried, then stop training unless
-    `checkpoint.allow_failures`, in which case every later step warns until a save succeeds."""
+    `checkpoint.allow_failures`, in which case every later step warns until a save succeeds.
+
+    With `checkpoint.async_save`, a save returns once the state is staged in memory; each later
+    step asks whether every rank's write has finished and then publishes it, and training does
+    not end before it is published.
+    """
 
     def __init__(self, cfg: Config, env, model: ParallelModel, optimizer: torch.optim.Optimizer,
                  world: World, files: dict[str, str]):
         self.cfg, self.env, self.model, self.optimizer, self.world, self.files = cfg, env, model, optimizer, world, files
         self.last_save = time.monotonic()
         self.failing_since: Optional[int] = None
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.pending: Optional[_Pending] = None
+        self.async_group: Optional[dist.ProcessGroup] = None
+        if cfg.checkpoint.async_save:
+            # DCP's background writes need collectives of their own: on the training group they
+            # would interleave with the step's (gloo fails with a size mismatch).
+            self.async_group = dist.new_group(backend="gloo") if self.distributed else None
 
     def _agree(self, flag: bool, op: str) -> bool:
         """`op`="all": every rank's flag; "rank0": rank 0's flag, on every rank."""
-        if not (dist.is_available() and dist.is_initialized()):
+        if not self.distributed:
             return flag
         t = torch.tensor([int(flag)], device=self.world.device)
         if op == "all":
@@ -230,38 +267,79 @@ class Checkpointer:
             return False
         return self._agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
 
-    def save(self, step: int, train_state: dict, metrics: dict) -> Optional[str]:
-        """The published checkpoint's URI, or None when it failed and failures are allowed."""
-        c, root, storage_cfg = self.cfg.checkpoint, self.env.checkpoint_root, self.cfg.storage
+    def _space_needed(self) -> tuple[int, int]:
+        """Bytes this rank writes, and bytes of the whole checkpoint."""
         local = _local_state_bytes(self.model, self.optimizer)
         total = torch.tensor([local], device=self.world.device, dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
+        if self.distributed:
             dist.all_reduce(total)
+        return local, int(total.item())
+
+    def save(self, step: int, train_state: dict, metrics: dict) -> None:
+        c, root = self.cfg.checkpoint, self.env.checkpoint_root
+        self.wait()  # one async save in flight at a time
+        local, total = self._space_needed()
         error: Optional[BaseException] = None
         for attempt in range(c.write_attempts):
             error = None
-            with self.env.staging_dir(step) as directory:
-                try:
-                    _check_space(directory, int(1.1 * local))
-                    if self.world.rank == 0:
-                        _check_space(root, int(1.1 * total.item()))
-                    save(directory, self.model, self.optimizer, self.world, train_state, self.files)
-                except OSError as e:
-                    error = e
-                if self._agree(error is None, "all"):
-                    uri = self.env.publish(step, directory, metrics)
-                    break
+            stack = ExitStack()
+            directory = stack.enter_context(self.env.staging_dir(step))
+            future = None
+            try:
+                _check_space(directory, int(1.1 * local))
+                if self.world.rank == 0:
+                    _check_space(root, int(1.1 * total))
+                future = save(directory, self.model, self.optimizer, self.world, train_state, self.files,
+                              self.async_group if c.async_save else None)
+            except OSError as e:
+                error = e
+            if self._agree(error is None, "all"):
+                if future is not None:
+                    self.pending = _Pending(step, directory, stack, future, metrics)
+                else:
+                    self._publish(step, directory, stack, metrics)
+                self.last_save = time.monotonic()
+                return
+            stack.close()
             if attempt + 1 < c.write_attempts:
                 time.sleep(min(30.0, 2.0 ** attempt))
+        self._failed(step, error)
+
+    def poll(self) -> None:
+        """Publish the async save in flight if every rank has finished writing it."""
+        if self.pending is not None and self._agree(self.pending.future.done(), "all"):
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish the async save in flight, if any (blocking)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        error = None
+        try:
+            pending.future.result()
+        except OSError as e:
+            error = e
+        if self._agree(error is None, "all"):
+            self._publish(pending.step, pending.directory, pending.stack, pending.metrics)
         else:
-            reason = error or "another rank could not write its part"
-            if not c.allow_failures:
-                raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {root} after "
-                                           f"{c.write_attempts} attempts ({reason}). Training stops so that it "
-                                           "never runs unprotected; free space or fix storage, then resume") from error
-            self.failing_since = self.failing_since or step
-            return None
-        if dist.is_available() and dist.is_initialized():
+            pending.stack.close()
+            self._failed(pending.step, error)
+
+    def _failed(self, step: int, error: Optional[BaseException]) -> None:
+        c, root = self.cfg.checkpoint, self.env.checkpoint_root
+        reason = error or "another rank could not write its part"
+        if not c.allow_failures:
+            raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {root} ({reason}). "
+                                       "Training stops so that it never runs unprotected; free space or fix "
+                                       "storage, then resume") from error
+        self.failing_since = self.failing_since or step
+
+    def _publish(self, step: int, directory: str, stack: ExitStack, metrics: dict) -> None:
+        c, root, storage_cfg = self.cfg.checkpoint, self.env.checkpoint_root, self.cfg.storage
+        with stack:
+            uri = self.env.publish(step, directory, metrics)
+        if self.distributed:
             dist.barrier()  # every rank's part is published before the manifest says so
         if self.world.rank == 0:
             finalize(uri, storage_cfg)
@@ -269,5 +347,3 @@ class Checkpointer:
             for name in sorted(set(names) - retained(names, c.keep_last, c.keep_every)):
                 storage.delete_dir(storage.join(root, name), storage_cfg)
         self.failing_since = None
-        self.last_save = time.monotonic()
-        return uri

@@ -157,6 +157,7 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         if batch is None:
             break
         data_wait = time.perf_counter() - wait_start
+        checkpointer.poll()
         step = batch.step
         for hook in hooks:
             hook.on_step_begin(run, step)
@@ -200,5 +201,5 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         if checkpointer.failing_since is not None and world.rank == 0:
             print(f"WARNING: no checkpoint has been written since step {checkpointer.failing_since}: "
                   "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
-
+    checkpointer.wait()
     return metrics
