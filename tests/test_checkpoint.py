@@ -60,6 +60,9 @@ def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
     assert checkpoints(tmp_path) == ["checkpoint_00000004", "checkpoint_00000008",
                                      "checkpoint_00000009", "checkpoint_00000010"]
     assert checkpoint.retained(["checkpoint_00000001"], 0, None) == {"checkpoint_00000001"}
+    # Ray Train keeps a file in the run directory whose name starts alike: not a checkpoint.
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert checkpoint.latest_complete(str(tmp_path)) == str(tmp_path / "checkpoint_00000010")
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import re
 import time
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -42,6 +43,11 @@ TOKENIZER = "tokenizer.json"
 
 def dir_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Ours, not another file that starts alike (Ray keeps checkpoint_manager_snapshot.json)."""
+    return re.fullmatch(rf"{PREFIX}\d{{8}}", name) is not None
 
 
 def _rng_file(directory: str, rank: int) -> str:
@@ -79,21 +85,22 @@ def _states(model: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dic
 
 
 def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-         train_state: dict, files: dict[str, str], async_group: Optional[dist.ProcessGroup] = None
-         ) -> Optional[Future]:
+         train_state: dict, files: dict[str, str], asynchronous: bool = False,
+         async_group: Optional[dist.ProcessGroup] = None) -> Optional[Future]:
     """Write this rank's part of the checkpoint into `directory` (called on every rank);
     rank 0 adds the train state and `files` (name -> text: the config, the tokenizer).
 
-    With `async_group`, the tensors are staged in memory and written on a background thread
-    (DCP async_save, its collectives on that group); the returned future completes the write.
+    `asynchronous`: the tensors are staged in memory and written on a background thread (DCP
+    async_save, its collectives on `async_group`); the returned future completes the write.
     """
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     future = None
-    if async_group is None:
-        dcp.save(state, checkpoint_id=directory)
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=directory, process_group=async_group,
+                                no_dist=not dist.is_initialized())
     else:
-        future = dcp.async_save(state, checkpoint_id=directory, process_group=async_group)
+        dcp.save(state, checkpoint_id=directory)
     os.makedirs(os.path.dirname(_rng_file(directory, world.rank)), exist_ok=True)
     torch.save(_rng_state(), _rng_file(directory, world.rank))
     if world.rank == 0:
@@ -165,7 +172,7 @@ def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None,
 
 def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
     """The newest complete checkpoint under a run directory (local or s3://), or None."""
-    names = sorted((n for n in storage.list_dir(run_uri, storage_cfg) if n.startswith(PREFIX)), reverse=True)
+    names = sorted((n for n in storage.list_dir(run_uri, storage_cfg) if is_checkpoint_name(n)), reverse=True)
     for name in names:
         uri = storage.join(run_uri, name)
         if incomplete_reason(uri, storage_cfg) is None:
@@ -290,7 +297,7 @@ class Checkpointer:
                 if self.world.rank == 0:
                     _check_space(root, int(1.1 * total))
                 future = save(directory, self.model, self.optimizer, self.world, train_state, self.files,
-                              self.async_group if c.async_save else None)
+                              c.async_save, self.async_group)
             except OSError as e:
                 error = e
             if self._agree(error is None, "all"):
@@ -343,7 +350,7 @@ class Checkpointer:
             dist.barrier()  # every rank's part is published before the manifest says so
         if self.world.rank == 0:
             finalize(uri, storage_cfg)
-            names = [n for n in storage.list_dir(root, storage_cfg) if n.startswith(PREFIX)]
+            names = [n for n in storage.list_dir(root, storage_cfg) if is_checkpoint_name(n)]
             for name in sorted(set(names) - retained(names, c.keep_last, c.keep_every)):
                 storage.delete_dir(storage.join(root, name), storage_cfg)
         self.failing_since = None

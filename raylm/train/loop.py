@@ -180,9 +180,11 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         state.tokens_seen += global_batch * seq_len
         now = time.perf_counter()
         tokens_per_s = global_batch * seq_len / (now - t0)
+        # position: where the next step's samples start, so an audit of metrics.jsonl alone
+        # can tell which samples each committed step trained on (resume, resize, skip).
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens": state.tokens_seen, "step_time": now - t0, "data_wait": data_wait,
-                   "tokens_per_s": tokens_per_s,
+                   "position": state.position, "tokens": state.tokens_seen, "step_time": now - t0,
+                   "data_wait": data_wait, "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
         t0 = now
         if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):

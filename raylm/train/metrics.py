@@ -80,7 +80,8 @@ class MetricsLogger(Hook):
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
     def on_train_start(self, run: "Run") -> None:
-        if self.rank0 and run.state.step > 0:
+        # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
+        if self.rank0 and (run.state.step > 0 or os.path.getsize(self.file.name) > 0):
             self._record_resume(run.state.step)
         if self.rank0:
             n = sum(p.numel() for p in run.model.model.parameters())
