@@ -5,7 +5,7 @@ checkpoints, with a synchronous save every N steps, and with async saves. The st
 checkpoint is the extra wall time over the run without checkpoints, divided by the number of
 saves. Prepares a small corpus of its own, so it needs nothing beside the repository.
 
-    python benchmarks/checkpoint_stall.py [--d-model 384 --layers 6 --steps 60 --every 10]
+    python benchmarks/checkpoint_stall.py [--d-model 256 --layers 4 --steps 40 --every 10]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def timed_run(data: str, workdir: str, name: str, args: argparse.Namespace, *ext
     run_dir = os.path.join(workdir, name)
     cfg = load_config(None, [
         f"data.path={data}", "data.loader=local", f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-        "model.n_heads=6", "model.max_seq_len=64", f"train.steps={args.steps}", "train.global_batch_size=8",
+        "model.n_heads=4", "model.max_seq_len=64", f"train.steps={args.steps}", "train.global_batch_size=8",
         "train.micro_batch_size=8", "train.eval_every=0", "train.tensorboard=false", "train.log_every=1000",
         "schedule.warmup_steps=2", *extra])
     start = time.perf_counter()
@@ -55,9 +55,9 @@ def timed_run(data: str, workdir: str, name: str, args: argparse.Namespace, *ext
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d-model", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
     workdir = tempfile.mkdtemp(prefix="raylm-stall-")

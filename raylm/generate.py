@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -24,6 +25,8 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def load_for_inference(path: str) -> tuple[Transformer, Tokenizer, Config]:
+    # One process is the point here; DCP warns that it assumes so.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     directory = resolve_checkpoint(path)
     cfg = load_config(os.path.join(directory, checkpoint.CONFIG))
     model = Transformer(cfg.model)
