@@ -407,24 +407,14 @@ def config_to_yaml(cfg: Config) -> str:
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single field's type cannot express."""
     m, t = cfg.model, cfg.train
-    positive = {
-        "model.d_model": m.d_model, "model.n_layers": m.n_layers, "model.n_heads": m.n_heads,
-        "model.max_seq_len": m.max_seq_len, "train.steps": t.steps,
-        "train.micro_batch_size": t.micro_batch_size, "parallel.num_workers": cfg.parallel.num_workers,
-        "data.chunk_rows": cfg.data.chunk_rows,
-    }
+    from raylm.model.transformer import check_model_config  # the model owns its shape rules
+
+    check_model_config(m, need_vocab=False)
+    positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
+                "parallel.num_workers": cfg.parallel.num_workers, "data.chunk_rows": cfg.data.chunk_rows}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_kv_heads ({kv}) must divide model.n_heads ({m.n_heads})")
-    if m.pos_embedding == "rope" and (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"RoPE needs an even head dimension; d_model/n_heads = {m.d_model // m.n_heads}")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if (t.global_batch_size is None) == (t.global_batch_tokens is None):
         raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
                           "(set the other to null)")

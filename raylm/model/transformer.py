@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raylm.config import ModelConfig
+from raylm.config import ConfigError, ModelConfig
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -45,23 +45,29 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
     return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
 
 
-def check_model_config(cfg: ModelConfig) -> None:
-    """Errors for a ModelConfig no Transformer can be built from (naming the field)."""
-    if not isinstance(cfg.vocab_size, int) or cfg.vocab_size <= 0:
-        raise ValueError(f"model.vocab_size must be a positive int to build a model, got {cfg.vocab_size!r} "
-                         "(None is filled in from the prepared dataset)")
+def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
+    """Errors for a ModelConfig no Transformer can be built from (naming the field). Config
+    loading runs it too, before the dataset has supplied the vocabulary (`need_vocab=False`)."""
+    if need_vocab and (not isinstance(cfg.vocab_size, int) or cfg.vocab_size <= 0):
+        raise ConfigError(f"model.vocab_size must be a positive int to build a model, got {cfg.vocab_size!r} "
+                          "(None is filled in from the prepared dataset)")
     choices = {"norm": ("rmsnorm", "layernorm"), "pos_embedding": ("rope", "learned"),
                "mlp": ("swiglu", "gelu", "relu")}
     for name, valid in choices.items():
         if getattr(cfg, name) not in valid:
-            raise ValueError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")
+            raise ConfigError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")
+    for name in ("d_model", "n_layers", "n_heads", "max_seq_len"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")
     if cfg.d_model % cfg.n_heads:
-        raise ValueError(f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads})")
+        raise ConfigError(f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads})")
     n_kv = cfg.n_kv_heads or cfg.n_heads
     if cfg.n_heads % n_kv:
-        raise ValueError(f"model.n_kv_heads ({n_kv}) must divide model.n_heads ({cfg.n_heads})")
+        raise ConfigError(f"model.n_kv_heads ({n_kv}) must divide model.n_heads ({cfg.n_heads})")
     if cfg.pos_embedding == "rope" and (cfg.d_model // cfg.n_heads) % 2:
-        raise ValueError(f"RoPE needs an even head dimension, got d_model/n_heads = {cfg.d_model // cfg.n_heads}")
+        raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads = {cfg.d_model // cfg.n_heads}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
 
 
 def build_norm(cfg: ModelConfig) -> Union[nn.RMSNorm, nn.LayerNorm]:
