@@ -93,3 +93,14 @@ def test_mixture_of_real_datasets_keeps_its_proportions(tiny_dataset, tmp_path):
         expected = pq.read_table(source.shard_uris[d][shard]).column("tokens")[row].as_py()
         assert list(tokens) == expected
     assert {source.order.locate(g)[0] for g in batch.indices} == {0, 1}
+
+
+def test_row_group_reads_give_the_same_batches_as_whole_shards(tiny_dataset, monkeypatch):
+    from raylm.data import stream
+
+    whole = rank_streams(tiny_dataset, 2, 0, 0, 6)
+    monkeypatch.setattr(stream, "SHARD_CACHE_BYTES", 0)  # no shard fits: read row groups
+    monkeypatch.setattr(stream, "_shards", stream.OrderedDict())
+    by_groups = rank_streams(tiny_dataset, 2, 0, 0, 6)
+    for a, b in zip(whole, by_groups):
+        assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))

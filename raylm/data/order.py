@@ -56,16 +56,33 @@ class DatasetOrder:
         sizes = np.array([self.chunks[c].rows for c in perm])
         return perm, np.concatenate([[0], np.cumsum(sizes)])
 
+    @lru_cache(maxsize=1024)
+    def _within(self, epoch: int, chunk: int) -> np.ndarray:
+        """The order of a chunk's rows in `epoch`."""
+        rows = self.chunks[chunk].rows
+        return _rng(self.seed, self.salt, epoch, chunk).permutation(rows) if self.shuffle else np.arange(rows)
+
+    def locate_many(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, row) arrays for positions of this dataset's own sequence."""
+        positions = np.asarray(positions, dtype=np.int64)
+        epochs, pos = np.divmod(positions, self.num_samples)
+        shards, rows = np.empty_like(positions), np.empty_like(positions)
+        for epoch in np.unique(epochs).tolist():
+            sel = np.flatnonzero(epochs == epoch)
+            perm, starts = self._epoch(epoch)
+            slots = np.searchsorted(starts, pos[sel], side="right") - 1
+            chunk_ids, offsets = perm[slots], pos[sel] - starts[slots]
+            for c in np.unique(chunk_ids).tolist():
+                mine = chunk_ids == c
+                chunk = self.chunks[c]
+                shards[sel[mine]] = chunk.shard
+                rows[sel[mine]] = chunk.start + self._within(epoch, c)[offsets[mine]]
+        return shards, rows
+
     def locate(self, index: int) -> tuple[int, int]:
         """(shard, row) of the sample at position `index` of this dataset's own sequence."""
-        epoch, pos = divmod(index, self.num_samples)
-        perm, starts = self._epoch(epoch)
-        slot = int(np.searchsorted(starts, pos, side="right")) - 1
-        chunk = self.chunks[perm[slot]]
-        offset = pos - int(starts[slot])
-        if self.shuffle:
-            offset = int(_rng(self.seed, self.salt, epoch, int(perm[slot])).permutation(chunk.rows)[offset])
-        return chunk.shard, chunk.start + offset
+        shards, rows = self.locate_many(np.array([index]))
+        return int(shards[0]), int(rows[0])
 
 
 class SampleOrder:
@@ -101,14 +118,28 @@ class SampleOrder:
             rank[owner == d] = np.arange(self.block_counts[d])
         return owner, rank
 
+    def locate_many(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dataset, shard, row) arrays for global sample indices."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(self.datasets) == 1:
+            return (np.zeros_like(indices), *self.datasets[0].locate_many(indices))
+        blocks, pos = np.divmod(indices, MIX_BLOCK)
+        owners, local = np.empty_like(indices), np.empty_like(indices)
+        for block in np.unique(blocks).tolist():
+            sel = np.flatnonzero(blocks == block)
+            owner, rank = self._block(block)
+            owners[sel] = owner[pos[sel]]
+            local[sel] = block * np.asarray(self.block_counts)[owners[sel]] + rank[pos[sel]]
+        shards, rows = np.empty_like(indices), np.empty_like(indices)
+        for d in np.unique(owners).tolist():
+            sel = np.flatnonzero(owners == d)
+            shards[sel], rows[sel] = self.datasets[d].locate_many(local[sel])
+        return owners, shards, rows
+
     def locate(self, index: int) -> tuple[int, int, int]:
         """(dataset, shard, row) of global sample `index`."""
-        if len(self.datasets) == 1:
-            return (0, *self.datasets[0].locate(index))
-        block, pos = divmod(index, MIX_BLOCK)
-        owner, rank = self._block(block)
-        d = int(owner[pos])
-        return (d, *self.datasets[d].locate(block * self.block_counts[d] + int(rank[pos])))
+        d, shard, row = self.locate_many([index])
+        return int(d[0]), int(shard[0]), int(row[0])
 
 
 def batch_indices(position: int, count: int, skip: list[list[int]]) -> tuple[list[int], int]:

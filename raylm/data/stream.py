@@ -35,41 +35,63 @@ class Batch:
     next_position: int  # global position after this whole global batch
 
 
+# Whole shards kept per process (Ray reuses its worker processes across read tasks), so a shard
+# is fetched once in one request rather than a small request per row group. Larger datasets
+# fall back to reading only the row groups they need.
+SHARD_CACHE_BYTES = 1 << 30
+_shards: OrderedDict[str, np.ndarray] = OrderedDict()
+
+
+def _tokens(table) -> "np.ndarray":
+    return table.column("tokens").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+
+
 class ShardReader:
-    """Reads rows of Parquet shards by row number, one row group at a time, with a small cache."""
+    """Reads rows of Parquet shards by row number: whole shards through a per-process cache
+    when they fit in `SHARD_CACHE_BYTES`, else the row groups that hold the rows."""
 
-    def __init__(self, row_tokens: int, storage_cfg: Optional[StorageConfig], cache_groups: int = 16):
+    def __init__(self, row_tokens: int, storage_cfg: Optional[StorageConfig]):
         self.row_tokens, self.storage_cfg = row_tokens, storage_cfg
-        self._files: dict[str, tuple[pq.ParquetFile, np.ndarray]] = {}
-        self._groups: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self.cache_groups = cache_groups
+        self._files: dict[str, pq.ParquetFile] = {}
 
-    def _file(self, uri: str) -> tuple[pq.ParquetFile, np.ndarray]:
+    def _file(self, uri: str) -> pq.ParquetFile:
         if uri not in self._files:
             fs, path = storage.filesystem_for(uri, self.storage_cfg)
-            pf = pq.ParquetFile(fs.open_input_file(path))
-            sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
-            self._files[uri] = (pf, np.concatenate([[0], np.cumsum(sizes)]))
+            self._files[uri] = pq.ParquetFile(fs.open_input_file(path), pre_buffer=True)
         return self._files[uri]
 
-    def _group(self, uri: str, group: int) -> np.ndarray:
-        key = (uri, group)
-        if key not in self._groups:
-            pf, _ = self._file(uri)
-            column = pf.read_row_group(group, columns=["tokens"]).column("tokens").combine_chunks()
-            rows = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, self.row_tokens)
-            self._groups[key] = rows
-            if len(self._groups) > self.cache_groups:
-                self._groups.popitem(last=False)
-        self._groups.move_to_end(key)
-        return self._groups[key]
+    def _whole(self, uri: str) -> Optional[np.ndarray]:
+        if uri in _shards:
+            _shards.move_to_end(uri)
+            return _shards[uri]
+        meta = self._file(uri).metadata
+        if meta.num_rows * self.row_tokens * 4 > SHARD_CACHE_BYTES:
+            return None
+        fs, path = storage.filesystem_for(uri, self.storage_cfg)
+        rows = _tokens(pq.read_table(path, filesystem=fs, columns=["tokens"])).reshape(-1, self.row_tokens)
+        _shards[uri] = rows
+        while sum(r.nbytes for r in _shards.values()) > SHARD_CACHE_BYTES:
+            _shards.popitem(last=False)
+        return rows
 
-    def read(self, uri: str, row: int) -> np.ndarray:
-        _, starts = self._file(uri)
-        group = int(np.searchsorted(starts, row, side="right")) - 1
-        if not 0 <= row < starts[-1]:
-            raise IndexError(f"{uri}: row {row} out of range (shard has {starts[-1]} rows)")
-        return self._group(uri, group)[row - starts[group]]
+    def read_rows(self, uri: str, rows: np.ndarray) -> np.ndarray:
+        """The token rows at `rows` (row numbers within the shard), in that order."""
+        pf = self._file(uri)
+        if len(rows) and (rows.min() < 0 or rows.max() >= pf.metadata.num_rows):
+            raise IndexError(f"{uri}: rows {rows.min()}..{rows.max()} out of range "
+                             f"(shard has {pf.metadata.num_rows} rows)")
+        whole = self._whole(uri)
+        if whole is not None:
+            return whole[rows]
+        sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        groups = np.unique(np.searchsorted(starts, rows, side="right") - 1)
+        block = _tokens(pf.read_row_groups(groups.tolist(), columns=["tokens"])).reshape(-1, self.row_tokens)
+        offsets = np.concatenate([[0], np.cumsum([sizes[g] for g in groups])])
+        index = {g: (starts[g], offsets[i]) for i, g in enumerate(groups.tolist())}
+        picked = [index[int(g)][1] + r - index[int(g)][0]
+                  for g, r in zip(np.searchsorted(starts, rows, side="right") - 1, rows)]
+        return block[np.asarray(picked, dtype=np.int64)]
 
 
 class RowSource:
@@ -86,10 +108,11 @@ class RowSource:
     def rows(self, indices: list[int]) -> np.ndarray:
         if self._reader is None:
             self._reader = ShardReader(self.row_tokens, self.storage_cfg)
+        datasets, shards, rows = self.order.locate_many(indices)
         out = np.empty((len(indices), self.row_tokens), dtype=np.int32)
-        for i, g in enumerate(indices):
-            d, shard, row = self.order.locate(g)
-            out[i] = self._reader.read(self.shard_uris[d][shard], row)
+        for d, shard in {(int(d), int(s)) for d, s in zip(datasets, shards)}:
+            mine = (datasets == d) & (shards == shard)
+            out[mine] = self._reader.read_rows(self.shard_uris[d][shard], rows[mine])
         return out
 
 
@@ -198,6 +221,9 @@ class TokenStream:
         ds = ray.data.from_items([{"span": k} for k in range(len(spans))],
                                  override_num_blocks=max(1, min(len(spans), 64)))
         ds = ds.map_batches(read, batch_size=1, num_cpus=READ_TASK_CPUS)
-        for item in ds.iter_batches(batch_size=1, prefetch_batches=self.prefetch, batch_format="numpy"):
-            yield Batch(int(item["step"][0]), item["tokens"][0], item["indices"][0].tolist(),
-                        int(item["next_position"][0]))
+        # Whole blocks (a read task's span of steps), split here: per-step batches cost more.
+        for block in ds.iter_batches(batch_size=None, prefetch_batches=max(1, -(-self.prefetch // span)),
+                                     batch_format="numpy"):
+            for i in range(len(block["step"])):
+                yield Batch(int(block["step"][i]), block["tokens"][i], block["indices"][i].tolist(),
+                            int(block["next_position"][i]))
