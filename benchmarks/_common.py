@@ -1,0 +1,53 @@
+"""Helpers shared by the benchmark scripts: machine load, throughput statistics, a table."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages: other engineers' jobs share this machine's cores, so
+    every figure is only comparable next to the load it was measured under."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The per-step records of a raylm metrics.jsonl."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclass
+class Throughput:
+    steps: int  # steps in the steady window
+    median_tokens_per_s: float  # median of per-step rates: robust to the odd stalled step
+    mean_tokens_per_s: float  # window tokens / window time: every stall counts
+    seconds: float  # time the window's steps took
+
+
+def steady_throughput(step_times: Sequence[float], tokens_per_step: int,
+                      warmup_fraction: float = 0.1) -> Throughput:
+    """Throughput over the steps after the first `warmup_fraction` (allocator and thread-pool
+    warm-up, first data reads)."""
+    window = list(step_times)[int(len(step_times) * warmup_fraction):]
+    if not window:
+        raise ValueError(f"no steps left after skipping the first {warmup_fraction:.0%} of {len(step_times)}")
+    seconds = sum(window)
+    return Throughput(len(window), tokens_per_step / statistics.median(window),
+                      tokens_per_step * len(window) / seconds, seconds)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain-text table with left-aligned columns (also valid Markdown)."""
+    cells = [list(map(str, headers))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    print(line(cells[0]))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        print(line(row))
