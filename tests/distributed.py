@@ -48,7 +48,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, a
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300) -> list:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list:
     """`fn(*args)` on `world_size` gloo ranks; returns [rank 0's value, rank 1's, ...]."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -175,7 +175,8 @@ def test_parallel_block_yaml_is_a_parallel_config_raylm_accepts(precision, check
     lay = rows[0].layout
     block = yaml.safe_load(parallel_block_yaml(rows[0], precision))["parallel"]
     assert set(block) <= set(ParallelConfig.__dataclass_fields__)
-    cfg = config_from_dict({"parallel": block})
+    # The block belongs to the model it was planned for (tp=8 would not fit a 4-head default).
+    cfg = config_from_dict({"model": {"size": "175b", "vocab_size": 50272}, "parallel": block})
     check_parallel_config(cfg.parallel, OPT_175B, 1024)
     assert cfg.parallel.num_workers == 1024
     assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp, cfg.parallel.pp) == (

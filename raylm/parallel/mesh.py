@@ -22,6 +22,7 @@ from raylm.config import ConfigError, ModelConfig, ParallelConfig
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ def _check_tp_divides(model: ModelConfig, tp: int) -> None:
         sizes["vocab_size"] = model.vocab_size
     for name, size in sizes.items():
         if size % tp:
-            raise ConfigError(f"parallel.tp={tp} does not divide model {name}={size}")
+            hint = "; pad it with model.vocab_multiple (e.g. 64)" if name == "vocab_size" else ""
+            raise ConfigError(f"parallel.tp={tp} does not divide model {name}={size}{hint}")
 
 
 def _check_pipeline(p: ParallelConfig, model: ModelConfig) -> None:
@@ -114,6 +116,13 @@ def _check_pipeline(p: ParallelConfig, model: ModelConfig) -> None:
     if p.pp_schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} interleaves several stages per rank: "
                           f"set pp_virtual_stages >= 2 (got {v}), or use 1f1b")
+    if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and p.sharding == "full":
+        # Seen on torch 2.13 (gloo): losses off by ~20% within five steps, while the same schedules
+        # with sharding gradients/optimizer (parameters kept gathered) match a single process.
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} computes weight gradients in a separate pass "
+                          "after the input gradients, which gives wrong gradients with sharding=full (FSDP2 "
+                          "re-sharding parameters after forward) in torch 2.13: use sharding=gradients or "
+                          "optimizer with it")
     if model.tie_embeddings:
         raise ConfigError("model.tie_embeddings shares the embedding with the output head, which live on the "
                           f"first and last pipeline stages: untie them or set parallel.pp=1 (pp={p.pp})")

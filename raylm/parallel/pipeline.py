@@ -117,30 +117,50 @@ def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
 
 def stage_module(model: nn.Module, layers: list[str], first: bool, last: bool) -> nn.Module:
     """A copy of `model` keeping only `layers` (and the embedding / the head on the ends)."""
-    stage = copy.deepcopy(model)
+    dropped = [block for key, block in model.layers.items() if key not in layers]
     if not first:
-        stage.tok_embeddings = None
-        stage.pos_embeddings = None
-    for key in list(stage.layers.keys()):
-        if key not in layers:
-            del stage.layers[key]
+        dropped += [model.tok_embeddings, model.pos_embeddings]
     if not last:
-        stage.norm = None
-        stage.output = None
+        dropped += [model.norm, model.output]
+    # A memo entry of None makes deepcopy put None where the original has a dropped module, so
+    # only what the stage keeps is copied.
+    stage = copy.deepcopy(model, memo={id(m): None for m in dropped if m is not None})
+    for key in [k for k, block in stage.layers.items() if block is None]:
+        del stage.layers[key]
     return stage
 
 
 def build_schedule(stages: list[PipelineStage], p: ParallelConfig, n_microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> S._PipelineSchedule:
-    """The configured schedule over this rank's stages; gradients are averaged over micro-batches."""
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   forward_only: bool = False) -> S._PipelineSchedule:
+    """The configured schedule over this rank's stages; gradients are averaged over micro-batches.
+
+    `forward_only` gives an instance for `eval()`: torch 2.13's multi-stage schedules run their
+    backward actions in eval() too (ZBV and DualPipeV then fail handing a gradient between a
+    rank's two stages), so its action lists keep only the forwards and their communication.
+    """
     cls = SCHEDULES[p.pp_schedule]
     single = issubclass(cls, S.PipelineScheduleSingle)
     try:
-        return cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                       scale_grads=True)
     except ValueError as e:
         raise ValueError(f"parallel.pp_schedule={p.pp_schedule} with {n_microbatches} micro-batches over "
-                         f"{num_stages(p)} stages (pp={p.pp}): {e}; change parallel.pp_microbatches or the "
-                         "batch / micro-batch size") from e
+                         f"{num_stages(p)} stages (pp={p.pp}): {str(e).rstrip('.')}; change "
+                         "parallel.pp_microbatches or the batch / micro-batch size") from e
+    if forward_only and not single:
+        schedule.pipeline_order_with_comms = {
+            rank: [f for a in actions for f in _forward_work(a)]
+            for rank, actions in schedule.pipeline_order_with_comms.items()}
+    return schedule
+
+
+def _forward_work(action: S._Action) -> list[S._Action]:
+    """The forward part of an action: itself, nothing, or a forward overlapped with a backward."""
+    if action.computation_type == S.OVERLAP_F_B:
+        return [a for a in action.sub_actions if a.computation_type == S.FORWARD]
+    keep = action.computation_type in (S.FORWARD, S.SEND_F, S.RECV_F, S.UNSHARD, S.RESHARD)
+    return [action] if keep else []
 
 
 # Relative cost of each computation: a full backward is an input- plus a weight-gradient pass.

@@ -176,26 +176,29 @@ class PipelineModel(ParallelModel):
         self.stages = stages
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
-        self._schedules: dict[int, object] = {}
+        self._schedules: dict[tuple[int, bool], object] = {}  # by (micro-batches, backward)
 
-    def _schedule(self, local_batch: int, micro_batch_size: int):
+    def _schedule(self, local_batch: int, micro_batch_size: int, backward: bool):
+        """The training (or forward-only) schedule for this many micro-batches, built on first use."""
         n = self.cfg.parallel.pp_microbatches or local_batch // micro_batch_size
         if local_batch % n:
             raise ValueError(f"the local batch of {local_batch} sequences does not split into {n} pipeline "
                              "micro-batches (parallel.pp_microbatches or train.micro_batch_size)")
-        if n not in self._schedules:
-            schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n, cross_entropy)
-            self._schedules[n] = schedule
-            self.layout.update(pp_microbatches=n,
-                               pp_bubble=pipeline.bubble_fraction(schedule, self.mesh.dims.pp, n))
-            if self.world.rank == 0:
-                print(f"[raylm.parallel] pipeline schedule {self.cfg.parallel.pp_schedule}: "
-                      f"{num_stages(self.cfg.parallel)} stages, {n} micro-batches, "
-                      f"bubble {self.layout['pp_bubble']:.1%} of compute time", flush=True)
-        return self._schedules[n]
+        if (n, backward) not in self._schedules:
+            schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n, cross_entropy,
+                                               forward_only=not backward)
+            self._schedules[n, backward] = schedule
+            if backward:
+                self.layout.update(pp_microbatches=n,
+                                   pp_bubble=pipeline.bubble_fraction(schedule, self.mesh.dims.pp, n))
+                if self.world.rank == 0:
+                    print(f"[raylm.parallel] pipeline schedule {self.cfg.parallel.pp_schedule}: "
+                          f"{num_stages(self.cfg.parallel)} stages, {n} micro-batches, "
+                          f"bubble {self.layout['pp_bubble']:.1%} of compute time", flush=True)
+        return self._schedules[n, backward]
 
     def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool) -> torch.Tensor:
-        schedule = self._schedule(len(tokens), micro_batch_size)
+        schedule = self._schedule(len(tokens), micro_batch_size, backward)
         inputs = (tokens[:, :-1],) if self.has_first else ()  # later stages receive activations
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval

@@ -87,6 +87,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         if model.norm is None:  # a stage that hands hidden states on: gather them whole
             parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+            blocks[-1].register_forward_hook(_own_storage)
+
+
+def _own_storage(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The gathered stage output can be a view; zero-bubble schedules detach stage outputs in
+    place after the input-gradient pass, which views refuse. A copy costs one (B, T, d) tensor."""
+    return output.clone() if output._is_view() else output
 
 
 def _replicate_the_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:

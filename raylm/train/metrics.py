@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from raylm.model.sizes import count_params
 from raylm.parallel.runtime import World
 from raylm.train.hooks import Hook
 
@@ -84,7 +85,7 @@ class MetricsLogger(Hook):
         if self.rank0 and (run.state.step > 0 or os.path.getsize(self.file.name) > 0):
             self._record_resume(run.state.step)
         if self.rank0:
-            n = sum(p.numel() for p in run.model.model.parameters())
+            n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
             print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
