@@ -118,7 +118,7 @@ def reproduce(args: argparse.Namespace, cfg: Config) -> dict:
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     return {"wall_s": wall, "train_s": sum(times), "val_loss": vals[-1][1], "val_curve": vals,
             "whole_val_loss": whole_val_loss(cfg, rows[-1]["step"]), "throughput": steady_throughput(times, tokens_per_step(cfg)),
-            "after_report": report_stall(cfg, rows), "load": load_average()}
+            "mfu": statistics.median(r["mfu"] for r in rows[len(rows) // 10:]), "load": load_average()}
 
 
 def same_batches(cfg: Config, steps: int) -> torch.Tensor:
@@ -159,17 +159,6 @@ def plain_loop(cfg: Config, batches: torch.Tensor, threads: int) -> tuple[list[f
     return times, losses
 
 
-def report_stall(cfg: Config, rows: list[dict]) -> tuple[float, float]:
-    """Median step_time (s) of the steps right after a `ray.train.report` and of all others. The
-    loop reports every `train.report_every` steps, and the report's wait shows in the next
-    step's time: Ray Train's result queue holds one report, drained once per health check."""
-    every = cfg.train.report_every
-    window = rows[len(rows) // 10:]
-    after = [r["step_time"] for r in window if r["step"] % every == 1 % every]
-    other = [r["step_time"] for r in window if r["step"] % every != 1 % every]
-    return statistics.median(after), statistics.median(other)
-
-
 @dataclass
 class Measurement:
     who: str  # "plain" or "raylm"
@@ -188,7 +177,6 @@ def ratio(args: argparse.Namespace, stamp: str) -> dict:
     batches = same_batches(base, steps)
     threads = int(os.environ["OMP_NUM_THREADS"])
     runs: list[Measurement] = []
-    stalls: list[dict] = []
 
     # The plain loop runs in a Ray task: a worker process like raylm's, with the same OMP_NUM_THREADS
     # and the niceness Ray gives its workers (15), so the OS schedules both sides alike against the
@@ -211,12 +199,10 @@ def ratio(args: argparse.Namespace, stamp: str) -> dict:
         launch(cfg)
         rows, times = train_step_times(cfg)
         runs.append(Measurement("raylm", steady_throughput(times, tokens_per_step(base)), load_average()))
-        stalls += rows[len(rows) // 10:]
         # The same model and batches: raylm's losses must be the plain loop's (to float noise).
         max_loss_diff = max(max_loss_diff, *(abs(r["loss"] - p) for r, p in zip(rows, plain_losses)))
         plain()
-    return {"steps": steps, "threads": threads, "runs": runs, "max_loss_diff": max_loss_diff,
-            "after_report": report_stall(base, stalls)}
+    return {"steps": steps, "threads": threads, "runs": runs, "max_loss_diff": max_loss_diff}
 
 
 def fmt(t: Throughput) -> str:
@@ -248,8 +234,7 @@ def summarize(repro: dict | None, rat: dict | None, command: str) -> None:
                  ["wall time of launch", f"{repro['wall_s']:.1f} s"],
                  ["training steps alone (sum of step_time)", f"{repro['train_s']:.1f} s"],
                  ["steady tokens/s (after first 10%)", fmt(t)],
-                 ["median step_time: after a report; other steps",
-                  "{:.0f} ms; {:.0f} ms".format(*(1000 * x for x in repro["after_report"]))],
+                 ["median MFU (CPU: of this CPU's measured fp32 matmul rate)", f"{100 * repro['mfu']:.1f}%"],
                  ["load average at the end", repro["load"]]]
     drifted = []
     if rat:
@@ -261,8 +246,6 @@ def summarize(repro: dict | None, rat: dict | None, command: str) -> None:
         rows += [["ratio raylm / plain, median of rounds (median; mean)",
                   f"{statistics.median(r[0] for r in ratios):.3f}; {statistics.median(r[1] for r in ratios):.3f} "
                   f"(goal >= 0.95)"],
-                 ["raylm median step_time: after a report; other steps",
-                  "{:.0f} ms; {:.0f} ms".format(*(1000 * x for x in rat["after_report"]))],
                  ["max |loss raylm - loss plain| per step", f"{rat['max_loss_diff']:.2e}"]]
     print_table(["figure", "value"], rows)
     if drifted:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -50,6 +51,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(describe_fields())
         return
     overrides = list(args.overrides)
+    if args.config and "=" in args.config and not os.path.exists(args.config):
+        args.config, overrides = None, [args.config, *overrides]  # no config file: defaults + overrides
     if args.resume:
         overrides.append("checkpoint.resume=required")
     cfg = load_config(args.config, overrides)
@@ -119,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train on Ray Train per a YAML config with dotted overrides",
                        epilog="example: raylm train configs/demo-cpu.yaml model.n_layers=4 optim.lr=3e-4")
-    p.add_argument("config", nargs="?", help="YAML config (keys: `raylm train --help-config`)")
+    p.add_argument("config", nargs="?", help="YAML config (keys: `raylm train --help-config`); "
+                   "optional: without one, the defaults and the overrides describe the run")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint to resume from (resuming is automatic when one exists)")

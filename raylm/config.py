@@ -128,12 +128,18 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 1
     """Steps between progress lines; metrics.jsonl gets every step."""
-    report_every: int = 10
-    """Steps between reports to Ray Train (a report blocks for its health check)."""
+    report_every_s: float = 30.0
+    """Seconds between metrics-only reports to Ray Train (Tune sees these); 0: only with
+    checkpoints. Each report holds every rank about a second (Ray's cross-rank barrier and its
+    one-slot result queue, drained once per controller poll), so reports go by time, not steps."""
     compile: bool = False
     peak_tflops: Optional[float] = None
     """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
     tensorboard: bool = True
+    audit_samples: bool = False
+    """Add to each step's metrics.jsonl row the sorted global indices of the samples it trained
+    on, gathered from every data-parallel rank: the record that proves no sample was lost or
+    repeated across restarts and resizes. Costs a gather per step; for tests and audits."""
 
 
 @dataclass
@@ -143,7 +149,9 @@ class CheckpointConfig:
     every_minutes: Optional[float] = None
     """Also save when this many minutes have passed since the last save (rank 0's clock)."""
     resume: Literal["auto", "never", "required"] = "auto"
-    """`auto` resumes from the run's latest complete checkpoint when there is one."""
+    """`auto` resumes from the run's latest complete checkpoint when there is one; `required`
+    fails without one; `never` fails if the run directory already holds one (a fresh run).
+    Restarts after a failure or resize always resume from the latest complete checkpoint."""
     keep_last: Optional[int] = None
     """Keep only this many most recent checkpoints (None keeps all) ..."""
     keep_every: Optional[int] = None

@@ -83,12 +83,14 @@ def local_run_dir(cfg: Config) -> str:
 
 
 class RayTrainEnv:
-    """Checkpoints through `ray.train.report`. Resumes from `ray.train.get_checkpoint()` (the
-    latest of this run, after a worker-group restart), else from `initial_checkpoint` (the latest
-    complete one an earlier invocation left, found by the driver)."""
+    """Checkpoints through `ray.train.report`. Every start of the worker group, the first and
+    each restart after a failure or resize, resumes from the newest complete checkpoint in the
+    run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
+    its controller's next poll, so a worker killed just after a save would lose a checkpoint
+    that is complete on storage."""
 
-    def __init__(self, cfg: Config, initial_checkpoint: Optional[str] = None):
-        self.cfg, self.initial_checkpoint = cfg, initial_checkpoint
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
         self.run_dir = local_run_dir(cfg)
         self.checkpoint_root = run_uri(cfg)
 
@@ -101,14 +103,12 @@ class RayTrainEnv:
     def restore_dir(self) -> Iterator[Optional[str]]:
         import ray.train
 
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None and self.initial_checkpoint is None:
+        latest = checkpoint.latest_complete(self.checkpoint_root, self.cfg.storage)
+        if latest is None:
             yield None
             return
-        if ckpt is None:
-            fs, path = storage.filesystem_for(self.initial_checkpoint, self.cfg.storage)
-            ckpt = ray.train.Checkpoint(path, filesystem=fs)
-        with ckpt.as_directory() as directory:  # a download when the run lives on S3
+        fs, path = storage.filesystem_for(latest, self.cfg.storage)
+        with ray.train.Checkpoint(path, filesystem=fs).as_directory() as directory:  # a download from S3
             yield directory
 
     @contextlib.contextmanager
@@ -136,7 +136,7 @@ def _train_fn_per_worker(loop_config: dict) -> None:
     import ray
 
     cfg = config_from_dict(loop_config["config"])
-    env = RayTrainEnv(cfg, loop_config["restore"])
+    env = RayTrainEnv(cfg)
     node_id = ray.get_runtime_context().get_node_id()
     if cfg.run.health_check:
         self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
@@ -202,21 +202,23 @@ def launch(cfg: Config) -> dict:
     from ray.train.torch import TorchTrainer
 
     cfg = resolve(cfg)
-    start_ray(cfg)
     uri = run_uri(cfg)
-    storage.write_bytes(storage.join(uri, "config.yaml"), config_to_yaml(cfg).encode(), cfg.storage)
-
-    restore = None if cfg.checkpoint.resume == "never" else checkpoint.latest_complete(uri, cfg.storage)
+    restore = checkpoint.latest_complete(uri, cfg.storage)
     if cfg.checkpoint.resume == "required" and restore is None:
         raise FileNotFoundError(f"checkpoint.resume=required but {uri} holds no complete checkpoint")
+    if cfg.checkpoint.resume == "never" and restore is not None:
+        raise ConfigError(f"checkpoint.resume=never but {uri} already holds checkpoints (latest {restore}); "
+                          "choose another run.name or remove them")
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
+    start_ray(cfg)
+    storage.write_bytes(storage.join(uri, "config.yaml"), config_to_yaml(cfg).encode(), cfg.storage)
 
     p = cfg.parallel
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
     trainer = TorchTrainer(
         _train_fn_per_worker,
-        train_loop_config={"config": config_to_dict(cfg), "restore": restore},
+        train_loop_config={"config": config_to_dict(cfg)},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(p.min_workers, p.num_workers) if p.min_workers else p.num_workers,
             use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},

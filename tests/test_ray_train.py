@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from raylm.config import load_config
+from raylm.config import ConfigError, load_config
 from raylm.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -56,6 +56,10 @@ def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_datase
     launch(ray_config(tiny_dataset, tmp_path, "run.name=straight", *common))
     launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "train.stop_at_step=4"))
     assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=never but .*resumed already holds checkpoints"):
+        launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "checkpoint.resume=never"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint.resume=required but .*nothing holds no complete"):
+        launch(ray_config(tiny_dataset, tmp_path, "run.name=nothing", *common, "checkpoint.resume=required"))
     launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common))
     straight = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight")}
     resumed = {r["step"]: r["loss"] for r in metrics(tmp_path / "resumed")}

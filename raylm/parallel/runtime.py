@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,18 @@ class World:
             rank, size = 0, 1
         local = int(os.environ.get("LOCAL_RANK", 0))
         return World(rank, size, local, device or torch.device("cpu"))
+
+    def agree(self, flag: bool, op: Literal["all", "rank0"]) -> bool:
+        """One decision for every rank: "all" is true when every rank's flag is; "rank0" is
+        rank 0's flag. Ranks must take the same branches around collectives and reports."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        if op == "all":
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        else:
+            dist.broadcast(t, src=0)
+        return bool(t.item())
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

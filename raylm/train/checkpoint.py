@@ -255,24 +255,13 @@ class Checkpointer:
             # would interleave with the step's (gloo fails with a size mismatch).
             self.async_group = dist.new_group(backend="gloo") if self.distributed else None
 
-    def _agree(self, flag: bool, op: str) -> bool:
-        """`op`="all": every rank's flag; "rank0": rank 0's flag, on every rank."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([int(flag)], device=self.world.device)
-        if op == "all":
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        else:
-            dist.broadcast(t, src=0)
-        return bool(t.item())
-
     def due(self, step: int, last: int) -> bool:
         c = self.cfg.checkpoint
         if step == last or (c.every_steps > 0 and step % c.every_steps == 0):
             return True
         if c.every_minutes is None:
             return False
-        return self._agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
+        return self.world.agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
 
     def _space_needed(self) -> tuple[int, int]:
         """Bytes this rank writes, and bytes of the whole checkpoint."""
@@ -300,7 +289,7 @@ class Checkpointer:
                               c.async_save, self.async_group)
             except OSError as e:
                 error = e
-            if self._agree(error is None, "all"):
+            if self.world.agree(error is None, "all"):
                 if future is not None:
                     self.pending = _Pending(step, directory, stack, future, metrics)
                 else:
@@ -314,7 +303,7 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Publish the async save in flight if every rank has finished writing it."""
-        if self.pending is not None and self._agree(self.pending.future.done(), "all"):
+        if self.pending is not None and self.world.agree(self.pending.future.done(), "all"):
             self.wait()
 
     def wait(self) -> None:
@@ -327,7 +316,7 @@ class Checkpointer:
             pending.future.result()
         except OSError as e:
             error = e
-        if self._agree(error is None, "all"):
+        if self.world.agree(error is None, "all"):
             self._publish(pending.step, pending.directory, pending.stack, pending.metrics)
         else:
             pending.stack.close()

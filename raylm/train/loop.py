@@ -14,6 +14,7 @@ from typing import ContextManager, Optional, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from raylm.config import Config, config_to_yaml, global_batch_sequences
 from raylm.data.manifest import load_dataset_tokenizer
@@ -149,15 +150,27 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_at_step or steps)
     metrics: dict = {}
+    # Seconds the loop was blocked by checkpointing since the last step's metrics: a save (sync:
+    # the whole write; async: staging) and publishing a finished async save.
+    checkpoint_s = 0.0
+    last_report = time.monotonic()
     t0 = time.perf_counter()
     batches = stream.batches(state.position, state.step, last)
     while True:
+        if state.step in (10, 100) and world.device.type == "cpu" and not cfg.train.peak_tflops:
+            # A CPU's peak is measured; the first time, at start-up, Ray was still starting
+            # processes on the same cores. Keep the best figure, and keep it out of step time.
+            measure_start = time.perf_counter()
+            run.peak_flops = max(run.peak_flops, peak_flops(world.device))
+            t0 += time.perf_counter() - measure_start
         wait_start = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
             break
         data_wait = time.perf_counter() - wait_start
+        poll_start = time.perf_counter()
         checkpointer.poll()
+        checkpoint_s += time.perf_counter() - poll_start
         step = batch.step
         for hook in hooks:
             hook.on_step_begin(run, step)
@@ -184,9 +197,11 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         # can tell which samples each committed step trained on (resume, resize, skip).
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "position": state.position, "tokens": state.tokens_seen, "step_time": now - t0,
-                   "data_wait": data_wait, "tokens_per_s": tokens_per_s,
+                   "data_wait": data_wait, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
-        t0 = now
+        t0, checkpoint_s = now, 0.0
+        if cfg.train.audit_samples:
+            metrics["samples"] = _samples_of_step(model, batch.indices)
         if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)
             t0 = time.perf_counter()  # evaluation is not step time
@@ -195,13 +210,28 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         run.history.append(metrics)
 
         if checkpointer.due(state.step, last):
+            save_start = time.perf_counter()
             checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": tokenizer_sha256},
                               metrics)
             t0 = time.perf_counter()
-        elif state.step % cfg.train.report_every == 0:
+            checkpoint_s = t0 - save_start  # outside step_time: reported with the next step
+            last_report = time.monotonic()
+        elif cfg.train.report_every_s > 0 and world.agree(
+                time.monotonic() - last_report >= cfg.train.report_every_s, "rank0"):
             env.report(metrics)
+            last_report = time.monotonic()
         if checkpointer.failing_since is not None and world.rank == 0:
             print(f"WARNING: no checkpoint has been written since step {checkpointer.failing_since}: "
                   "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
     checkpointer.wait()
     return metrics
+
+
+def _samples_of_step(model: ParallelModel, indices: list[int]) -> list[int]:
+    """The global sample indices the whole step trained on. Ranks of one data-parallel rank's
+    tensor/pipeline group hold the same rows, so each dp rank's rows count once."""
+    if not dist.is_initialized():
+        return sorted(indices)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (model.dp_rank, indices))
+    return sorted(i for rows in dict(gathered).values() for i in rows)

@@ -1,0 +1,103 @@
+"""Chaos on the local multi-node cluster: a `raylm train` driver joined to it, and the Ray
+Train worker processes to kill. Used by the chaos tests and the recovery benchmark.
+
+    driver = TrainDriver(cluster, run_dir, ["configs/demo-cpu.yaml", "train.steps=100"])
+    driver.wait_for("step 20", lambda: driver.last_step() >= 20)
+    kill_process_trees([train_worker(cluster, node=2)])
+    driver.finish()
+    driver.events("resumed")   # from events.jsonl: when, from which step, steps lost, world size
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from raylm.testing.cluster import LocalCluster, Proc
+
+
+class ChaosError(AssertionError):
+    """The run did not do what was waited for; the message quotes the driver's log."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete lines of a JSON-lines file that may be being appended to (none if absent)."""
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+class TrainDriver:
+    """`python -m raylm.cli train ARGS run.ray_address=<cluster>` in its own process, as `ray job
+    submit` would start it; stdout and stderr go to `<run_dir>-driver.log`. `run_dir` must be
+    where ARGS put the run (run.storage_path / run.name)."""
+
+    def __init__(self, cluster: LocalCluster, run_dir: Path, args: list[str]):
+        self.run_dir = Path(run_dir)
+        self.log = self.run_dir.with_name(f"{self.run_dir.name}-driver.log")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "raylm.cli", "train", *args, f"run.ray_address={cluster.address}"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **cluster.driver_env()})
+
+    def tail(self, lines: int = 60) -> str:
+        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+    def wait_for(self, what: str, done: Callable[[], bool], timeout_s: float = 240, poll_s: float = 0.05) -> float:
+        """Wait until `done()`; returns the seconds waited. Raises ChaosError if the run ends
+        first or time runs out."""
+        start = time.monotonic()
+        while not done():
+            if self.proc.poll() is not None:
+                raise ChaosError(f"the run ended (exit {self.proc.returncode}) before {what}:\n{self.tail()}")
+            if time.monotonic() - start > timeout_s:
+                raise ChaosError(f"not within {timeout_s:.0f} s: {what}:\n{self.tail()}")
+            time.sleep(poll_s)
+        return time.monotonic() - start
+
+    def finish(self, timeout_s: float = 300) -> None:
+        """Wait for the run to end; raises ChaosError unless it succeeded."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise ChaosError(f"the run did not finish within {timeout_s:.0f} s:\n{self.tail()}") from None
+        if code != 0:
+            raise ChaosError(f"the run failed (exit {code}):\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def last_step(self) -> int:
+        rows = self.metrics()
+        return rows[-1]["step"] if rows else 0
+
+    def events(self, kind: str) -> list[dict]:
+        """events.jsonl entries of one kind: "failure" (the driver's record of a worker-group
+        failure) or "resumed" (rank 0's record of a restart: from_step, steps_lost, world_size)."""
+        return [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def train_worker(cluster: LocalCluster, node: int) -> Proc:
+    """(pid, start time) of a Ray Train worker process on `node`, for `kill_process_trees`."""
+    cluster.processes(node)
+    for pid, start in cluster.nodes[node].procs:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::RayTrainWorker"):
+                    return pid, start
+        except OSError:  # gone meanwhile
+            continue
+    raise ChaosError(f"no Ray Train worker process on node {node}")
