@@ -12,7 +12,7 @@ from raylm.train import checkpoint
 
 
 class LocalEnv:
-    """Checkpoints go straight into `run_dir/checkpoint_XXXXXXXX` (all ranks share the disk)."""
+    """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk)."""
 
     def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False):
         self.run_dir, self.resume, self.use_gpu = run_dir, resume, use_gpu
