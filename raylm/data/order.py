@@ -14,7 +14,6 @@ counts are fixed by the weights, so proportions hold exactly over every block.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -28,13 +27,6 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
-@dataclass(frozen=True)
-class Chunk:
-    shard: int  # index into DatasetOrder.shard_uris
-    start: int  # first row within the shard
-    rows: int
-
-
 class DatasetOrder:
     """The order of one prepared dataset's split, epoch by epoch."""
 
@@ -44,23 +36,25 @@ class DatasetOrder:
             raise ValueError(f"dataset split has no rows (shards: {shard_uris[:3]}...)")
         self.shard_uris = list(shard_uris)
         self.seed, self.shuffle, self.salt = seed, shuffle, salt
-        self.chunks = [Chunk(i, start, min(chunk_rows, rows - start))
-                       for i, rows in enumerate(shard_rows) for start in range(0, rows, chunk_rows)]
+        # Chunks as arrays, not objects: a dataset of a billion rows has millions of chunks, and
+        # this object is pickled into every Ray Data read task.
+        starts = [np.arange(0, rows, chunk_rows, dtype=np.int64) for rows in shard_rows]
+        self.chunk_shard = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(starts)])
+        self.chunk_start = np.concatenate(starts)
+        self.chunk_size = np.concatenate([np.minimum(chunk_rows, rows - s) for rows, s in zip(shard_rows, starts)])
         self.num_samples = sum(shard_rows)
 
     @lru_cache(maxsize=4)
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Chunk order for `epoch` and the first position of each chunk in it."""
-        n = len(self.chunks)
+        n = len(self.chunk_start)
         perm = _rng(self.seed, self.salt, epoch).permutation(n) if self.shuffle else np.arange(n)
-        sizes = np.array([self.chunks[c].rows for c in perm])
-        return perm, np.concatenate([[0], np.cumsum(sizes)])
+        return perm, np.concatenate([[0], np.cumsum(self.chunk_size[perm])])
 
     @lru_cache(maxsize=1024)
     def _within(self, epoch: int, chunk: int) -> np.ndarray:
         """The order of a chunk's rows in `epoch`."""
-        rows = self.chunks[chunk].rows
-        return _rng(self.seed, self.salt, epoch, chunk).permutation(rows) if self.shuffle else np.arange(rows)
+        return _rng(self.seed, self.salt, epoch, chunk).permutation(int(self.chunk_size[chunk]))
 
     def locate_many(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(shard, row) arrays for positions of this dataset's own sequence."""
@@ -72,11 +66,14 @@ class DatasetOrder:
             perm, starts = self._epoch(epoch)
             slots = np.searchsorted(starts, pos[sel], side="right") - 1
             chunk_ids, offsets = perm[slots], pos[sel] - starts[slots]
-            for c in np.unique(chunk_ids).tolist():
+            shards[sel] = self.chunk_shard[chunk_ids]
+            rows[sel] = self.chunk_start[chunk_ids] + offsets
+            if not self.shuffle:
+                continue
+            # A one-row chunk has one order; the others shuffle their rows.
+            for c in np.unique(chunk_ids[self.chunk_size[chunk_ids] > 1]).tolist():
                 mine = chunk_ids == c
-                chunk = self.chunks[c]
-                shards[sel[mine]] = chunk.shard
-                rows[sel[mine]] = chunk.start + self._within(epoch, c)[offsets[mine]]
+                rows[sel[mine]] = self.chunk_start[c] + self._within(epoch, c)[offsets[mine]]
         return shards, rows
 
     def locate(self, index: int) -> tuple[int, int]:

@@ -23,8 +23,8 @@ from raylm.data.manifest import Manifest, load_manifest
 from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
 
 
-STEPS_PER_READ_TASK = 16
-READ_TASK_CPUS = 0.25  # reads are I/O-bound; a whole CPU each would starve the training workers
+STEPS_PER_READ = 16
+READER_CPUS = 0.25  # reads are I/O-bound; a whole CPU would starve the training workers
 
 
 @dataclass
@@ -35,8 +35,8 @@ class Batch:
     next_position: int  # global position after this whole global batch
 
 
-# Whole shards kept per process (Ray reuses its worker processes across read tasks), so a shard
-# is fetched once in one request rather than a small request per row group. Larger datasets
+# Whole shards kept per process (the reader actor, or the trainer with the local engine), so a
+# shard is fetched once in one request rather than a small request per row group. Larger datasets
 # fall back to reading only the row groups they need.
 SHARD_CACHE_BYTES = 1 << 30
 _shards: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -200,30 +200,47 @@ class TokenStream:
             stop.set()
 
     def _ray_batches(self, plan: list[tuple[int, int]]) -> Iterator[Batch]:
+        import ray
         import ray.data
 
-        source, gb, skip, rank, size = self.source, self.global_batch, self.skip, self.dp_rank, self.dp_size
-        # One read task per span of steps: a Ray task per step would cost more than the read.
-        span = max(1, min(STEPS_PER_READ_TASK, len(plan) // max(1, self.prefetch)))
+        # One read per span of steps: a Ray call per step would cost more than the read.
+        span = max(1, min(STEPS_PER_READ, len(plan) // max(1, self.prefetch)))
         spans = [plan[i:i + span] for i in range(0, len(plan), span)]
-
-        def read(items: dict) -> dict:
-            batches = [_rank_batch(source, step, pos, gb, skip, rank, size)
-                       for k in items["span"] for step, pos in spans[int(k)]]
-            return {"step": np.array([b.step for b in batches]),
-                    "next_position": np.array([b.next_position for b in batches]),
-                    "indices": np.stack([np.array(b.indices) for b in batches]),
-                    "tokens": np.stack([b.tokens for b in batches])}
-
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # the order is the whole point
         ctx.enable_progress_bars = False
         ds = ray.data.from_items([{"span": k} for k in range(len(spans))],
                                  override_num_blocks=max(1, min(len(spans), 64)))
-        ds = ds.map_batches(read, batch_size=1, num_cpus=READ_TASK_CPUS)
-        # Whole blocks (a read task's span of steps), split here: per-step batches cost more.
+        # One long-lived reader actor per rank, on its node unless that node is full. Read tasks
+        # each took a worker process, which Ray kills once idle beyond its soft limit and starts
+        # again for the next task: a Python start-up per span on the trainer's cores.
+        node = ray.get_runtime_context().get_node_id()
+        ds = ds.map_batches(
+            _SpanReader, fn_constructor_args=(self.source, spans, self.global_batch, self.skip, self.dp_rank,
+                                              self.dp_size),
+            batch_size=1, num_cpus=READER_CPUS, compute=ray.data.ActorPoolStrategy(size=1),
+            label_selector={"ray.io/node-id": node},
+            fallback_strategy=[{"label_selector": {"ray.io/node-id": f"!{node}"}}])
+        # Whole blocks (a read's span of steps), split here: per-step batches cost more.
         for block in ds.iter_batches(batch_size=None, prefetch_batches=max(1, -(-self.prefetch // span)),
                                      batch_format="numpy"):
             for i in range(len(block["step"])):
                 yield Batch(int(block["step"][i]), block["tokens"][i], block["indices"][i].tolist(),
                             int(block["next_position"][i]))
+
+
+class _SpanReader:
+    """The Ray Data reader of one rank's stream: turns span numbers into that span's batches."""
+
+    def __init__(self, source: RowSource, spans: list[list[tuple[int, int]]], global_batch: int,
+                 skip: list[list[int]], dp_rank: int, dp_size: int):
+        self.source, self.spans, self.global_batch, self.skip = source, spans, global_batch, skip
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def __call__(self, items: dict) -> dict:
+        batches = [_rank_batch(self.source, step, pos, self.global_batch, self.skip, self.dp_rank, self.dp_size)
+                   for k in items["span"] for step, pos in self.spans[int(k)]]
+        return {"step": np.array([b.step for b in batches]),
+                "next_position": np.array([b.next_position for b in batches]),
+                "indices": np.stack([np.array(b.indices) for b in batches]),
+                "tokens": np.stack([b.tokens for b in batches])}
