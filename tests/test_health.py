@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.parallel.runtime import World
-from raylm.train.health import StragglerMonitor, WorkerHealthError, self_test
+from raylm.train.health import LocalTimeProbe, StragglerMonitor, WorkerHealthError, self_test
 from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")
@@ -128,11 +128,29 @@ def test_straggler_monitor_flags_the_slow_rank_once_and_nobody_when_balanced():
 
 
 
+def _probed(world_size: int, steps: int, every: int) -> list[dict]:
+    probe = LocalTimeProbe(every=every)
+    run = SimpleNamespace(world=World(0, world_size, 0, CPU))
+    probe.on_train_start(run)
+    out = []
+    for step in range(steps):
+        metrics = {"data_wait": 0.001 * step}
+        probe.on_step_end(run, step, metrics)
+        out.append(metrics)
+    return out
+
+
+def test_local_time_probe_times_the_device_every_n_steps_and_only_with_peers():
+    assert all("local_time" not in m for m in _probed(1, 12, every=5))  # alone: no cost, no key
+    device_s = [round(m["local_time"] - m["data_wait"], 12) for m in _probed(2, 12, every=5)]
+    assert device_s[0] > 0
+    # Timed at steps 0, 5 and 10; the steps between carry the latest figure.
+    assert len(set(device_s[0:5])) == len(set(device_s[5:10])) == len(set(device_s[10:12])) == 1
+
+
 def _synchronous_steps_with_a_slow_loader(slow_rank: int, steps: int) -> tuple[list[float], list[dict]]:
     """Synchronous steps (an all-reduce makes every rank wait for the slowest, as gradient sync
     does): `slow_rank` waits 0.3 s for each batch, the others 0.02 s."""
-    from raylm.train.health import LocalTimeProbe
-
     rank = dist.get_rank()
     run = SimpleNamespace(world=World.current(CPU))
     probe, monitor = LocalTimeProbe(), StragglerMonitor(f"node-{rank}", k=2.0, window=3)

@@ -234,16 +234,22 @@ class LocalTimeProbe(Hook):
 
     It adds the time the rank waited for its batch (`metrics["data_wait"]`: slow storage or
     network) to the time a fixed amount of matmul work takes on its device (slow or contended
-    hardware). Install it before `StragglerMonitor`, which compares these times across ranks.
+    hardware), timed every `every` steps: on a CPU the probe costs a few ms, a tenth of a small
+    model's step. Install it before `StragglerMonitor`, which compares these times across ranks;
+    alone (one rank) there is nothing to compare, and it does nothing.
     """
 
-    def __init__(self, size: int = 256, repeats: int = 4):
-        self.size, self.repeats = size, repeats
+    def __init__(self, size: int = 256, repeats: int = 4, every: int = 10):
+        if every < 1:
+            raise ValueError(f"every={every}: need every ≥ 1")
+        self.size, self.repeats, self.every = size, repeats, every
         self.a: Optional[torch.Tensor] = None
+        self.probe_s = 0.0  # the latest probe
 
     def on_train_start(self, run: "Run") -> None:
-        g = torch.Generator().manual_seed(0)  # not the training RNG
-        self.a = torch.randn(self.size, self.size, generator=g).to(run.world.device)
+        if run.world.world_size > 1:
+            g = torch.Generator().manual_seed(0)  # not the training RNG
+            self.a = torch.randn(self.size, self.size, generator=g).to(run.world.device)
 
     def _probe_seconds(self, device: torch.device) -> float:
         start = time.perf_counter()
@@ -255,4 +261,8 @@ class LocalTimeProbe(Hook):
         return time.perf_counter() - start
 
     def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
-        metrics["local_time"] = metrics.get("data_wait", 0.0) + self._probe_seconds(run.world.device)
+        if self.a is None:
+            return
+        if step % self.every == 0:
+            self.probe_s = self._probe_seconds(run.world.device)
+        metrics["local_time"] = metrics.get("data_wait", 0.0) + self.probe_s
