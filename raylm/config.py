@@ -72,8 +72,9 @@ class DataConfig:
     chunk_rows: int = 64
     """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
     loader: Literal["ray", "local"] = "ray"
-    """`ray` streams rows through Ray Data with background prefetch; `local` reads with
-    pyarrow in the training process (for tests and runs without Ray)."""
+    """`ray` streams rows through Ray Data: one reader actor per rank (0.25 CPU, on the rank's
+    node when it has room) prefetches in the background; `local` reads with pyarrow in the
+    training process (for tests and runs without Ray)."""
     verify: bool = True
     """Check every shard's checksum and row count on the driver before training starts
     (reads the dataset once; turn off for datasets too large to read up front)."""

@@ -56,7 +56,7 @@ def start_ray(cfg: Config) -> None:
         return
     use_loopback()
     p = cfg.parallel
-    # Logical CPUs: the workers' reservations plus room for Ray Data's read tasks.
+    # Logical CPUs: the workers' reservations plus room for the Ray Data readers (one per rank).
     num_cpus = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(p.num_workers * p.cpus_per_worker) + 2)
     ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})

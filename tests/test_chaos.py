@@ -53,7 +53,7 @@ def chaos_dataset(ray_session, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(chaos_dataset) -> LocalCluster:
-    # One training worker per node (2 of its 3 CPUs); the third CPU runs Ray Data's read tasks.
+    # One training worker per node (2 of its 3 CPUs); the third CPU runs its Ray Data reader.
     yield from local_cluster_body(num_nodes=2, cpus_per_node=3)
 
 

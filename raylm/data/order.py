@@ -37,7 +37,7 @@ class DatasetOrder:
         self.shard_uris = list(shard_uris)
         self.seed, self.shuffle, self.salt = seed, shuffle, salt
         # Chunks as arrays, not objects: a dataset of a billion rows has millions of chunks, and
-        # this object is pickled into every Ray Data read task.
+        # this object is pickled into every rank's Ray Data reader.
         starts = [np.arange(0, rows, chunk_rows, dtype=np.int64) for rows in shard_rows]
         self.chunk_shard = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(starts)])
         self.chunk_start = np.concatenate(starts)
