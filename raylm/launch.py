@@ -15,7 +15,8 @@ import torch
 
 from ray.train import UserCallback
 
-from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, config_to_yaml, global_batch_sequences
+from raylm.config import (Config, ConfigError, StorageConfig, config_from_dict, config_to_dict, config_to_yaml,
+                          global_batch_sequences)
 from raylm.data import storage
 from raylm.data.storage import redact
 from raylm.data.inspect import verify_or_raise
@@ -179,20 +180,19 @@ class RecoveryLog(UserCallback):
     """Driver side of the recovery record: each worker failure, with its cause, goes to
     events.jsonl (the restarted workers add when and from which step training resumed)."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, run_uri: str, storage_cfg: StorageConfig):
         self.path = os.path.join(run_dir, "events.jsonl")
-        self.last_checkpoint: Optional[str] = None
-
-    def after_report(self, run_context, metrics: list, checkpoint) -> None:
-        if checkpoint is not None:
-            self.last_checkpoint = checkpoint.path
+        self.run_uri, self.storage_cfg = run_uri, storage_cfg
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
+        # checkpoint on storage, which can be newer than the last one Ray's controller polled.
+        restart_from = checkpoint.latest_complete(self.run_uri, self.storage_cfg)
         event = {"event": "failure", "time": time.time(),
                  "cause": {str(rank): redact(f"{type(e).__name__}: {e}")[:1000]
                            for rank, e in worker_exceptions.items()},
-                 "restart_from": self.last_checkpoint}
-        print(f"raylm: worker failure, restarting from {self.last_checkpoint}: {event['cause']}", flush=True)
+                 "restart_from": restart_from}
+        print(f"raylm: worker failure, restarting from {restart_from}: {event['cause']}", flush=True)
         append_event(self.path, event)
 
 
@@ -226,7 +226,7 @@ def launch(cfg: Config) -> dict:
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
-            callbacks=[RecoveryLog(local_run_dir(cfg))],
+            callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
             # Train's print patch tees every print into its logger as well: lines came out twice.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                                              "OMP_NUM_THREADS": str(max(1, int(p.cpus_per_worker)))}},
