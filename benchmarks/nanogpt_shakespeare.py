@@ -91,12 +91,11 @@ def tokens_per_step(cfg: Config) -> int:
 
 
 @torch.no_grad()
-def whole_val_loss(cfg: Config, last_step: int) -> float:
-    """Mean loss per target token over every row of the val split, from the run's last checkpoint:
-    the quantity nanoGPT's estimate_loss samples with random val windows."""
-    # The last step always checkpoints; named directly, as checkpoint.latest_complete trips over
-    # Ray Train's checkpoint_manager_snapshot.json in the run directory.
-    directory = os.path.join(run_uri(cfg), checkpoint.dir_name(last_step))
+def whole_val_loss(cfg: Config) -> float:
+    """Mean loss per target token over every row of the val split, from the run's last checkpoint
+    (the last step always saves): the quantity nanoGPT's estimate_loss samples with random val
+    windows."""
+    directory = checkpoint.latest_complete(run_uri(cfg), cfg.storage)
     model = Transformer(resolve(cfg).model)
     checkpoint.load_model_weights(directory, model)
     model.eval()
@@ -119,7 +118,7 @@ def reproduce(args: argparse.Namespace, cfg: Config) -> dict:
     rows, times = train_step_times(cfg)
     vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     return {"wall_s": wall, "train_s": sum(times), "val_loss": vals[-1][1], "val_curve": vals,
-            "whole_val_loss": whole_val_loss(cfg, rows[-1]["step"]), "throughput": steady_throughput(times, tokens_per_step(cfg)),
+            "whole_val_loss": whole_val_loss(cfg), "throughput": steady_throughput(times, tokens_per_step(cfg)),
             "mfu": statistics.median(r["mfu"] for r in rows[len(rows) // 10:]), "load": load_average()}
 
 
