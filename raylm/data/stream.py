@@ -148,13 +148,6 @@ def step_positions(position: int, first_step: int, last_step: int, global_batch:
     return out
 
 
-def _rank_batch(source: RowSource, step: int, position: int, global_batch: int, skip: list[list[int]],
-                dp_rank: int, dp_size: int) -> Batch:
-    indices, next_position = batch_indices(position, global_batch, skip)
-    mine = rank_slice(indices, dp_rank, dp_size)
-    return Batch(step, source.rows(mine), mine, next_position)
-
-
 class TokenStream:
     """Batches for one data-parallel rank from a global position onward."""
 
@@ -165,6 +158,12 @@ class TokenStream:
                              "data-parallel ranks")
         self.source, self.global_batch, self.skip = source, global_batch, skip
         self.dp_rank, self.dp_size, self.engine, self.prefetch = dp_rank, dp_size, engine, prefetch
+
+    def batch_at(self, step: int, position: int) -> Batch:
+        """This rank's share of the global batch of `step`, which starts at global `position`."""
+        indices, next_position = batch_indices(position, self.global_batch, self.skip)
+        mine = rank_slice(indices, self.dp_rank, self.dp_size)
+        return Batch(step, self.source.rows(mine), mine, next_position)
 
     def batches(self, position: int, first_step: int, last_step: int) -> Iterator[Batch]:
         plan = step_positions(position, first_step, last_step, self.global_batch, self.skip)
@@ -183,8 +182,7 @@ class TokenStream:
                 for step, pos in plan:
                     if stop.is_set():
                         return
-                    q.put(_rank_batch(self.source, step, pos, self.global_batch, self.skip,
-                                      self.dp_rank, self.dp_size))
+                    q.put(self.batch_at(step, pos))
                 q.put(None)
             except BaseException as e:  # surfaced in the consumer, which owns error handling
                 q.put(e)
@@ -216,8 +214,7 @@ class TokenStream:
         # again for the next task: a Python start-up per span on the trainer's cores.
         node = ray.get_runtime_context().get_node_id()
         ds = ds.map_batches(
-            _SpanReader, fn_constructor_args=(self.source, spans, self.global_batch, self.skip, self.dp_rank,
-                                              self.dp_size),
+            _SpanReader, fn_constructor_args=(self, spans),
             batch_size=1, num_cpus=READER_CPUS, compute=ray.data.ActorPoolStrategy(size=1),
             label_selector={"ray.io/node-id": node},
             fallback_strategy=[{"label_selector": {"ray.io/node-id": f"!{node}"}}])
@@ -232,14 +229,11 @@ class TokenStream:
 class _SpanReader:
     """The Ray Data reader of one rank's stream: turns span numbers into that span's batches."""
 
-    def __init__(self, source: RowSource, spans: list[list[tuple[int, int]]], global_batch: int,
-                 skip: list[list[int]], dp_rank: int, dp_size: int):
-        self.source, self.spans, self.global_batch, self.skip = source, spans, global_batch, skip
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+    def __init__(self, stream: TokenStream, spans: list[list[tuple[int, int]]]):
+        self.stream, self.spans = stream, spans
 
     def __call__(self, items: dict) -> dict:
-        batches = [_rank_batch(self.source, step, pos, self.global_batch, self.skip, self.dp_rank, self.dp_size)
-                   for k in items["span"] for step, pos in self.spans[int(k)]]
+        batches = [self.stream.batch_at(step, pos) for k in items["span"] for step, pos in self.spans[int(k)]]
         return {"step": np.array([b.step for b in batches]),
                 "next_position": np.array([b.next_position for b in batches]),
                 "indices": np.stack([np.array(b.indices) for b in batches]),

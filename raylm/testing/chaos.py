@@ -92,7 +92,7 @@ class TrainDriver:
 
 def train_worker(cluster: LocalCluster, node: int) -> Proc:
     """(pid, start time) of a Ray Train worker process on `node`, for `kill_process_trees`."""
-    cluster.processes(node)
+    cluster.processes(node)  # refreshes the node's (pid, start time) list read below
     for pid, start in cluster.nodes[node].procs:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
