@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
+
+# The development tooling (cluster/: local Ray cluster, S3 server) is imported from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def load_average() -> str:

@@ -29,7 +29,7 @@ def prepare(workdir: str) -> str:
     import ray
 
     from raylm.data.prepare import prepare_dataset
-    from tests.fixtures import write_corpus
+    from tests.support.fixtures import write_corpus
 
     use_loopback()
     ray.init(num_cpus=2, include_dashboard=False)

@@ -51,7 +51,7 @@ from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
 from raylm.data.storage import ensure_bucket, filesystem_for, write_bytes
 from raylm.data.stream import TokenStream, open_split
 from raylm.launch import use_loopback
-from raylm.testing import SeaweedFS
+from cluster.seaweedfs import SeaweedFS
 from raylm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train

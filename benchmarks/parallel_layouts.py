@@ -25,12 +25,11 @@ import torch
 
 from _common import load_average, print_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.distributed
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
 from raylm.model.transformer import Transformer  # noqa: E402
 from raylm.parallel.runtime import World, build_parallel_model  # noqa: E402
 from raylm.train.optim import build_optimizer  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 # name -> (ranks, ParallelConfig fields)
 LAYOUTS: dict[str, tuple[int, dict]] = {

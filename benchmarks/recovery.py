@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from _common import load_average, print_table
-from raylm.testing.chaos import ChaosError, TrainDriver, train_worker
-from raylm.testing.cluster import LocalCluster, kill_process_trees
+from cluster.chaos import ChaosError, TrainDriver, train_worker
+from cluster.local import LocalCluster, kill_process_trees
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo-cpu.yaml"

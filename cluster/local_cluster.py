@@ -1,4 +1,4 @@
-"""Command line for a local multi-node Ray cluster (the library is raylm.testing.cluster).
+"""Command line for a local multi-node Ray cluster (the library is cluster/local.py).
 
     scripts/local-cluster start --nodes 3 --cpus-per-node 2   # head + 3 worker nodes
     scripts/local-cluster status
@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Optional
 
-from raylm.testing.cluster import LocalCluster, LocalClusterError
+from cluster.local import LocalCluster, LocalClusterError
 
 DEFAULT_STATE = "/tmp/raylm-local-cluster.json"
 

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures: a real S3 server (SeaweedFS) and, from tests/support, Ray and corpora."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import pytest
 
 from raylm.config import StorageConfig
 from raylm.data.storage import ensure_bucket
-from raylm.testing import SeaweedFS, find_weed
+from cluster.seaweedfs import SeaweedFS, find_weed
 
-# Ray and corpus fixtures live in tests/fixtures.py (owned by the lead). This import restores
-# what an earlier conftest.py, overwritten when the S3 section was added, most likely held.
-from tests.fixtures import *  # noqa: E402,F401,F403
+from tests.support.fixtures import *  # noqa: F401,F403 - the Ray and corpus fixtures
 
 # =============================================================================================
 # S3: one real SeaweedFS server per test session (no mocks)
@@ -85,13 +83,3 @@ def s3_bucket(s3_server: S3TestServer) -> Iterator[str]:
         client.delete_bucket(Bucket=name)
     except client.exceptions.NoSuchBucket:
         pass
-
-# ====================================== end of S3 fixtures ===================================
-
-
-# =============================================================================================
-# A local multi-node Ray cluster (head + 2 worker "nodes" on 127.0.0.x), for chaos tests.
-# =============================================================================================
-from raylm.testing.cluster import local_cluster as _local_cluster_body  # noqa: E402
-
-local_cluster = pytest.fixture(scope="module")(_local_cluster_body)

@@ -14,20 +14,15 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from cluster.ports import free_ports
+
 COLLECTIVE_TIMEOUT_S = 120  # a rank stuck in a collective fails instead of hanging the suite
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
@@ -52,7 +47,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout_s: float 
     """`fn(*args)` on `world_size` gloo ranks; returns [rank 0's value, rank 1's, ...]."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    (port,) = free_ports(1)
     # Children read the environment at interpreter start, before torch sizes its thread pools.
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

@@ -18,7 +18,7 @@ from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, Train
 from raylm.model.transformer import Transformer
 from raylm.parallel.runtime import ParallelModel, World, build_parallel_model
 from raylm.train.optim import build_optimizer
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, VOCAB = 5, 8, 2, 16, 64
 RTOL = 1e-5

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from raylm.testing.cluster import LocalCluster, LocalClusterError, kill_process_trees
-from raylm.testing.cluster import local_cluster as _local_cluster
+from cluster.local import LocalCluster, LocalClusterError, kill_process_trees
+from tests.support.clusters import local_cluster as _local_cluster
 
 local_cluster = pytest.fixture(scope="module")(_local_cluster)
 

@@ -7,13 +7,14 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from cluster.ports import free_ports
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.sizes import count_params, preset
@@ -274,12 +275,6 @@ def _measure_worker(rank: int, world_size: int, port: int, cfg: ModelConfig, out
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_estimate_matches_measured_bytes_on_cpu(world_size: int, tmp_path: Path, monkeypatch):
@@ -288,7 +283,7 @@ def test_estimate_matches_measured_bytes_on_cpu(world_size: int, tmp_path: Path,
     # A fork server imports torch once and forks every rank from its single thread: safe, and
     # seconds instead of the tens that spawned ranks take to import torch each on two cores.
     multiprocessing.set_forkserver_preload([__name__])
-    torch.multiprocessing.start_processes(_measure_worker, args=(world_size, _free_port(), cfg, str(tmp_path)),
+    torch.multiprocessing.start_processes(_measure_worker, args=(world_size, free_ports(1)[0], cfg, str(tmp_path)),
                                           nprocs=world_size, join=True, start_method="forkserver")
     layouts = {"none": Layout(dp_replicate=world_size), "full": Layout(dp_shard=world_size, sharding="full"),
                "hsdp": Layout(dp_replicate=2, dp_shard=2, sharding="full")}

@@ -2,7 +2,7 @@
 single process) with the losses of an uninterrupted single-process run.
 
 Three steps under the saving layout, a DCP checkpoint through `raylm.train.checkpoint`, then
-two more steps under the resuming layout; the reference is `tests.test_parallel_layouts`'s
+two more steps under the resuming layout; the reference is `tests.parallel.test_layouts`'s
 single-process run of the same five steps.
 """
 
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from raylm.model.transformer import Transformer
 from raylm.parallel.runtime import World, cross_entropy
 from raylm.train import checkpoint
-from tests.distributed import run_distributed
-from tests.test_parallel_layouts import (MICRO_BATCH, RTOL, STEPS, TP_SP, build, global_batch, make_config, reference,
+from tests.support.distributed import run_distributed
+from tests.parallel.test_layouts import (MICRO_BATCH, RTOL, STEPS, TP_SP, build, global_batch, make_config, reference,
                                          run_steps)
 
 SAVED_AT = 3

@@ -12,7 +12,7 @@ from raylm.data.storage import StorageError
 from raylm.data.prepare import prepare_dataset
 from raylm.launch import launch
 from raylm.train import checkpoint
-from tests.fixtures import write_corpus
+from tests.support.fixtures import write_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from raylm.testing.cluster import LocalCluster, Proc
+from cluster.local import LocalCluster, Proc
 
 
 class ChaosError(AssertionError):

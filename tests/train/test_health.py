@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from raylm.parallel.runtime import World
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, WorkerHealthError, self_test
-from tests.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 CPU = torch.device("cpu")
 

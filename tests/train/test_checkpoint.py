@@ -12,7 +12,7 @@ from raylm.train import checkpoint
 from raylm.train.checkpoint import CheckpointWriteError
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from tests.test_train_loop import losses, tiny_config
+from tests.train.test_loop import losses, tiny_config
 
 
 def checkpoints(run_dir):
@@ -106,7 +106,7 @@ def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
 
 @pytest.mark.slow
 def test_async_saves_resume_like_sync_saves_on_two_ranks(tiny_dataset, tmp_path):
-    from tests.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0", "train.tensorboard=false")
     run_distributed(_train_ranks, 2, tiny_dataset, str(tmp_path / "sync"), *common)

@@ -29,15 +29,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
-from unittest import mock
+from typing import Callable, Iterable, Optional
+
+from cluster.ports import free_ports
 
 # Dead-node detection in ~3 s instead of Ray's default ~30 s (the GCS pings each raylet every
 # period; `threshold` missed pings mark the node dead). The timeout covers frozen nodes, whose
@@ -135,20 +135,6 @@ def kill_process_trees(roots: Iterable[Proc], timeout_s: float = 10.0) -> set[Pr
     if left:
         raise LocalClusterError(f"processes {sorted(p[0] for p in left)} survived SIGKILL for {timeout_s:.0f} s")
     return frozen
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free on `host` now (held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -404,13 +390,3 @@ def _tail(path: str, lines: int = 25) -> str:
         return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-lines:])
     except OSError as e:
         return f"(no log: {e})"
-
-
-def local_cluster(num_nodes: int = 2, cpus_per_node: int = 2, **kwargs) -> Iterator[LocalCluster]:
-    """Body of the `local_cluster` pytest fixture: 1 head (0 CPUs) + 2 workers of 2 CPUs.
-
-    Sets the driver environment (auth off, RAY_ADDRESS) in this process while it lasts, so
-    that a test can `ray.init()`; stops every process afterwards."""
-    with LocalCluster(num_nodes, cpus_per_node, **kwargs) as cluster, \
-            mock.patch.dict(os.environ, cluster.driver_env()):
-        yield cluster

@@ -15,13 +15,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import IO, Optional
+
+from cluster.ports import free_ports
 
 # Ports one `weed server -s3` listens on. gRPC ports are set explicitly: weed's default is
 # HTTP port + 10000, which may be taken (or exceed 65535) for an OS-chosen HTTP port.
@@ -58,21 +59,6 @@ def find_weed() -> Optional[str]:
         return on_path
     beside = Path(sys.executable).parent / "weed"
     return str(beside) if os.access(beside, os.X_OK) else None
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports that were free on 127.0.0.1 a moment ago (held open together so
-    the OS cannot hand out the same one twice)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 class SeaweedFS:

@@ -77,7 +77,7 @@ def test_ray_data_engine_yields_the_same_batches(tiny_dataset):
 def test_mixture_of_real_datasets_keeps_its_proportions(tiny_dataset, tmp_path):
     from raylm.config import MixtureComponent
     from raylm.data.prepare import prepare_dataset
-    from tests.fixtures import write_corpus
+    from tests.support.fixtures import write_corpus
 
     other = str(tmp_path / "other")
     prepare_dataset([write_corpus(tmp_path / "text", documents=60, seed=7)], other, tokenizer="byte", seq_len=32)

@@ -16,10 +16,10 @@ import pytest
 
 from raylm.config import load_config
 from raylm.data.stream import open_split
-from raylm.testing.chaos import TrainDriver, read_jsonl, train_worker
-from raylm.testing.cluster import LocalCluster, kill_process_trees
-from raylm.testing.cluster import local_cluster as local_cluster_body
-from tests.fixtures import write_corpus
+from cluster.chaos import TrainDriver, read_jsonl, train_worker
+from cluster.local import LocalCluster, kill_process_trees
+from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.fixtures import write_corpus
 
 pytestmark = pytest.mark.slow
 
