@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raylm.config import load_config  # noqa: E402
-from raylm.launch import use_loopback  # noqa: E402
+from raylm.ray_runtime import use_loopback  # noqa: E402
 from raylm.train.local_env import LocalEnv  # noqa: E402
 from raylm.train.loop import train  # noqa: E402
 

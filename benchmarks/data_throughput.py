@@ -50,7 +50,7 @@ from raylm.data.manifest import Manifest
 from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
 from raylm.data.storage import ensure_bucket, filesystem_for, write_bytes
 from raylm.data.stream import TokenStream, open_split
-from raylm.launch import use_loopback
+from raylm.ray_runtime import use_loopback
 from cluster.seaweedfs import SeaweedFS
 from raylm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
 from raylm.train.local_env import LocalEnv

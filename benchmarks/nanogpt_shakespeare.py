@@ -36,7 +36,8 @@ from raylm.config import Config, global_batch_sequences, load_config
 from raylm.data.manifest import MANIFEST_FILE
 from raylm.data.prepare import prepare_dataset
 from raylm.data.stream import TokenStream, open_split
-from raylm.launch import launch, local_run_dir, resolve, run_uri, start_ray
+from raylm.launch import launch, local_run_dir, resolve, run_uri
+from raylm.ray_runtime import local_num_cpus, start_ray
 from raylm.model.transformer import Transformer
 from raylm.train import checkpoint
 from raylm.train.optim import lr_at
@@ -64,7 +65,9 @@ def start_ray_patiently(cfg: Config, attempts: int = 3) -> None:
     machine under heavy load (load average 20-60 seen here) sometimes exceeds."""
     for attempt in range(1, attempts + 1):
         try:
-            return start_ray(cfg)
+            p = cfg.parallel
+            return start_ray(cfg.run.ray_address, local_num_cpus(p.num_workers, p.cpus_per_worker),
+                             max(1, int(p.cpus_per_worker)))
         except Exception as e:  # Ray raises a bare Exception for this
             if "timed out during startup" not in str(e) or attempt == attempts:
                 raise

@@ -24,9 +24,9 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from raylm.data.prepare import prepare_dataset
-    from raylm.launch import start_ray
+    from raylm.ray_runtime import start_ray
 
-    start_ray(load_config(None, [f"run.ray_address={args.ray_address}"] if args.ray_address else []))
+    start_ray(args.ray_address)
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
                                storage=_storage(args), max_documents=args.max_documents,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
@@ -25,43 +24,8 @@ from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
 from raylm.train.metrics import append_event
+from raylm.ray_runtime import local_num_cpus, start_ray
 from raylm.train.resolve import resolve_for_data
-
-# Token auth would break later CLI calls against a cluster raylm started; usage stats phone home.
-LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def use_loopback() -> None:
-    """Make a Ray started from this process bind every server to 127.0.0.1.
-
-    Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, to decide whether the node
-    advertises a routable address; the environment covers the processes Ray spawns, and the
-    module constant this process, where Ray is usually imported already.
-    """
-    import ray._private.ray_constants as ray_constants
-
-    for key, value in {**LOCAL_RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
-        os.environ.setdefault(key, value)
-    ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
-
-
-def start_ray(cfg: Config) -> None:
-    """Join `run.ray_address`, or start a local single-node Ray (loopback only) sized for the run."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.run.ray_address
-    if address not in (None, "local"):
-        ray.init(address=address)
-        return
-    use_loopback()
-    p = cfg.parallel
-    # Logical CPUs: the workers' reservations plus room for the Ray Data readers (one per rank).
-    num_cpus = cfg.run.ray_num_cpus or max(os.cpu_count() or 1, math.ceil(p.num_workers * p.cpus_per_worker) + 2)
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, int(p.cpus_per_worker))))}})
-
 
 def _absolute(uri: str) -> str:
     return uri if not uri or storage.is_s3(uri) else os.path.abspath(uri)
@@ -211,7 +175,9 @@ def launch(cfg: Config) -> dict:
                           "choose another run.name or remove them")
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
-    start_ray(cfg)
+    p = cfg.parallel
+    start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(p.num_workers, p.cpus_per_worker),
+              max(1, int(p.cpus_per_worker)))
     storage.write_bytes(storage.join(uri, "config.yaml"), config_to_yaml(cfg).encode(), cfg.storage)
 
     p = cfg.parallel

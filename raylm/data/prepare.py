@@ -35,6 +35,7 @@ from raylm.config import StorageConfig
 from raylm.data.corpus import BUILTIN_CORPUS, Source, builtin_sources, iter_documents, resolve_sources
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, Manifest, ShardInfo,
                                  SplitInfo, TokenizerInfo)
+from raylm.ray_runtime import start_ray
 from raylm.data.storage import exists, filesystem_for, join, list_dir, write_bytes
 from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 
@@ -94,7 +95,7 @@ def prepare_dataset(
 
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init()
+        start_ray()
     try:
         splits, split_rule = _write_shards(sources, tok, output, seq_len, val_fraction,
                                            storage, max_documents, shard_rows)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from raylm.launch import use_loopback
+from raylm.ray_runtime import use_loopback
 
 WORDS = ("the king queen castle river stone light dark bread wine horse sword crown field "
          "winter summer old young gold silver song night morning sea ship").split()
