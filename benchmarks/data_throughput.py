@@ -49,7 +49,7 @@ from raylm.data.corpus import builtin_sources, iter_documents
 from raylm.data.manifest import Manifest
 from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
 from raylm.data.storage import ensure_bucket, filesystem_for, write_bytes
-from raylm.data.stream import TokenStream, open_split
+from raylm.data.stream import Datasets, TokenStream
 from raylm.ray_runtime import use_loopback
 from cluster.seaweedfs import SeaweedFS
 from raylm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
@@ -212,7 +212,8 @@ def paired_note(ratios: list[float]) -> str:
 
 def stream_read(dataset: str, storage: StorageConfig, engine: str, args: argparse.Namespace) -> tuple[int, float]:
     """One rank's TokenStream from its first batch to its last (start-up is reported apart)."""
-    source, _ = open_split(DataConfig(path=dataset), "train", storage)
+    data = DataConfig(path=dataset)
+    source = Datasets.load(data, storage).open_split("train", data, storage)
     stream = TokenStream(source, args.batch_rows, dp_rank=0, dp_size=1, skip=[], engine=engine, prefetch=4)
     rows, first = 0, None
     start = time.perf_counter()
@@ -241,7 +242,8 @@ def whole_shards_read(uris: list[str], storage: StorageConfig) -> tuple[int, flo
 
 def stream_row_groups(dataset: str, storage: StorageConfig, args: argparse.Namespace) -> list[tuple[str, int]]:
     """(shard URI, row group) in the order the stream's first --steps steps touch them."""
-    source, _ = open_split(DataConfig(path=dataset), "train", storage)
+    data = DataConfig(path=dataset)
+    source = Datasets.load(data, storage).open_split("train", data, storage)
     touched: dict[tuple[str, int], None] = {}
     for g in range(args.steps * args.batch_rows):
         _, shard, row = source.order.locate(g)
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace, s3: SeaweedFS, scratch: str) -> list[Row]:
     if byte_dataset is None and not (args.skip_stream and args.skip_headroom):
         byte_dataset, _, _ = prepare("byte", load_tokenizer("byte"), inputs, args, storage)
     if not args.skip_stream:
-        source_manifest = open_split(DataConfig(path=byte_dataset), "train", storage)[1][0]
+        source_manifest = Datasets.load(DataConfig(path=byte_dataset), storage).manifest
         rows += bench_stream(byte_dataset, source_manifest, args, storage, s3)
     if not args.skip_headroom:
         load = load_average()

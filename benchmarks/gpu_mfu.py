@@ -1,5 +1,5 @@
 """Model FLOPs utilisation of a ~1B model on GPU: FSDP2 with bf16 parameters, fp32 reductions,
-optionally torch.compile per block, through raylm's own `build_parallel_model`.
+optionally torch.compile per block, through raylm's own `build_model`.
 
     .venv/bin/python benchmarks/gpu_mfu.py [--size llama-1b] [--seq-len 2048] [--micro-batch 4]
         [--steps 20] [--warmup 5] [--compile] [--ac none|full|every_k] [--json-out PATH]
@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from raylm.model.sizes import count_params, flops_per_token, preset
+from raylm.model.presets import preset
+from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import Transformer
-from raylm.parallel.runtime import World, build_parallel_model
+from raylm.parallel.world import World
+from raylm.train.step import build_model
 from raylm.train.metrics import peak_flops
 from raylm.train.optim import build_optimizer
 
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> dict:
                  parallel=dataclasses.replace(ParallelConfig(), num_workers=world.world_size, use_gpu=cuda,
                                               sharding="full", param_dtype=args.param_dtype, reduce_dtype="fp32",
                                               activation_checkpointing=args.ac))
-    model = build_parallel_model(lambda: Transformer(model_cfg), cfg, world)
+    model = build_model(lambda: Transformer(model_cfg), cfg, world)
     optimizer = build_optimizer(model.parts, cfg.optim)
     tokens = torch.randint(0, model_cfg.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
 

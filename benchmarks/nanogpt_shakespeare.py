@@ -35,8 +35,9 @@ from _common import Throughput, load_average, print_table, read_metrics, steady_
 from raylm.config import Config, global_batch_sequences, load_config
 from raylm.data.manifest import MANIFEST_FILE
 from raylm.data.prepare import prepare_dataset
-from raylm.data.stream import TokenStream, open_split
-from raylm.launch import launch, local_run_dir, resolve, run_uri
+from raylm.data.stream import TokenStream
+from raylm.launch import launch, local_run_dir, run_uri
+from raylm.train.spec import resolve_run
 from raylm.ray_runtime import local_num_cpus, start_ray
 from raylm.model.transformer import Transformer
 from raylm.train import checkpoint
@@ -99,10 +100,11 @@ def whole_val_loss(cfg: Config) -> float:
     (the last step always saves): the quantity nanoGPT's estimate_loss samples with random val
     windows."""
     directory = checkpoint.latest_complete(run_uri(cfg), cfg.storage)
-    model = Transformer(resolve(cfg).model)
+    spec = resolve_run(cfg)
+    model = Transformer(spec.config.model)
     checkpoint.load_model_weights(directory, model)
     model.eval()
-    source, _ = open_split(cfg.data, "val", cfg.storage, shuffle=False)
+    source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
     n = source.order.datasets[0].num_samples
     total, count = 0.0, 0
     for start in range(0, n, 64):
@@ -127,7 +129,7 @@ def reproduce(args: argparse.Namespace, cfg: Config) -> dict:
 
 def same_batches(cfg: Config, steps: int) -> torch.Tensor:
     """(steps, batch, seq_len + 1) int64: the rows raylm's stream feeds steps 0..steps-1."""
-    source, _ = open_split(cfg.data, "train", cfg.storage)
+    source = resolve_run(cfg).datasets.open_split("train", cfg.data, cfg.storage)
     stream = TokenStream(source, global_batch_sequences(cfg, SEQ_LEN), 0, 1, cfg.data.skip, engine="local")
     return torch.stack([torch.from_numpy(b.tokens.astype(np.int64)) for b in stream.batches(0, 0, steps)])
 
@@ -177,7 +179,7 @@ def ratio(args: argparse.Namespace, stamp: str) -> dict:
     compared with the plain runs right before and after it, and the rounds' ratios are summarised
     by their median."""
     steps = args.ratio_steps
-    base = resolve(build_config(args, f"ratio-{stamp}"))
+    base = resolve_run(build_config(args, f"ratio-{stamp}")).config
     batches = same_batches(base, steps)
     threads = int(os.environ["OMP_NUM_THREADS"])
     runs: list[Measurement] = []

@@ -1,7 +1,11 @@
 """The typed configuration of a raylm run: dataclasses, YAML in and out, dotted overrides.
 
 One `Config` describes a run from a laptop to a cluster. Field docstrings (the string literal
-under each field) are the help text shown by `raylm config --help-fields`.
+under each field) are the help text shown by `raylm train --help-config`.
+
+This module checks what the config alone can tell (types, unknown keys, ranges, fields that
+contradict each other). The model's shape rules and the parallel layout's are checked against
+it by `raylm.train.spec`, which imports both; the data fills in the rest there, once.
 """
 
 from __future__ import annotations
@@ -16,15 +20,23 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from raylm.errors import ConfigError
+from raylm.model.presets import preset
 
-class ConfigError(ValueError):
-    """A configuration value or key that cannot be used; the message names it."""
+CONFIG_FILE = "config.yaml"  # the resolved config, in every run directory and checkpoint
+
+# Choices that other modules enumerate (`typing.get_args`) rather than repeat.
+LRScheduleName = Literal["cosine", "linear", "inverse_sqrt", "wsd", "constant"]
+Sharding = Literal["none", "optimizer", "gradients", "full"]
+ActivationCheckpointing = Literal["none", "full", "every_k"]
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                               "zbv_zero_bubble", "dualpipev"]
 
 
 @dataclass
 class ModelConfig:
     size: Optional[str] = None
-    """Named size (see `raylm.model.sizes.MODEL_SIZES`); its values are defaults that the
+    """Named size (see `raylm.model.presets.MODEL_SIZES`); its values are defaults that the
     other keys given next to it override."""
     d_model: int = 128
     n_layers: int = 4
@@ -97,7 +109,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: Literal["cosine", "linear", "inverse_sqrt", "wsd", "constant"] = "cosine"
+    name: LRScheduleName = "cosine"
     warmup_steps: int = 100
     min_lr: float = 3e-5
     """Floor of cosine and wsd decay."""
@@ -190,10 +202,10 @@ class ParallelConfig:
     the MLP width and the vocabulary."""
     pp: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous group of layers."""
-    sharding: Literal["none", "optimizer", "gradients", "full"] = "none"
+    sharding: Sharding = "none"
     """none: DDP (replicate over every data-parallel rank); optimizer: ZeRO-1, gradients:
     ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py)."""
-    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute blocks' activations in backward: none, every block (full), or every
     ac_every-th block (every_k)."""
     ac_every: int = 2
@@ -209,8 +221,7 @@ class ParallelConfig:
     """With tp > 1: shard norms and the residual stream along the sequence (needs seq_len % tp == 0)."""
     loss_parallel: bool = False
     """With tp > 1: cross entropy on vocabulary-sharded logits, never gathering them."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
-                         "zbv_zero_bubble", "dualpipev"] = "1f1b"
+    pp_schedule: PipelineScheduleName = "1f1b"
     """torch.distributed.pipelining schedule. gpipe, 1f1b: one stage per rank; interleaved_1f1b,
     looped_bfs, interleaved_zero_bubble: pp_virtual_stages >= 2 per rank (looped);
     zbv_zero_bubble, dualpipev: exactly 2 per rank in a V."""
@@ -336,9 +347,7 @@ def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
 
 
 def _build(cls: type, values: dict, prefix: str = "") -> Any:
-    if cls is ModelConfig and values.get("size"):
-        from raylm.model.sizes import preset  # named sizes are defaults under explicit keys
-
+    if cls is ModelConfig and values.get("size"):  # named sizes are defaults under explicit keys
         values = {**preset(values["size"]), **values}
     hints = _hints(cls)
     kwargs = {}
@@ -414,11 +423,8 @@ def config_to_yaml(cfg: Config) -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks that a single field's type cannot express."""
+    """Cross-field checks that a single field's type cannot express (the config alone)."""
     m, t = cfg.model, cfg.train
-    from raylm.model.transformer import check_model_config  # the model owns its shape rules
-
-    check_model_config(m, need_vocab=False)
     positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
                 "parallel.num_workers": cfg.parallel.num_workers, "data.chunk_rows": cfg.data.chunk_rows}
     for key, value in positive.items():
@@ -439,11 +445,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={t.steps}]")
     if not 0.0 < s.decay_fraction <= 1.0:
         raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
-    # The parallel layout's rules (degrees vs num_workers, TP divisibility, pipeline schedule and
-    # split) live with the mesh; they run again against the live world size when the mesh is built.
-    from raylm.parallel.mesh import check_parallel_config
-
-    check_parallel_config(cfg.parallel, m, cfg.parallel.num_workers, t.seq_len)
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be positive, got {cfg.optim.lr}")
+    if s.name in ("cosine", "wsd") and s.min_lr > cfg.optim.lr:
+        raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above optim.lr ({cfg.optim.lr}): the {s.name} "
+                          "schedule would rise while it decays; lower schedule.min_lr or raise optim.lr")
+    if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
+        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
+                          f"got {t.eval_every} and {t.eval_batches}")
 
 
 def global_batch_sequences(cfg: Config, seq_len: int) -> int:

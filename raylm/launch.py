@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import os
 import tempfile
 import time
@@ -14,25 +12,19 @@ import torch
 
 from ray.train import UserCallback
 
-from raylm.config import (Config, ConfigError, StorageConfig, config_from_dict, config_to_dict, config_to_yaml,
-                          global_batch_sequences)
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
 from raylm.data import storage
 from raylm.data.storage import redact
-from raylm.data.inspect import verify_or_raise
-from raylm.data.stream import open_split
+from raylm.ray_runtime import local_num_cpus, start_ray
 from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
-from raylm.train.metrics import append_event
-from raylm.ray_runtime import local_num_cpus, start_ray
-from raylm.train.resolve import resolve_for_data
-
-def _absolute(uri: str) -> str:
-    return uri if not uri or storage.is_s3(uri) else os.path.abspath(uri)
+from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, append_event, read_jsonl
+from raylm.train.spec import RunSpec, absolute, resolve_run
 
 
 def storage_root(cfg: Config) -> str:
-    return _absolute(cfg.run.storage_path)
+    return absolute(cfg.run.storage_path)
 
 
 def run_uri(cfg: Config) -> str:
@@ -87,8 +79,8 @@ class RayTrainEnv:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=checkpoint.dir_name(step))
         if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
-            with open(os.path.join(self.run_dir, "metrics.jsonl"), "rb") as f:
-                storage.write_bytes(storage.join(self.checkpoint_root, "metrics.jsonl"), f.read(), self.cfg.storage)
+            with open(os.path.join(self.run_dir, METRICS_FILE), "rb") as f:
+                storage.write_bytes(storage.join(self.checkpoint_root, METRICS_FILE), f.read(), self.cfg.storage)
         return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
 
     def report(self, metrics: dict) -> None:
@@ -100,44 +92,17 @@ class RayTrainEnv:
 def _train_fn_per_worker(loop_config: dict) -> None:
     import ray
 
-    cfg = config_from_dict(loop_config["config"])
+    spec = RunSpec.from_dict(loop_config["run"])
+    cfg = spec.config
     env = RayTrainEnv(cfg)
-    node_id = ray.get_runtime_context().get_node_id()
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    # Only the driver's storage access was checked before the workers started.
+    spec.check_same_data(f"worker on node {node_id} ({ray.util.get_node_ip_address()})")
     if cfg.run.health_check:
         self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
     hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
-    train(cfg, env, hooks)
-
-
-def resolve(cfg: Config) -> Config:
-    """Local paths made absolute (workers run elsewhere), and the data checked against the model
-    on the driver, so a bad shard or a mismatch fails before any worker starts."""
-    data = dataclasses.replace(cfg.data, path=_absolute(cfg.data.path), mixture=[
-        dataclasses.replace(c, path=_absolute(c.path)) for c in cfg.data.mixture])
-    cfg = dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, storage_path=_absolute(cfg.run.storage_path)))
-    _, manifests = open_split(cfg.data, "train", cfg.storage)
-    check_world_sizes(cfg, manifests[0].seq_len)
-    if cfg.data.verify:
-        for component in cfg.data.mixture or [cfg.data]:
-            verify_or_raise(component.path, cfg.storage)
-    return resolve_for_data(cfg, manifests[0])
-
-
-def check_world_sizes(cfg: Config, seq_len: int) -> None:
-    """Every world size the run may have must split the global batch into whole micro-batches:
-    an elastic resize keeps the global batch and recomputes gradient accumulation."""
-    p = cfg.parallel
-    sizes = range(p.min_workers or p.num_workers, p.num_workers + 1)
-    global_batch = global_batch_sequences(cfg, seq_len)
-    bad = []
-    for n in sizes:
-        dp = n // (p.tp * p.pp)
-        if n % (p.tp * p.pp) or global_batch % (dp * cfg.train.micro_batch_size):
-            bad.append(n)
-    if bad:
-        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={p.tp}, pp={p.pp}, "
-                          f"train.micro_batch_size={cfg.train.micro_batch_size}); choose a global batch that "
-                          f"every size in [{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
+    train(spec, env, hooks)
 
 
 class RecoveryLog(UserCallback):
@@ -145,7 +110,7 @@ class RecoveryLog(UserCallback):
     events.jsonl (the restarted workers add when and from which step training resumed)."""
 
     def __init__(self, run_dir: str, run_uri: str, storage_cfg: StorageConfig):
-        self.path = os.path.join(run_dir, "events.jsonl")
+        self.path = os.path.join(run_dir, EVENTS_FILE)
         self.run_uri, self.storage_cfg = run_uri, storage_cfg
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
@@ -165,7 +130,8 @@ def launch(cfg: Config) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    cfg = resolve(cfg)
+    spec = resolve_run(cfg, announce=True)
+    cfg = spec.config
     uri = run_uri(cfg)
     restore = checkpoint.latest_complete(uri, cfg.storage)
     if cfg.checkpoint.resume == "required" and restore is None:
@@ -178,13 +144,12 @@ def launch(cfg: Config) -> dict:
     p = cfg.parallel
     start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(p.num_workers, p.cpus_per_worker),
               max(1, int(p.cpus_per_worker)))
-    storage.write_bytes(storage.join(uri, "config.yaml"), config_to_yaml(cfg).encode(), cfg.storage)
+    storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
-    p = cfg.parallel
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
     trainer = TorchTrainer(
         _train_fn_per_worker,
-        train_loop_config={"config": config_to_dict(cfg)},
+        train_loop_config={"run": spec.to_dict()},
         scaling_config=ray.train.ScalingConfig(
             num_workers=(p.min_workers, p.num_workers) if p.min_workers else p.num_workers,
             use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
@@ -204,9 +169,5 @@ def launch(cfg: Config) -> dict:
 
 
 def last_metrics(directory: str) -> dict:
-    path = os.path.join(directory, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        lines = f.read().splitlines()
-    return json.loads(lines[-1]) if lines else {}
+    rows = read_jsonl(os.path.join(directory, METRICS_FILE))
+    return rows[-1] if rows else {}

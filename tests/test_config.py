@@ -2,6 +2,7 @@ import pytest
 import yaml
 
 from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, describe_fields, load_config
+from raylm.train.spec import check_config
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -38,12 +39,18 @@ def test_wrong_type_names_key_and_valid_values():
 
 
 def test_cross_field_errors():
-    with pytest.raises(ConfigError, match="divisible by model.n_heads"):
-        load_config(None, ["model.d_model=100", "model.n_heads=3"])
     with pytest.raises(ConfigError, match="exactly one of train.global_batch_size"):
         load_config(None, ["train.global_batch_tokens=4096"])
+    with pytest.raises(ConfigError, match=r"schedule.min_lr \(0.001\) is above optim.lr \(0.0003\)"):
+        load_config(None, ["optim.lr=3e-4", "schedule.min_lr=1e-3"])
+    load_config(None, ["optim.lr=3e-4", "schedule.min_lr=1e-3", "schedule.name=linear"])  # no floor there
+
+
+def test_model_and_layout_rules_are_checked_against_the_config():
+    with pytest.raises(ConfigError, match="divisible by model.n_heads"):
+        check_config(load_config(None, ["model.d_model=100", "model.n_heads=3"]))
     with pytest.raises(ConfigError, match="n_kv_heads"):
-        load_config(None, ["model.n_kv_heads=3"])
+        check_config(load_config(None, ["model.n_kv_heads=3"]))
 
 
 def test_bad_files(tmp_path):
@@ -66,8 +73,29 @@ def test_help_lists_every_key_with_docs():
     assert "global_batch_tokens" in text
 
 
-def test_example_configs_load():
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def test_example_configs_load_check_and_keep_every_value():
     import pathlib
 
-    for path in sorted(pathlib.Path("configs").glob("*.yaml")):
-        load_config(path)
+    paths = sorted(pathlib.Path("configs").glob("*.yaml"))
+    assert pathlib.Path("configs/demo-cpu.yaml") in paths
+    for path in paths:
+        written = yaml.safe_load(path.read_text())
+        if "model" not in written and "train" not in written:
+            continue  # not a run config (a sweep config names one as its base)
+        cfg = load_config(path)
+        check_config(cfg)
+        loaded = _leaves(config_to_dict(cfg))
+        for key, value in _leaves(written).items():
+            assert key in loaded, f"{path}: {key} missing from the loaded config"
+            expected = float(value) if isinstance(loaded[key], float) and isinstance(value, (int, str)) else value
+            assert loaded[key] == expected, f"{path}: {key} is {loaded[key]!r}, the file says {value!r}"

@@ -73,9 +73,11 @@ def test_missing_bucket_is_a_clear_error_naming_the_uri(s3_server, tmp_path):
 @pytest.mark.parametrize("engine", ["local", "ray"])
 def test_stream_from_s3_covers_the_epoch_once_at_any_world_size(s3_server, s3_dataset, engine):
     from raylm.config import DataConfig
-    from raylm.data.stream import TokenStream, open_split
+    from raylm.data.stream import Datasets, TokenStream
 
-    source, manifests = open_split(DataConfig(path=s3_dataset, chunk_rows=8), "train", s3_server.storage)
+    data = DataConfig(path=s3_dataset, chunk_rows=8)
+    datasets = Datasets.load(data, s3_server.storage)
+    source, manifests = datasets.open_split("train", data, s3_server.storage), datasets.manifests
     rows = manifests[0].splits["train"].rows
     steps = rows // 6
     per_size = {}

@@ -98,14 +98,17 @@ def _shard_problems(uri: str, shard: ShardInfo, manifest: Manifest,
     return problems
 
 
-def verify_dataset(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
+def verify_dataset(uri: str, storage: Optional[StorageConfig] = None,
+                   manifest: Optional[Manifest] = None) -> list[str]:
     """Every problem found in the dataset at `uri` (empty: it is sound). Reads every shard:
     its presence, sha256, column type, row count, token range and document count are checked
-    against the manifest, and so is the tokenizer file. Each message names the file."""
-    try:
-        manifest = load_manifest(uri, storage)
-    except DatasetError as e:
-        return [str(e)]
+    against the manifest (read here unless given), and so is the tokenizer file. Each message
+    names the file."""
+    if manifest is None:
+        try:
+            manifest = load_manifest(uri, storage)
+        except DatasetError as e:
+            return [str(e)]
     problems = []
     try:
         load_dataset_tokenizer(uri, storage, manifest)
@@ -117,10 +120,9 @@ def verify_dataset(uri: str, storage: Optional[StorageConfig] = None) -> list[st
     return problems
 
 
-def verify_or_raise(uri: str, storage: Optional[StorageConfig] = None) -> Manifest:
-    """The dataset's manifest, after `verify_dataset` found nothing wrong; else DatasetError."""
-    problems = verify_dataset(uri, storage)
+def verify_or_raise(uri: str, storage: Optional[StorageConfig], manifest: Manifest) -> None:
+    """Raise DatasetError listing every problem `verify_dataset` finds."""
+    problems = verify_dataset(uri, storage, manifest)
     if problems:
         raise DatasetError(f"{uri} failed verification ({len(problems)} problems):\n  "
                            + "\n  ".join(problems))
-    return load_manifest(uri, storage)

@@ -149,6 +149,10 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
     for key, expected in checks.items():
         if d.get(key) != expected:
             raise DatasetError(f"{uri}: {key} is {d.get(key)!r}, expected {expected!r}")
+    for name in [manifest.tokenizer.file] + [s.file for split in manifest.splits.values() for s in split.shards]:
+        if not _inside_dataset(name):
+            raise DatasetError(f"{uri}: file name {name!r} points outside the dataset; a manifest may name "
+                               "only files inside its own directory (relative, no '..', no scheme)")
     for name in SPLITS:
         if name not in manifest.splits:
             raise DatasetError(f"{uri}: no {name!r} split (splits: {', '.join(manifest.splits)})")
@@ -158,6 +162,14 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
                                f"{split.tokens}, documents {split.documents}) differ from the "
                                f"sums over its shards")
     return manifest
+
+
+def _inside_dataset(name: object) -> bool:
+    """A relative path below the dataset directory: what a manifest written by prepare holds."""
+    if not isinstance(name, str) or not name or "://" in name or "\\" in name or "\0" in name:
+        return False
+    parts = name.split("/")
+    return not name.startswith("/") and all(part not in ("", ".", "..") for part in parts)
 
 
 def load_manifest(dataset_uri: str, storage: Optional[StorageConfig] = None) -> Manifest:

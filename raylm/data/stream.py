@@ -8,6 +8,7 @@ row reader: `ray` runs the reads as a Ray Data pipeline that prefetches in the b
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 from collections import OrderedDict
@@ -17,9 +18,9 @@ from typing import Iterator, Optional
 import numpy as np
 import pyarrow.parquet as pq
 
-from raylm.config import DataConfig, StorageConfig
+from raylm.config import ConfigError, DataConfig, MixtureComponent, StorageConfig
 from raylm.data import storage
-from raylm.data.manifest import Manifest, load_manifest
+from raylm.data.manifest import Manifest, load_manifest, manifest_from_dict
 from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
 
 
@@ -116,26 +117,62 @@ class RowSource:
         return out
 
 
-def open_split(data: DataConfig, split: str, storage_cfg: Optional[StorageConfig],
-               shuffle: bool = True) -> tuple[RowSource, list[Manifest]]:
-    """The row source of a split of `data.path` or `data.mixture`, and the manifests behind it."""
-    components = data.mixture or []
-    uris = [c.path for c in components] or [data.path]
-    weights = [c.weight for c in components] or [1.0]
-    if not uris[0]:
-        raise ValueError("data.path is empty: point it at a dataset written by `raylm prepare`")
-    manifests = [load_manifest(uri, storage_cfg) for uri in uris]
-    first = manifests[0]
-    for uri, m in zip(uris, manifests):
-        if (m.row_tokens, m.tokenizer.sha256) != (first.row_tokens, first.tokenizer.sha256):
-            raise ValueError(f"mixture dataset {uri} differs from {uris[0]} in seq_len or tokenizer; "
-                             "all components must be prepared with the same tokenizer and seq_len")
-    orders, shard_uris = [], []
-    for d, (uri, m) in enumerate(zip(uris, manifests)):
-        shard_uris.append(m.shard_uris(uri, split))
-        orders.append(DatasetOrder(shard_uris[-1], [s.rows for s in m.splits[split].shards], data.seed, data.chunk_rows,
-                                   shuffle=shuffle, salt=d))
-    return RowSource(SampleOrder(orders, weights, data.seed), shard_uris, first.row_tokens, storage_cfg), manifests
+@dataclass(frozen=True)
+class Datasets:
+    """The prepared datasets a run reads (`data.path`, or the components of `data.mixture`),
+    with their manifests: loaded once, then handed on (driver to workers) as they are."""
+
+    uris: tuple[str, ...]
+    weights: tuple[float, ...]
+    manifests: tuple[Manifest, ...]
+
+    @classmethod
+    def load(cls, data: DataConfig, storage_cfg: Optional[StorageConfig]) -> "Datasets":
+        """Read each dataset's manifest; the datasets must share a tokenizer and seq_len."""
+        components = data.mixture or [MixtureComponent(data.path)]
+        for i, c in enumerate(components):
+            if not c.path:
+                key = f"data.mixture[{i}].path" if data.mixture else "data.path"
+                raise ConfigError(f"{key} is empty: point it at a dataset written by `raylm prepare`")
+        manifests = tuple(load_manifest(c.path, storage_cfg) for c in components)
+        first, first_uri = manifests[0], components[0].path
+        for i, (c, m) in enumerate(zip(components, manifests)):
+            if m.seq_len != first.seq_len or m.tokenizer.sha256 != first.tokenizer.sha256:
+                raise ConfigError(
+                    f"data.mixture[{i}] ({c.path}: seq_len {m.seq_len}, tokenizer {m.tokenizer.kind} "
+                    f"{m.tokenizer.sha256[:12]}) differs from data.mixture[0] ({first_uri}: seq_len "
+                    f"{first.seq_len}, tokenizer {first.tokenizer.kind} {first.tokenizer.sha256[:12]}); "
+                    "prepare every component with the same tokenizer and --seq-len")
+        return cls(tuple(c.path for c in components), tuple(c.weight for c in components), manifests)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The first dataset's manifest: seq_len, vocabulary and tokenizer are the same in all."""
+        return self.manifests[0]
+
+    def digest(self) -> str:
+        """One hash over every manifest: two processes that agree on it read the same data."""
+        return hashlib.sha256("".join(m.to_json() for m in self.manifests).encode()).hexdigest()
+
+    def to_dict(self) -> dict:
+        return {"uris": list(self.uris), "weights": list(self.weights),
+                "manifests": [m.to_dict() for m in self.manifests]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Datasets":
+        return cls(tuple(d["uris"]), tuple(d["weights"]),
+                   tuple(manifest_from_dict(m, uri) for m, uri in zip(d["manifests"], d["uris"])))
+
+    def open_split(self, split: str, data: DataConfig, storage_cfg: Optional[StorageConfig],
+                   shuffle: bool = True) -> RowSource:
+        """The row source of one split, in the order `data.seed` and `data.chunk_rows` give."""
+        orders, shard_uris = [], []
+        for d, (uri, m) in enumerate(zip(self.uris, self.manifests)):
+            shard_uris.append(m.shard_uris(uri, split))
+            orders.append(DatasetOrder(shard_uris[-1], [s.rows for s in m.splits[split].shards], data.seed,
+                                       data.chunk_rows, shuffle=shuffle, salt=d))
+        return RowSource(SampleOrder(orders, list(self.weights), data.seed), shard_uris, self.manifest.row_tokens,
+                         storage_cfg)
 
 
 def step_positions(position: int, first_step: int, last_step: int, global_batch: int,

@@ -70,6 +70,12 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
 
 
+def embeddings_tied(model: nn.Module) -> bool:
+    """Whether the head's weight IS the token embedding's (a part that holds both)."""
+    return (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+
 def build_norm(cfg: ModelConfig) -> Union[nn.RMSNorm, nn.LayerNorm]:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)

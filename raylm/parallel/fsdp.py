@@ -28,7 +28,7 @@ its last micro-batch.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -37,8 +37,10 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from raylm.config import ActivationCheckpointing, Sharding
+from raylm.model.transformer import embeddings_tied
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-Sharding = Literal["none", "optimizer", "gradients", "full"]
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
@@ -54,8 +56,7 @@ def _units(model: nn.Module) -> tuple[list[list[nn.Module]], Optional[list[nn.Mo
     first in backward). A tied embedding joins the head's group: one parameter, one owner.
     """
     head = [m for m in (model.norm, model.output) if m is not None]
-    tied = (model.tok_embeddings is not None and model.output is not None
-            and model.output.weight is model.tok_embeddings.weight)
+    tied = embeddings_tied(model)
     units: list[list[nn.Module]] = []
     if tied:
         head = [model.tok_embeddings, *head]
@@ -101,7 +102,7 @@ def set_micro_batch_sync(model: nn.Module, sharding: Sharding, last: bool) -> No
         model.set_reshard_after_backward(last or sharding == "full")
 
 
-def apply_ac(model: nn.Module, mode: Literal["none", "full", "every_k"], every: int) -> None:
+def apply_ac(model: nn.Module, mode: ActivationCheckpointing, every: int) -> None:
     """Recompute chosen blocks' activations in backward (composable, so FQNs do not change).
 
     every_k checkpoints blocks whose global index is a multiple of `every`, so the choice does not

@@ -52,17 +52,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from raylm.config import ConfigError, ModelConfig
+from raylm.config import ActivationCheckpointing, ConfigError, ModelConfig, Sharding
 from raylm.model.sizes import count_params
 from raylm.model.transformer import ffn_hidden_size
 
-Sharding = Literal["none", "optimizer", "gradients", "full"]
-Checkpointing = Literal["none", "full", "every_k"]
-SHARDINGS: tuple[str, ...] = ("none", "optimizer", "gradients", "full")
-CHECKPOINTING: tuple[str, ...] = ("none", "full", "every_k")
+SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
+CHECKPOINTING: tuple[str, ...] = typing.get_args(ActivationCheckpointing)
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     sharding: Sharding = "none"
-    activation_checkpointing: Checkpointing = "none"
+    activation_checkpointing: ActivationCheckpointing = "none"
     ac_every: int = 2
     """every_k: checkpoint the blocks whose index is a multiple of this."""
     sequence_parallel: bool = True

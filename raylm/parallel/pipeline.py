@@ -21,7 +21,7 @@ from torch.distributed.pipelining import schedules as S
 from raylm.config import ParallelConfig
 from raylm.parallel.mesh import V_SCHEDULES, num_stages
 
-SCHEDULES: dict[str, type] = {
+PIPELINE_SCHEDULES: dict[str, type] = {
     "gpipe": S.ScheduleGPipe,
     "1f1b": S.Schedule1F1B,
     "interleaved_1f1b": S.ScheduleInterleaved1F1B,
@@ -139,7 +139,7 @@ def build_schedule(stages: list[PipelineStage], p: ParallelConfig, n_microbatche
     backward actions in eval() too (ZBV and DualPipeV then fail handing a gradient between a
     rank's two stages), so its action lists keep only the forwards and their communication.
     """
-    cls = SCHEDULES[p.pp_schedule]
+    cls = PIPELINE_SCHEDULES[p.pp_schedule]
     single = issubclass(cls, S.PipelineScheduleSingle)
     try:
         schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,

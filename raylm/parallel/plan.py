@@ -38,20 +38,22 @@ from typing import Optional, Sequence
 import yaml
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from raylm.model.sizes import MODEL_SIZES, count_params, flops_per_token, preset
-from raylm.parallel.memory import (SHARDINGS, CommEstimate, Layout, MemoryEstimate, checkpointed_blocks,
+from raylm.hardware import GPU_PEAK_FLOPS
+from raylm.model.presets import MODEL_SIZES, preset
+from raylm.model.sizes import count_params, flops_per_token
+from raylm.parallel.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, Layout, MemoryEstimate, checkpointed_blocks,
                                    estimate_communication, estimate_memory, get_precision)
 from raylm.parallel.mesh import check_parallel_config
 
 DEFAULT_VOCAB = 50272  # OPT's (GPT-2's BPE padded); named sizes leave vocab_size to the dataset
-CHECKPOINTING_CHOICES = ("none", "full", "every_k", "auto")
+CHECKPOINTING_CHOICES = (*CHECKPOINTING, "auto")
 
 
 @dataclass(frozen=True)
 class Hardware:
     """Per-GPU rates for the step-time proxy; defaults are an A100 node (NVLink 3, HDR 200 Gb/s per GPU)."""
 
-    peak_flops: float = 312e12
+    peak_flops: float = GPU_PEAK_FLOPS["A100"]
     """Dense bf16 FLOP/s."""
     intra_node_bw: float = 200e9
     """Bytes/s one GPU sends in a collective inside a node (bus bandwidth)."""

@@ -14,15 +14,13 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from raylm.train.hooks import Hook
-
-if TYPE_CHECKING:
-    from raylm.train.loop import Run
+from raylm.train.state import Run
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +190,13 @@ class StragglerMonitor(Hook):
         self.events: list[dict] = []  # everything reported (rank 0), for tests and summaries
         self.active = False
 
-    def on_train_start(self, run: "Run") -> None:
+    def on_train_start(self, run: Run) -> None:
         self.active = dist.is_available() and dist.is_initialized() and run.world.world_size > 1
         if self.active:
             self.node_ids = [""] * run.world.world_size
             dist.all_gather_object(self.node_ids, self.node_id)  # once: node ids do not change
 
-    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
+    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if not self.active:
             return
         mine = torch.tensor([float(metrics[self.time_key])], device=run.world.device)
@@ -246,7 +244,7 @@ class LocalTimeProbe(Hook):
         self.a: Optional[torch.Tensor] = None
         self.probe_s = 0.0  # the latest probe
 
-    def on_train_start(self, run: "Run") -> None:
+    def on_train_start(self, run: Run) -> None:
         if run.world.world_size > 1:
             g = torch.Generator().manual_seed(0)  # not the training RNG
             self.a = torch.randn(self.size, self.size, generator=g).to(run.world.device)
@@ -260,7 +258,7 @@ class LocalTimeProbe(Hook):
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
-    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
+    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if self.a is None:
             return
         if step % self.every == 0:

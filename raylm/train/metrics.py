@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from raylm.config import Config
+from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
-from raylm.parallel.runtime import World
+from raylm.parallel.world import World
 from raylm.train.hooks import Hook
+from raylm.train.state import Run
 
-if TYPE_CHECKING:
-    from raylm.config import Config
-    from raylm.train.loop import Run
+METRICS_FILE = "metrics.jsonl"  # one row per step, written by rank 0 into the run directory
+EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
 
-# Dense bf16 peak FLOP/s per GPU, from the vendors' data sheets (no sparsity).
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12,
-                  "V100": 125e12, "4090": 165e12}
 
 
 def _measured_cpu_flops(n: int = 512, repeats: int = 20) -> float:
@@ -55,6 +54,16 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def read_jsonl(path: str) -> list[dict]:
+    """The complete rows of a JSON-lines file that may be being appended to (none if absent)."""
+    try:
+        with open(path) as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last is partial or empty
+
+
 def append_event(path: str, event: dict) -> None:
     """One line of events.jsonl: failures, recoveries, resizes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -65,7 +74,7 @@ def append_event(path: str, event: dict) -> None:
 class MetricsLogger(Hook):
     """The always-on hook, run after all others: writes each step's metrics out on rank 0."""
 
-    def __init__(self, cfg: "Config", run_dir: str, world: World):
+    def __init__(self, cfg: Config, run_dir: str, world: World):
         self.cfg, self.world = cfg, world
         self.rank0 = world.rank == 0
         self.tokens_per_s_ema: Optional[float] = None
@@ -74,13 +83,13 @@ class MetricsLogger(Hook):
         self.writer = None
         if self.rank0:
             os.makedirs(run_dir, exist_ok=True)
-            self.file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            self.file = open(os.path.join(run_dir, METRICS_FILE), "a", buffering=1)
             if cfg.train.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
-    def on_train_start(self, run: "Run") -> None:
+    def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
         if self.rank0 and (run.state.step > 0 or os.path.getsize(self.file.name) > 0):
             self._record_resume(run.state.step)
@@ -101,13 +110,13 @@ class MetricsLogger(Hook):
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self.file = open(path, "a", buffering=1)
         lost = len(rows) - len(kept)
-        append_event(os.path.join(os.path.dirname(path), "events.jsonl"),
+        append_event(os.path.join(os.path.dirname(path), EVENTS_FILE),
                      {"event": "resumed", "time": time.time(), "from_step": restored_step, "steps_lost": lost,
                       "world_size": self.world.world_size})
         print(f"raylm: resumed at step {restored_step} on {self.world.world_size} worker(s); "
               f"{lost} step(s) of work lost", flush=True)
 
-    def on_step_end(self, run: "Run", step: int, metrics: dict) -> None:
+    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if not self.rank0:
             return
         ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
@@ -127,7 +136,7 @@ class MetricsLogger(Hook):
                   f"{self.tokens_per_s_ema:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% | eta {eta}",
                   flush=True)
 
-    def on_train_end(self, run: "Run", metrics: dict) -> None:
+    def on_train_end(self, run: Run, metrics: dict) -> None:
         self.close()
 
     def close(self) -> None:

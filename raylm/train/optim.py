@@ -12,24 +12,27 @@ from __future__ import annotations
 import math
 from typing import Iterable, Union
 
+import typing
+
 import torch
 import torch.nn as nn
 
-from raylm.config import OptimConfig, ScheduleConfig
+from raylm.config import LRScheduleName, OptimConfig, ScheduleConfig
 
-SCHEDULES = ("cosine", "linear", "inverse_sqrt", "wsd", "constant")
+LR_SCHEDULES = typing.get_args(LRScheduleName)
 
 
-def _unique_trainable(params_or_modules: Union[nn.Module, Iterable[Union[nn.Module, torch.Tensor]]]) -> list:
+def unique_parameters(params_or_modules: Union[nn.Module, Iterable[Union[nn.Module, torch.Tensor]]]) -> list:
+    """Trainable parameters, each once: tied weights (embedding and head, possibly in two
+    pipeline chunks) appear twice in the modules and must be stepped and counted once."""
     items = [params_or_modules] if isinstance(params_or_modules, nn.Module) else list(params_or_modules)
     seen: set[int] = set()
     params = []
     for item in items:
-        for p in item.parameters() if isinstance(item, nn.Module) else [item]:
-            # Tied weights (embedding and head, possibly in two pipeline chunks) appear twice; step them once.
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+        for param in item.parameters() if isinstance(item, nn.Module) else [item]:
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
     return params
 
 
@@ -41,7 +44,7 @@ def build_optimizer(params_or_modules: Union[nn.Module, Iterable[Union[nn.Module
     biases and norm gains, whose decay toward 0 only hurts. Only `.ndim` is read, which a DTensor
     (FSDP2, tensor parallel) reports for the full tensor, so sharded parameters group correctly.
     """
-    params = _unique_trainable(params_or_modules)
+    params = unique_parameters(params_or_modules)
     if not params:
         raise ValueError("build_optimizer: no trainable parameters given")
     groups = [
@@ -77,8 +80,8 @@ def lr_at(step: int, sched: ScheduleConfig, max_lr: float, total_steps: int) -> 
                   total_steps (warmup-stable-decay, MiniCPM).
     constant:     warmup, then max_lr.
     """
-    if sched.name not in SCHEDULES:
-        raise ValueError(f"schedule.name must be one of {SCHEDULES}, got {sched.name!r}")
+    if sched.name not in LR_SCHEDULES:
+        raise ValueError(f"schedule.name must be one of {LR_SCHEDULES}, got {sched.name!r}")
     if step < 0 or total_steps <= 0:
         raise ValueError(f"lr_at needs step >= 0 and total_steps > 0, got step={step}, total_steps={total_steps}")
     if sched.name in ("cosine", "wsd") and sched.min_lr > max_lr:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from raylm.config import load_config
-from raylm.data.stream import open_split
+from raylm.data.stream import Datasets
 from cluster.chaos import TrainDriver, read_jsonl, train_worker
 from cluster.local import LocalCluster, kill_process_trees
 from tests.support.clusters import local_cluster as local_cluster_body
@@ -58,7 +58,8 @@ def cluster(chaos_dataset) -> LocalCluster:
 
 
 def epoch_samples(dataset: str) -> int:
-    source, _ = open_split(load_config(None, [f"data.path={dataset}"]).data, "train", None)
+    data = load_config(None, [f"data.path={dataset}"]).data
+    source = Datasets.load(data, None).open_split("train", data, None)
     return source.order.epoch_samples
 
 
@@ -99,7 +100,9 @@ def assert_every_sample_once(dataset: str, rows: dict[int, dict]) -> None:
     """The committed steps' samples, mapped to (shard, row), cover each epoch's rows exactly once."""
     assert all(len(rows[s]["samples"]) == GLOBAL_BATCH for s in rows)
     samples = np.concatenate([np.asarray(rows[s]["samples"]) for s in sorted(rows)])
-    source, (manifest,) = open_split(load_config(None, [f"data.path={dataset}"]).data, "train", None)
+    data = load_config(None, [f"data.path={dataset}"]).data
+    datasets = Datasets.load(data, None)
+    source, manifest = datasets.open_split("train", data, None), datasets.manifest
     n = source.order.epoch_samples
     every_row = sorted((shard, row) for shard, info in enumerate(manifest.splits["train"].shards)
                        for row in range(info.rows))

@@ -40,7 +40,7 @@ def test_inspect_summarises_counts_tokens_and_a_sample(dataset):
 
 def test_sound_dataset_verifies(dataset):
     assert verify_dataset(dataset) == []
-    assert verify_or_raise(dataset).to_dict() == load_manifest(dataset).to_dict()
+    verify_or_raise(dataset, None, load_manifest(dataset))
 
 
 def test_flipped_bytes_are_caught_and_the_shard_named(damaged):
@@ -53,7 +53,7 @@ def test_flipped_bytes_are_caught_and_the_shard_named(damaged):
     problems = verify_dataset(damaged)
     assert len(problems) == 1 and problems[0].startswith(f"{shard}: sha256 ")
     with pytest.raises(DatasetError, match="train-00001.parquet: sha256"):
-        verify_or_raise(damaged)
+        verify_or_raise(damaged, None, load_manifest(damaged))
 
 
 def test_missing_shard_and_changed_tokenizer_are_named(damaged):
@@ -95,3 +95,16 @@ def test_incomplete_datasets_are_refused(damaged):
         load_manifest(damaged)
     assert str(caught.value) == message
     assert verify_dataset(damaged) == [message]
+
+
+@pytest.mark.parametrize("name", ["../outside.parquet", "/etc/passwd", "s3://other-bucket/x.parquet",
+                                  "a/../../b.parquet", "", "./train.parquet"])
+def test_a_manifest_naming_a_file_outside_the_dataset_is_refused(damaged, name):
+    path = f"{damaged}/manifest.json"
+    manifest = json.loads(open(path).read())
+    manifest["splits"]["train"]["shards"][0]["file"] = name
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(DatasetError, match="points outside the dataset"):
+        load_manifest(damaged)
+    assert any("points outside the dataset" in p for p in verify_dataset(damaged))

@@ -8,7 +8,7 @@ import pytest
 
 from raylm.config import DataConfig
 from raylm.data.manifest import load_manifest
-from raylm.data.stream import TokenStream, open_split
+from raylm.data.stream import Datasets, TokenStream
 
 
 def all_rows(dataset: str) -> list[tuple]:
@@ -21,7 +21,8 @@ def all_rows(dataset: str) -> list[tuple]:
 
 
 def rank_streams(dataset, dp_size, position, first, last, global_batch=6, engine="local", skip=()):
-    source, _ = open_split(DataConfig(path=dataset, chunk_rows=8), "train", None)
+    data = DataConfig(path=dataset, chunk_rows=8)
+    source = Datasets.load(data, None).open_split("train", data, None)
     return [list(TokenStream(source, global_batch, r, dp_size, list(skip), engine).batches(position, first, last))
             for r in range(dp_size)]
 
@@ -82,7 +83,7 @@ def test_mixture_of_real_datasets_keeps_its_proportions(tiny_dataset, tmp_path):
     other = str(tmp_path / "other")
     prepare_dataset([write_corpus(tmp_path / "text", documents=60, seed=7)], other, tokenizer="byte", seq_len=32)
     data = DataConfig(mixture=[MixtureComponent(tiny_dataset, 0.7), MixtureComponent(other, 0.3)], chunk_rows=8)
-    source, _ = open_split(data, "train", None)
+    source = Datasets.load(data, None).open_split("train", data, None)
     stream = TokenStream(source, 10, 0, 1, [], "local")
     owners = [source.order.locate(g)[0] for b in stream.batches(0, 0, 100) for g in b.indices]
     assert len(owners) == 1000 and abs(owners.count(0) / 1000 - 0.7) < 0.01

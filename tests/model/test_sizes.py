@@ -8,7 +8,9 @@ import torch
 import torch.nn as nn
 
 from raylm.config import ConfigError, ModelConfig, config_from_dict
-from raylm.model.sizes import MODEL_SIZES, count_params, flops_per_token, preset
+from raylm.train.spec import check_config
+from raylm.model.presets import MODEL_SIZES, preset
+from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import Transformer
 
 torch.set_num_threads(1)
@@ -71,7 +73,9 @@ def test_opt_sizes_match_their_names(name, nominal, tolerance):
 
 @pytest.mark.parametrize("name", list(MODEL_SIZES))
 def test_every_size_builds_and_is_counted_exactly(name):
-    cfg = config_from_dict({"model": {"size": name}}).model  # also passes config validation
+    full = config_from_dict({"model": {"size": name}})
+    check_config(full)  # every named size passes the model's shape rules
+    cfg = full.model
     cfg = dataclasses.replace(cfg, vocab_size=1000)
     model = on_meta(cfg)
     assert count_params(cfg) == numel(model)

@@ -16,7 +16,8 @@ import torch
 
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from raylm.model.transformer import Transformer
-from raylm.parallel.runtime import ParallelModel, World, build_parallel_model
+from raylm.parallel.world import World
+from raylm.train.step import ParallelModel, build_model
 from raylm.train.optim import build_optimizer
 from tests.support.distributed import run_distributed
 
@@ -75,7 +76,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def build(cfg: Config) -> tuple[ParallelModel, torch.optim.Optimizer]:
-    model = build_parallel_model(lambda: Transformer(cfg.model), cfg, World.current())
+    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
     return model, build_optimizer(model.parts, cfg.optim)
 
 

@@ -11,9 +11,10 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.transformer import Transformer
 from raylm.parallel.mesh import check_parallel_config, resolve_dims
-from raylm.parallel.pipeline import (SCHEDULES, balanced_split, even_split, layer_split, simulated_bubble, stage_ids,
+from raylm.parallel.pipeline import (PIPELINE_SCHEDULES, balanced_split, even_split, layer_split, simulated_bubble, stage_ids,
                                      stage_module)
-from raylm.parallel.runtime import merged_view
+from raylm.train.spec import check_config
+from raylm.train.step import merged_view
 
 MODEL = ModelConfig(d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=32)
 
@@ -54,8 +55,8 @@ def test_tied_embeddings_cannot_be_pipelined() -> None:
 
 def test_config_validation_checks_the_layout_against_num_workers() -> None:
     with pytest.raises(ConfigError, match="parallel.tp=3 does not divide"):
-        config_from_dict({"parallel": {"num_workers": 3, "tp": 3}})
-    config_from_dict({"parallel": {"num_workers": 8, "dp_replicate": 2, "tp": 2, "sharding": "full"}})
+        check_config(config_from_dict({"parallel": {"num_workers": 3, "tp": 3}}))
+    check_config(config_from_dict({"parallel": {"num_workers": 8, "dp_replicate": 2, "tp": 2, "sharding": "full"}}))
 
 
 def test_balanced_split_minimises_the_costliest_stage() -> None:
@@ -97,7 +98,7 @@ def test_stage_parts_keep_the_plain_model_names() -> None:
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8)])
 def test_bubble_of_each_schedule(pp: int, m: int) -> None:
     def bubble(name: str, v: int) -> float:
-        ops = get_schedule_ops(SCHEDULES[name], pp, m, num_stages_per_rank=v)
+        ops = get_schedule_ops(PIPELINE_SCHEDULES[name], pp, m, num_stages_per_rank=v)
         return simulated_bubble(dict(enumerate(ops)), pp * v)
 
     assert bubble("gpipe", 1) == pytest.approx((pp - 1) / (m + pp - 1))

@@ -17,7 +17,8 @@ import yaml
 from cluster.ports import free_ports
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
-from raylm.model.sizes import count_params, preset
+from raylm.model.presets import preset
+from raylm.model.sizes import count_params
 from raylm.parallel.memory import (PRECISIONS, Layout, estimate_communication, estimate_memory,
                                    layer_activation_bytes, model_shape, model_state_bytes)
 from raylm.parallel.mesh import check_parallel_config

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from raylm.model.transformer import Transformer
-from raylm.parallel.runtime import World, cross_entropy
+from raylm.parallel.world import World
+from raylm.train.step import cross_entropy
 from raylm.train import checkpoint
 from tests.support.distributed import run_distributed
 from tests.parallel.test_layouts import (MICRO_BATCH, RTOL, STEPS, TP_SP, build, global_batch, make_config, reference,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylm.parallel.runtime import World
+from raylm.parallel.world import World
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, WorkerHealthError, self_test
 from tests.support.distributed import run_distributed
 

@@ -8,7 +8,8 @@ import torch
 
 from raylm.config import ConfigError, load_config
 from raylm.train.local_env import LocalEnv
-from raylm.train.loop import Hook, train
+from raylm.train.hooks import Hook
+from raylm.train.loop import train
 
 
 def tiny_config(dataset, *extra):

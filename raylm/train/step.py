@@ -1,17 +1,15 @@
-"""What the training loop sees of parallelism: one object that runs forward/backward over a
-rank's batch, clips, and exposes state for checkpoints, whatever the layout.
+"""The step over one rank's batch, whatever the parallel layout: micro-batches with gradient
+accumulation, the loss, the global gradient norm and clipping.
 
-The model stays a plain `Transformer`; the layout is applied here from outside, torchtitan's
-order: pipeline split, then per part tensor parallel, activation checkpointing, compile, and
-data parallel (FSDP2 `fully_shard` or FSDP2-based `replicate`) last.
+`ParallelModel` runs a single part (plain, FSDP2, replicate, TP); `PipelineModel` runs this
+rank's pipeline stages through a torch.distributed.pipelining schedule. Both are built by
+`build_model`, which applies the layout from outside (`raylm.parallel.parallelize`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,42 +19,13 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from raylm.config import Config, ConfigError
+from raylm.config import Config
 from raylm.parallel import pipeline
-from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision, set_micro_batch_sync
-from raylm.parallel.mesh import ParallelMesh, build_mesh, num_stages
-from raylm.parallel.tensor import apply_tp
-
-ZERO_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "full": "ZeRO-3"}
-
-
-@dataclass
-class World:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @staticmethod
-    def current(device: Optional[torch.device] = None) -> "World":
-        if dist.is_available() and dist.is_initialized():
-            rank, size = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, size = 0, 1
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        return World(rank, size, local, device or torch.device("cpu"))
-
-    def agree(self, flag: bool, op: Literal["all", "rank0"]) -> bool:
-        """One decision for every rank: "all" is true when every rank's flag is; "rank0" is
-        rank 0's flag. Ranks must take the same branches around collectives and reports."""
-        if self.world_size == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        if op == "all":
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        else:
-            dist.broadcast(t, src=0)
-        return bool(t.item())
+from raylm.parallel.fsdp import set_micro_batch_sync
+from raylm.parallel.mesh import ParallelMesh, num_stages
+from raylm.parallel.parallelize import describe_layout, parallelize
+from raylm.parallel.world import World
+from raylm.train.optim import unique_parameters
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -102,7 +71,7 @@ class ParallelModel:
         # Every parameter this rank holds, under the plain model's names (with pp > 1 a view of
         # the chunks for checkpoints and optimizers, not a callable model).
         self.model = merged_view(parts)
-        self.layout: dict = describe(cfg, mesh)
+        self.layout: dict = describe_layout(cfg, mesh)
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
     # peers share them, so they see the same samples.
@@ -156,7 +125,7 @@ class ParallelModel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (over every shard, TP slice and stage);
         clips when max_norm > 0."""
-        grads = [p.grad for p in _unique_params(self.parts) if p.grad is not None]
+        grads = [param.grad for param in unique_parameters(self.parts) if param.grad is not None]
         # Gradients of one kind (same mesh and placements) reduce together; plain tensors are
         # whole on this rank (or identical on its TP peers) and count as they are.
         groups: dict[object, list[torch.Tensor]] = {}
@@ -230,74 +199,14 @@ class PipelineModel(ParallelModel):
         return self._run(tokens, micro_batch_size, backward=False)
 
 
-def _unique_params(parts: list[nn.Module]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for part in parts:
-        for p in part.parameters():
-            seen.setdefault(id(p), p)  # a tied weight is one parameter
-    return list(seen.values())
-
-
-def describe(cfg: Config, mesh: ParallelMesh) -> dict:
-    """The layout in a few keys, for logs and metrics."""
-    p, d = cfg.parallel, mesh.dims
-    layout = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-              "data_parallel": ZERO_NAMES[p.sharding] if d.dp > 1 or p.sharding != "none" else "none",
-              "hsdp": p.sharding != "none" and d.dp_replicate > 1 and d.dp_shard > 1,
-              "activation_checkpointing": p.activation_checkpointing, "param_dtype": p.param_dtype}
-    if d.tp > 1:
-        layout.update(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
-    if d.pp > 1:
-        layout.update(pp_schedule=p.pp_schedule, pp_stages=num_stages(p))
-    return layout
-
-
-def _parallelize(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
-    """Apply TP, activation checkpointing, compile and data parallelism to one part, in place."""
-    p = cfg.parallel
-    # Simplest path to weights identical to a single process: built on CPU with the seed, then
-    # moved and sharded (the full part passes through each device once).
-    part.to(device)
-    if mesh.tp is not None:
-        apply_tp(part, mesh.tp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
-    apply_ac(part, p.activation_checkpointing, p.ac_every)
-    if cfg.train.compile:  # per block: the repeated structure compiles once; names stay the same
-        for block in part.layers.values():
-            block.compile()
-    policy = mixed_precision(p.param_dtype, p.reduce_dtype)
-    if mesh.fsdp is not None:
-        apply_fsdp(part, mesh.fsdp, sharding=p.sharding, mp_policy=policy, cpu_offload=p.cpu_offload)
-    elif mesh.dp is not None:
-        apply_replicate(part, mesh.dp, mp_policy=policy)
-
-
-def build_parallel_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> ParallelModel:
-    """Build the model with the run's seed (identical on every rank) and apply the configured layout."""
-    p = cfg.parallel
-    mesh = build_mesh(p, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
-    if p.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
-        raise ConfigError(f"parallel.param_dtype={p.param_dtype} is applied by FSDP2, which needs "
-                          "torch.distributed and sharding != none or more than one data-parallel rank; "
-                          "in a single process use train.precision=bf16 (autocast)")
-    torch.manual_seed(cfg.train.seed)
-    model = model_factory()
-    if mesh.pp is None:
-        _parallelize(model, cfg, mesh, world.device)
-        parallel_model = ParallelModel([model], cfg, world, mesh)
+def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> ParallelModel:
+    """The model with the run's layout applied, ready for steps."""
+    built = parallelize(model_factory, cfg, world)
+    if built.stages:
+        model: ParallelModel = PipelineModel(built.stages, cfg, world, built.mesh)
+        model.layout["pp_layers"] = built.pp_layers
     else:
-        groups = pipeline.layer_split(model, p)
-        last = num_stages(p) - 1
-        stages = []
-        for sid in pipeline.stage_ids(mesh.pp.get_local_rank(), p):
-            part = pipeline.stage_module(model, groups[sid], first=sid == 0, last=sid == last)
-            _parallelize(part, cfg, mesh, world.device)
-            stages.append(PipelineStage(part, sid, last + 1, world.device, group=mesh.pp.get_group()))
-        del model
-        parallel_model = PipelineModel(stages, cfg, world, mesh)
-        parallel_model.layout["pp_layers"] = [len(g) for g in groups]
-    # Dropout masks: different on each data-parallel rank, the same within a TP group (whose
-    # replicated activations must stay identical on every rank).
-    torch.manual_seed(cfg.train.seed + 1 + mesh.dp_rank)
+        model = ParallelModel(built.parts, cfg, world, built.mesh)
     if world.rank == 0:
-        print(f"[raylm.parallel] layout {parallel_model.layout}", flush=True)
-    return parallel_model
+        print(f"[raylm.parallel] layout {model.layout}", flush=True)
+    return model

@@ -1,0 +1,147 @@
+"""A run resolved once, on the driver: its config checked against the model's shape rules and
+the parallel layout, filled in from its data (vocabulary, seq_len, absolute paths), and the
+datasets it reads. Workers receive the `RunSpec` whole; each checks that it sees the same
+data (one manifest read, compared by digest) instead of deriving anything again.
+
+This is the one place where "resolve" happens; the config module knows neither the model nor
+the layout, and the model and the layout know nothing of the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, global_batch_sequences
+from raylm.data import storage
+from raylm.data.inspect import verify_or_raise
+from raylm.data.manifest import Manifest, load_dataset_tokenizer
+from raylm.data.storage import StorageError
+from raylm.data.stream import Datasets
+from raylm.model.transformer import check_model_config
+from raylm.parallel.mesh import check_parallel_config
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    config: Config
+    """With model.vocab_size and train.seq_len set from the data, and local paths absolute."""
+    datasets: Datasets
+    tokenizer_json: str
+    """The datasets' tokenizer, saved into every checkpoint (generation and export need it)."""
+
+    @property
+    def seq_len(self) -> int:
+        return self.datasets.manifest.seq_len
+
+    @property
+    def global_batch(self) -> int:
+        return global_batch_sequences(self.config, self.seq_len)
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.datasets.manifest.tokenizer.sha256
+
+    def to_dict(self) -> dict:
+        return {"config": config_to_dict(self.config), "datasets": self.datasets.to_dict(),
+                "tokenizer_json": self.tokenizer_json}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunSpec":
+        return cls(config_from_dict(d["config"]), Datasets.from_dict(d["datasets"]), d["tokenizer_json"])
+
+    def check_same_data(self, where: str) -> None:
+        """Read the manifests again here (a worker) and compare: the same storage access and the
+        same data as the driver, or an error that names `where` (the node)."""
+        cfg = self.config
+        try:
+            seen = Datasets.load(cfg.data, cfg.storage)
+        except (StorageError, ConfigError) as e:
+            raise type(e)(f"{where}: cannot read the training data that the driver read: {e}") from None
+        if seen.digest() != self.datasets.digest():
+            changed = [uri for uri, a, b in zip(seen.uris, seen.manifests, self.datasets.manifests)
+                       if a.to_json() != b.to_json()]
+            raise ConfigError(f"{where}: the dataset manifest of {', '.join(changed)} differs from the one the "
+                              "driver resolved the run with: was the data re-prepared during the launch?")
+
+
+def check_config(cfg: Config) -> None:
+    """The config against the model's shape rules and the parallel layout's (before the data has
+    supplied the vocabulary; they run again with it)."""
+    check_model_config(cfg.model, need_vocab=False)
+    check_parallel_config(cfg.parallel, cfg.model, cfg.parallel.num_workers, cfg.train.seq_len)
+
+
+def resolve_run(cfg: Config, announce: bool = False) -> RunSpec:
+    """Check `cfg`, read its datasets once (verifying every shard when data.verify) and fill in
+    what the data decides. `announce` prints what was filled in (on the driver)."""
+    check_config(cfg)
+    cfg = _absolute_paths(cfg)
+    datasets = Datasets.load(cfg.data, cfg.storage)
+    if cfg.data.verify:
+        for uri, manifest in zip(datasets.uris, datasets.manifests):
+            verify_or_raise(uri, cfg.storage, manifest)
+    tokenizer = load_dataset_tokenizer(datasets.uris[0], cfg.storage, datasets.manifest)
+    cfg = _fill_from_data(cfg, datasets.manifest, announce)
+    check_model_config(cfg.model)
+    check_parallel_config(cfg.parallel, cfg.model, cfg.parallel.num_workers, cfg.train.seq_len)
+    check_world_sizes(cfg, datasets.manifest.seq_len)
+    return RunSpec(cfg, datasets, tokenizer.to_json())
+
+
+def absolute(uri: str) -> str:
+    """Local paths made absolute: Ray workers run in other directories."""
+    return uri if not uri or storage.is_s3(uri) else os.path.abspath(uri)
+
+
+def _absolute_paths(cfg: Config) -> Config:
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=[
+        dataclasses.replace(c, path=absolute(c.path)) for c in cfg.data.mixture])
+    return dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, storage_path=absolute(cfg.run.storage_path)))
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def _fill_from_data(cfg: Config, manifest: Manifest, announce: bool) -> Config:
+    """model.vocab_size and train.seq_len from the dataset, or refused when they contradict it."""
+    m, t = cfg.model, cfg.train
+    data_vocab = manifest.vocab_size
+    vocab = padded_vocab(data_vocab, m.vocab_multiple) if m.vocab_size is None else m.vocab_size
+    if vocab < data_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the dataset's tokenizer vocabulary "
+            f"({data_vocab}, tokenizer {manifest.tokenizer.kind} {manifest.tokenizer.sha256[:12]}); "
+            "set it to null to take the dataset's, or re-prepare the data with the model's tokenizer")
+    if announce and m.vocab_size is not None and vocab > data_vocab:
+        print(f"raylm: model.vocab_size={vocab} pads the tokenizer's {data_vocab} tokens with "
+              f"{vocab - data_vocab} rows no token uses (allowed: padding for fast matmuls; "
+              "model.vocab_multiple does it for you)", flush=True)
+    if t.seq_len is not None and t.seq_len != manifest.seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} but the dataset was packed with seq_len="
+                          f"{manifest.seq_len}; re-run `raylm prepare --seq-len {t.seq_len}` or drop the key")
+    if manifest.seq_len > m.max_seq_len:
+        raise ConfigError(f"the dataset's seq_len ({manifest.seq_len}) exceeds model.max_seq_len "
+                          f"({m.max_seq_len})")
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, vocab_size=vocab),
+                               train=dataclasses.replace(t, seq_len=manifest.seq_len))
+
+
+def check_world_sizes(cfg: Config, seq_len: int) -> None:
+    """Every world size the run may have must split the global batch into whole micro-batches:
+    an elastic resize keeps the global batch and recomputes gradient accumulation."""
+    p = cfg.parallel
+    sizes = range(p.min_workers or p.num_workers, p.num_workers + 1)
+    global_batch = global_batch_sequences(cfg, seq_len)
+    bad = []
+    for n in sizes:
+        dp = n // (p.tp * p.pp)
+        if n % (p.tp * p.pp) or global_batch % (dp * cfg.train.micro_batch_size):
+            bad.append(n)
+    if bad:
+        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={p.tp}, pp={p.pp}, "
+                          f"train.micro_batch_size={cfg.train.micro_batch_size}); choose a global batch that "
+                          f"every size in [{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
+

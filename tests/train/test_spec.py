@@ -1,0 +1,98 @@
+"""A run resolved once against its data: what is filled in, what is refused, and what a worker
+checks (the same manifests, read with its own storage access)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from raylm.config import ConfigError
+from raylm.data import storage
+from raylm.data.prepare import prepare_dataset
+from raylm.data.storage import StorageError
+from raylm.tokenizer import ByteTokenizer
+from raylm.train.spec import RunSpec, resolve_run
+from tests.support.fixtures import write_corpus
+from tests.test_tokenizer import llama_like_tokenizer_json
+from tests.train.test_loop import tiny_config
+
+
+def test_resolve_fills_from_the_data_and_reads_each_manifest_once(tiny_dataset, monkeypatch):
+    import raylm.data.manifest
+
+    reads: list[str] = []
+    real = raylm.data.manifest.read_bytes
+
+    def counting(uri, *args, **kwargs):  # the real read, counted
+        reads.append(uri)
+        return real(uri, *args, **kwargs)
+
+    monkeypatch.setattr(raylm.data.manifest, "read_bytes", counting)
+    spec = resolve_run(tiny_config(tiny_dataset))
+    assert [u for u in reads if u.endswith("manifest.json")] == [f"{tiny_dataset}/manifest.json"]
+    assert spec.config.model.vocab_size == ByteTokenizer().vocab_size
+    assert spec.config.train.seq_len == 32 == spec.seq_len
+    assert spec.global_batch == 8
+
+
+def test_a_spec_travels_whole_and_a_worker_checks_it_sees_the_same_data(tiny_dataset, tmp_path):
+    dataset = str(tmp_path / "data")
+    shutil.copytree(tiny_dataset, dataset)
+    spec = resolve_run(tiny_config(dataset))
+    again = RunSpec.from_dict(spec.to_dict())
+    assert again == spec and again.datasets.digest() == spec.datasets.digest()
+    again.check_same_data("worker on node A")  # same data: nothing to say
+
+    # The dataset is prepared anew (other documents) after the driver resolved the run.
+    prepare_dataset([write_corpus(tmp_path / "text", documents=30, seed=3)], dataset,
+                    tokenizer="byte", seq_len=32, overwrite=True, shard_rows=300)
+    with pytest.raises(ConfigError, match=r"worker on node A: the dataset manifest of .* differs"):
+        again.check_same_data("worker on node A")
+
+
+def test_a_worker_without_storage_access_is_named(s3_server, s3_bucket, tiny_dataset, monkeypatch):
+    remote = f"{s3_bucket}/data"
+    for name in storage.list_files(tiny_dataset):
+        storage.write_bytes(storage.join(remote, name), open(f"{tiny_dataset}/{name}", "rb").read(), s3_server.storage)
+    cfg = tiny_config(remote, f"storage.endpoint_url={s3_server.endpoint_url}")
+    spec = resolve_run(cfg)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")  # this "worker" has other credentials
+    with pytest.raises(StorageError, match=r"worker on node B \(10\.0\.0\.2\): cannot read the training data"):
+        spec.check_same_data("worker on node B (10.0.0.2)")
+
+
+def test_an_empty_data_path_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.path is empty"):
+        resolve_run(tiny_config(""))
+    result = subprocess.run([sys.executable, "-m", "raylm.cli", "train", "train.steps=1", "schedule.warmup_steps=0", "data.path="],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "raylm: error: data.path is empty" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mixture_components_with_different_tokenizers_are_refused(tiny_dataset, tmp_path):
+    bpe = tmp_path / "tokenizer.json"
+    bpe.write_text(llama_like_tokenizer_json())
+    other = str(tmp_path / "bpe-data")
+    prepare_dataset([write_corpus(tmp_path / "text", documents=30)], other, tokenizer=str(bpe), seq_len=32)
+    cfg = tiny_config("", "data.path=", f"data.mixture=[{{path: {tiny_dataset}}}, {{path: {other}}}]")
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\] .* differs from data.mixture\[0\]"):
+        resolve_run(cfg)
+
+
+def test_vocab_size_may_pad_the_tokenizer_but_not_shrink_it(tiny_dataset, capsys):
+    vocab = ByteTokenizer().vocab_size
+    spec = resolve_run(tiny_config(tiny_dataset, f"model.vocab_size={vocab + 5}"), announce=True)
+    assert spec.config.model.vocab_size == vocab + 5
+    assert f"pads the tokenizer's {vocab} tokens with 5 rows" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=f"model.vocab_size={vocab - 1} is smaller"):
+        resolve_run(tiny_config(tiny_dataset, f"model.vocab_size={vocab - 1}"))
+
+
+def test_lr_below_the_schedule_floor_fails_at_load():
+    with pytest.raises(ConfigError, match="schedule.min_lr"):
+        tiny_config("x", "optim.lr=1e-4", "schedule.min_lr=1e-3")
+
