@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -19,12 +18,6 @@ def load_average() -> str:
     every figure is only comparable next to the load it was measured under."""
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores)"
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The per-step records of a raylm metrics.jsonl."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @dataclass

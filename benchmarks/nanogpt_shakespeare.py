@@ -31,7 +31,8 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from _common import Throughput, load_average, print_table, read_metrics, steady_throughput
+from raylm.train.metrics import read_jsonl
+from _common import Throughput, load_average, print_table, steady_throughput
 from raylm.config import Config, global_batch_sequences, load_config
 from raylm.data.manifest import MANIFEST_FILE
 from raylm.data.prepare import prepare_dataset
@@ -86,7 +87,7 @@ def ensure_data(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def train_step_times(cfg: Config) -> tuple[list[dict], list[float]]:
-    rows = read_metrics(os.path.join(local_run_dir(cfg), "metrics.jsonl"))
+    rows = read_jsonl(os.path.join(local_run_dir(cfg), "metrics.jsonl"))
     return rows, [r["step_time"] for r in rows]
 
 

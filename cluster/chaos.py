@@ -10,7 +10,6 @@ Train worker processes to kill. Used by the chaos tests and the recovery benchma
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,18 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.local import LocalCluster, Proc
+from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 
 class ChaosError(AssertionError):
     """The run did not do what was waited for; the message quotes the driver's log."""
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete lines of a JSON-lines file that may be being appended to (none if absent)."""
-    if not path.exists():
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 class TrainDriver:
@@ -78,7 +70,7 @@ class TrainDriver:
             self.proc.wait()
 
     def metrics(self) -> list[dict]:
-        return read_jsonl(self.run_dir / "metrics.jsonl")
+        return read_jsonl(str(self.run_dir / METRICS_FILE))
 
     def last_step(self) -> int:
         rows = self.metrics()
@@ -87,7 +79,7 @@ class TrainDriver:
     def events(self, kind: str) -> list[dict]:
         """events.jsonl entries of one kind: "failure" (the driver's record of a worker-group
         failure) or "resumed" (rank 0's record of a restart: from_step, steps_lost, world_size)."""
-        return [e for e in read_jsonl(self.run_dir / "events.jsonl") if e["event"] == kind]
+        return [e for e in read_jsonl(str(self.run_dir / EVENTS_FILE)) if e["event"] == kind]
 
 
 def train_worker(cluster: LocalCluster, node: int) -> Proc:

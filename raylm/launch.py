@@ -141,9 +141,9 @@ def launch(cfg: Config) -> dict:
                           "choose another run.name or remove them")
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
-    p = cfg.parallel
-    start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(p.num_workers, p.cpus_per_worker),
-              max(1, int(p.cpus_per_worker)))
+    parallel = cfg.parallel
+    start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
+              max(1, int(parallel.cpus_per_worker)))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
@@ -151,16 +151,16 @@ def launch(cfg: Config) -> dict:
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=(p.min_workers, p.num_workers) if p.min_workers else p.num_workers,
-            use_gpu=p.use_gpu, resources_per_worker={"CPU": p.cpus_per_worker},
-            elastic_resize_monitor_interval_s=p.resize_check_s),
+            num_workers=(parallel.min_workers, parallel.num_workers) if parallel.min_workers else parallel.num_workers,
+            use_gpu=parallel.use_gpu, resources_per_worker={"CPU": parallel.cpus_per_worker},
+            elastic_resize_monitor_interval_s=parallel.resize_check_s),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
             # Train's print patch tees every print into its logger as well: lines came out twice.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                                             "OMP_NUM_THREADS": str(max(1, int(p.cpus_per_worker)))}},
+                                             "OMP_NUM_THREADS": str(max(1, int(parallel.cpus_per_worker)))}},
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
     )

@@ -22,7 +22,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from raylm.config import StorageConfig
-from raylm.data.corpus import builtin_sources, iter_documents, resolve_sources
+from raylm.data.corpus import builtin_sources, iter_documents, find_sources
 from raylm.data.storage import StorageError, filesystem_for, join, read_bytes, write_bytes
 
 EOT_TOKEN = "<|endoftext|>"
@@ -175,7 +175,7 @@ def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
     if vocab_size <= 257:
         raise ValueError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
                          f"use the 'byte' tokenizer for a byte vocabulary")
-    sources = (resolve_sources(input_uris, lines_as_documents, storage) if input_uris
+    sources = (find_sources(input_uris, lines_as_documents, storage) if input_uris
                else builtin_sources(max_documents))
     documents = islice(chain.from_iterable(iter_documents(s, storage) for s in sources), max_documents)
     bpe = tokenizers.Tokenizer(models.BPE())

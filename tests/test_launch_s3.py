@@ -13,6 +13,7 @@ from raylm.data.prepare import prepare_dataset
 from raylm.launch import launch
 from raylm.train import checkpoint
 from tests.support.fixtures import write_corpus
+from tests.support.order import locate
 
 pytestmark = pytest.mark.slow
 
@@ -85,5 +86,5 @@ def test_stream_from_s3_covers_the_epoch_once_at_any_world_size(s3_server, s3_da
         streams = [list(TokenStream(source, 6, r, dp_size, [], engine).batches(0, 0, steps)) for r in range(dp_size)]
         per_size[dp_size] = [[g for b in step for g in b.indices] for step in zip(*streams)]
     assert per_size[1] == per_size[2] == per_size[3]
-    located = [source.order.locate(g) for step in per_size[1] for g in step]
+    located = [locate(source.order, g) for step in per_size[1] for g in step]
     assert len(located) == len(set(located)) == steps * 6

@@ -58,7 +58,7 @@ def _is_hidden(relative_path: str) -> bool:
     return any(part.startswith((".", "_")) for part in relative_path.split("/"))
 
 
-def resolve_sources(inputs: list[str], lines_as_documents: bool = False,
+def find_sources(inputs: list[str], lines_as_documents: bool = False,
                     storage: Optional[StorageConfig] = None) -> list[Source]:
     """The input files named by `inputs` (files, or directories walked recursively in sorted
     order), in the order given. Raises for a missing input or a file of unknown extension."""

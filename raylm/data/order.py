@@ -76,11 +76,6 @@ class DatasetOrder:
                 rows[sel[mine]] = self.chunk_start[c] + self._within(epoch, c)[offsets[mine]]
         return shards, rows
 
-    def locate(self, index: int) -> tuple[int, int]:
-        """(shard, row) of the sample at position `index` of this dataset's own sequence."""
-        shards, rows = self.locate_many(np.array([index]))
-        return int(shards[0]), int(rows[0])
-
 
 class SampleOrder:
     """Global index -> (dataset, shard, row) for one dataset or a weighted mixture."""
@@ -98,11 +93,6 @@ class SampleOrder:
         for i in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[: MIX_BLOCK - sum(counts)]:
             counts[i] += 1
         self.block_counts = counts
-
-    @property
-    def epoch_samples(self) -> int:
-        """Samples in one pass over the first dataset (the whole dataset when there is one)."""
-        return self.datasets[0].num_samples if len(self.datasets) == 1 else MIX_BLOCK
 
     @lru_cache(maxsize=8)
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,11 +122,6 @@ class SampleOrder:
             sel = np.flatnonzero(owners == d)
             shards[sel], rows[sel] = self.datasets[d].locate_many(local[sel])
         return owners, shards, rows
-
-    def locate(self, index: int) -> tuple[int, int, int]:
-        """(dataset, shard, row) of global sample `index`."""
-        d, shard, row = self.locate_many([index])
-        return int(d[0]), int(shard[0]), int(row[0])
 
 
 def batch_indices(position: int, count: int, skip: list[list[int]]) -> tuple[list[int], int]:

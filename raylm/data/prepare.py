@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raylm.config import StorageConfig
-from raylm.data.corpus import BUILTIN_CORPUS, Source, builtin_sources, iter_documents, resolve_sources
+from raylm.data.corpus import BUILTIN_CORPUS, Source, builtin_sources, iter_documents, find_sources
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, Manifest, ShardInfo,
                                  SplitInfo, TokenizerInfo)
 from raylm.ray_runtime import start_ray
@@ -89,7 +89,7 @@ def prepare_dataset(
                                   f"(--overwrite) to replace it")
         _remove_dataset(output, storage)
     if inputs:
-        sources, source_names = resolve_sources(inputs, lines_as_documents, storage), list(inputs)
+        sources, source_names = find_sources(inputs, lines_as_documents, storage), list(inputs)
     else:
         sources, source_names = builtin_sources(max_documents), [BUILTIN_CORPUS]
 

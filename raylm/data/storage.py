@@ -141,7 +141,7 @@ def _profile() -> dict:
             "credentials file: set AWS_PROFILE to an existing profile") from None
 
 
-def _resolve(storage: StorageConfig) -> _S3Settings:
+def _s3_settings(storage: StorageConfig) -> _S3Settings:
     env = os.environ
     profile: Optional[dict] = None
     endpoint = storage.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
@@ -174,7 +174,7 @@ def _s3(storage: Optional[StorageConfig]) -> tuple[pafs.S3FileSystem, _S3Setting
     storage = storage or StorageConfig()
     key = (storage.endpoint_url, storage.region) + _env_key()
     if key not in _CACHE:
-        settings = _resolve(storage)
+        settings = _s3_settings(storage)
         _CACHE[key] = (_build(settings), settings)
     return _CACHE[key]
 

@@ -54,7 +54,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 from raylm.config import ActivationCheckpointing, ConfigError, ModelConfig, Sharding
 from raylm.model.sizes import count_params
@@ -170,7 +170,7 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
 
 def model_state_bytes(n_params: float, precision: str | Precision, sharding: str, dp_shard: int) -> dict[str, float]:
     """The ZeRO table: params, grads, optimizer and master bytes for `n_params` on one GPU."""
-    p = get_precision(precision)
+    prec = get_precision(precision)
     if sharding not in SHARDINGS:
         raise ConfigError(f"sharding {sharding!r} is not one of {', '.join(SHARDINGS)}")
     level = SHARDINGS.index(sharding)  # 0 DDP .. 3 ZeRO-3
@@ -178,10 +178,10 @@ def model_state_bytes(n_params: float, precision: str | Precision, sharding: str
     grad_div = dp_shard if level >= 2 else 1
     param_div = dp_shard if level >= 3 else 1
     return {
-        "params": n_params * p.param_bytes / param_div,
-        "grads": n_params * p.grad_bytes / grad_div,
-        "optimizer": n_params * p.optimizer_bytes / opt_div,
-        "master": n_params * p.master_bytes / opt_div,
+        "params": n_params * prec.param_bytes / param_div,
+        "grads": n_params * prec.grad_bytes / grad_div,
+        "optimizer": n_params * prec.optimizer_bytes / opt_div,
+        "master": n_params * prec.master_bytes / opt_div,
     }
 
 
@@ -271,25 +271,25 @@ def _activations(shape: ModelShape, layout: Layout, precision: Precision, seq_le
     return act
 
 
-def _buffers(layout: Layout, p: Precision, n_local: float, block: float, other: float) -> float:
-    return n_local * p.autocast_copy_bytes + _comm_buffers(layout, p, n_local, block, other)
+def _buffers(layout: Layout, prec: Precision, n_local: float, block: float, other: float) -> float:
+    return n_local * prec.autocast_copy_bytes + _comm_buffers(layout, prec, n_local, block, other)
 
 
-def _comm_buffers(layout: Layout, p: Precision, n_local: float, block: float, other: float) -> float:
+def _comm_buffers(layout: Layout, prec: Precision, n_local: float, block: float, other: float) -> float:
     """As raylm applies data parallelism (raylm/parallel/fsdp.py): FSDP2 units of one block each,
     and the embeddings and head; DDP is FSDP2's `replicate` over the same units."""
     if layout.dp == 1:
         return 0.0
-    unit_grads = max(block, other) * p.grad_bytes  # flat copy for one unit's reduction
+    unit_grads = max(block, other) * prec.grad_bytes  # flat copy for one unit's reduction
     if layout.sharding == "none" or layout.dp_shard == 1:
         return unit_grads
     if layout.sharding == "full":
         # The embeddings and head stay gathered from forward through backward; the next block
         # is prefetched while one computes.
-        return (other + 2 * block) * p.param_bytes + unit_grads
+        return (other + 2 * block) * prec.param_bytes + unit_grads
     # ZeRO-1/2 keep parameters gathered through the step (the params term); without a master
     # copy, the sharded parameters FSDP2 steps on are a second, sharded copy of the weights.
-    return unit_grads + (0.0 if p.master_bytes else n_local * p.param_bytes / layout.dp_shard)
+    return unit_grads + (0.0 if prec.master_bytes else n_local * prec.param_bytes / layout.dp_shard)
 
 
 def estimate_memory(model_cfg: ModelConfig, layout: Layout, precision: str | Precision = "mixed",
@@ -303,7 +303,7 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, precision: str | Pre
     """
     if world_size is not None and world_size != layout.world_size:
         raise ConfigError(f"layout {layout} spans {layout.world_size} GPUs, not world_size={world_size}")
-    p = get_precision(precision)
+    prec = get_precision(precision)
     shape = model_shape(model_cfg)
     seq_len = seq_len or model_cfg.max_seq_len
     m = n_microbatches or layout.pp
@@ -312,12 +312,12 @@ def estimate_memory(model_cfg: ModelConfig, layout: Layout, precision: str | Pre
         blocks, block, other = _stage_params(shape, layout, stage)
         n_local = blocks * block + other
         in_flight = min(layout.pp - stage, m)
-        act = {mode: _activations(shape, layout, p, seq_len, micro_batch_size, stage, in_flight, mode, flash_attention)
+        act = {mode: _activations(shape, layout, prec, seq_len, micro_batch_size, stage, in_flight, mode, flash_attention)
                for mode in {"none", "full", layout.activation_checkpointing}}
         est = MemoryEstimate(activations=act[layout.activation_checkpointing],
                              activations_no_checkpointing=act["none"], activations_full_checkpointing=act["full"],
-                             buffers=_buffers(layout, p, n_local, block, other), stage=stage,
-                             **model_state_bytes(n_local, p, layout.sharding, layout.dp_shard))
+                             buffers=_buffers(layout, prec, n_local, block, other), stage=stage,
+                             **model_state_bytes(n_local, prec, layout.sharding, layout.dp_shard))
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None
@@ -358,7 +358,7 @@ def estimate_communication(model_cfg: ModelConfig, layout: Layout, precision: st
     and ZeRO-3 reduce-scatter every microbatch; ZeRO-1/2 gather parameters once per step, ZeRO-3
     twice per microbatch (forward and backward).
     """
-    p = get_precision(precision)
+    prec = get_precision(precision)
     shape = model_shape(model_cfg)
     seq_len = seq_len or model_cfg.max_seq_len
     m = n_microbatches
@@ -369,16 +369,16 @@ def estimate_communication(model_cfg: ModelConfig, layout: Layout, precision: st
 
     transfers: list[tuple[float, int]] = []  # (bytes, span of ranks the group covers)
     if layout.sharding == "none" or ds == 1:  # all-reduce = reduce-scatter + all-gather
-        transfers.append((2 * _ring(layout.dp) * n_local * p.grad_bytes, tp * layout.dp))
+        transfers.append((2 * _ring(layout.dp) * n_local * prec.grad_bytes, tp * layout.dp))
     else:
         syncs = 1 if layout.sharding == "optimizer" else m
         gathers = 2 * m if layout.sharding == "full" else 1
-        transfers.append((_ring(ds) * n_local * (gathers * p.param_bytes + syncs * p.grad_bytes), tp * ds))
+        transfers.append((_ring(ds) * n_local * (gathers * prec.param_bytes + syncs * prec.grad_bytes), tp * ds))
         # HSDP: replicas all-reduce their gradient shards.
-        transfers.append((syncs * 2 * _ring(dr) * n_local / ds * p.grad_bytes, tp * ds * dr))
+        transfers.append((syncs * 2 * _ring(dr) * n_local / ds * prec.grad_bytes, tp * ds * dr))
     data_parallel = sum(volume for volume, _ in transfers)
 
-    sbh = seq_len * micro_batch_size * shape.d_model * p.activation_bytes
+    sbh = seq_len * micro_batch_size * shape.d_model * prec.activation_bytes
     tensor_parallel = 0.0
     if tp > 1:  # an SP all-gather + reduce-scatter pair moves what one all-reduce does
         recomputed = checkpointed_blocks(layout, layout.activation_checkpointing, blocks)

@@ -44,21 +44,21 @@ class ParallelDims:
         return f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
 
 
-def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
+def parallel_dims(parallel: ParallelConfig, world_size: int) -> ParallelDims:
     """The four degrees for `world_size` ranks, inferring dp_shard=-1; an error says why not."""
     for name in ("dp_replicate", "tp", "pp"):
-        if getattr(p, name) < 1:
-            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-    if p.dp_shard == 0 or p.dp_shard < -1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (infer), got {p.dp_shard}")
-    others = p.dp_replicate * p.tp * p.pp
-    dp_shard = p.dp_shard
+        if getattr(parallel, name) < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(parallel, name)}")
+    if parallel.dp_shard == 0 or parallel.dp_shard < -1:
+        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (infer), got {parallel.dp_shard}")
+    others = parallel.dp_replicate * parallel.tp * parallel.pp
+    dp_shard = parallel.dp_shard
     if dp_shard == -1:
         if world_size % others:
             raise ConfigError(f"cannot infer parallel.dp_shard: world size {world_size} is not divisible by "
-                              f"dp_replicate={p.dp_replicate} x tp={p.tp} x pp={p.pp} = {others}")
+                              f"dp_replicate={parallel.dp_replicate} x tp={parallel.tp} x pp={parallel.pp} = {others}")
         dp_shard = world_size // others
-    dims = ParallelDims(p.pp, p.dp_replicate, dp_shard, p.tp)
+    dims = ParallelDims(parallel.pp, parallel.dp_replicate, dp_shard, parallel.tp)
     if dims.world_size != world_size:
         raise ConfigError(f"parallel degrees {dims} multiply to {dims.world_size}, but the world size "
                           f"(parallel.num_workers) is {world_size}; make the product equal it or set "
@@ -66,29 +66,29 @@ def resolve_dims(p: ParallelConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def num_stages(p: ParallelConfig) -> int:
-    return p.pp * p.pp_virtual_stages
+def num_stages(parallel: ParallelConfig) -> int:
+    return parallel.pp * parallel.pp_virtual_stages
 
 
-def check_parallel_config(p: ParallelConfig, model: ModelConfig, world_size: int,
+def check_parallel_config(parallel: ParallelConfig, model: ModelConfig, world_size: int,
                           seq_len: Optional[int] = None) -> ParallelDims:
     """Every rule a layout must satisfy before any process group exists; returns the degrees.
     `seq_len` is checked when known (the dataset sets it)."""
-    dims = resolve_dims(p, world_size)
-    if p.ac_every < 1:
-        raise ConfigError(f"parallel.ac_every must be >= 1, got {p.ac_every}")
-    if p.cpu_offload and p.sharding == "none":
+    dims = parallel_dims(parallel, world_size)
+    if parallel.ac_every < 1:
+        raise ConfigError(f"parallel.ac_every must be >= 1, got {parallel.ac_every}")
+    if parallel.cpu_offload and parallel.sharding == "none":
         raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.sharding to optimizer, gradients or full")
-    if dims.tp == 1 and (p.sequence_parallel or p.loss_parallel):
+    if dims.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):
         raise ConfigError("parallel.sequence_parallel and parallel.loss_parallel split over the tensor-parallel "
                           f"group: they need parallel.tp > 1 (tp={dims.tp})")
     if dims.tp > 1:
         _check_tp_divides(model, dims.tp)
-    if p.sequence_parallel and seq_len is not None and seq_len % dims.tp:
+    if parallel.sequence_parallel and seq_len is not None and seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits sequences over tp={dims.tp} ranks: "
                           f"train.seq_len={seq_len} must be a multiple of it")
     if dims.pp > 1:
-        _check_pipeline(p, model)
+        _check_pipeline(parallel, model)
     return dims
 
 
@@ -105,37 +105,37 @@ def _check_tp_divides(model: ModelConfig, tp: int) -> None:
             raise ConfigError(f"parallel.tp={tp} does not divide model {name}={size}{hint}")
 
 
-def _check_pipeline(p: ParallelConfig, model: ModelConfig) -> None:
-    v, stages = p.pp_virtual_stages, num_stages(p)
-    if p.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank: set "
+def _check_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
+    v, stages = parallel.pp_virtual_stages, num_stages(parallel)
+    if parallel.pp_schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} runs one stage per rank: set "
                           f"pp_virtual_stages=1 (got {v}) or choose interleaved_1f1b")
-    if p.pp_schedule in V_SCHEDULES and v != 2:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} places exactly 2 stages per rank in a V: "
+    if parallel.pp_schedule in V_SCHEDULES and v != 2:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} places exactly 2 stages per rank in a V: "
                           f"set pp_virtual_stages=2 (got {v})")
-    if p.pp_schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} interleaves several stages per rank: "
+    if parallel.pp_schedule not in SINGLE_STAGE_SCHEDULES + V_SCHEDULES and v < 2:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} interleaves several stages per rank: "
                           f"set pp_virtual_stages >= 2 (got {v}), or use 1f1b")
-    if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and p.sharding == "full":
+    if parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES and parallel.sharding == "full":
         # Seen on torch 2.13 (gloo): losses off by ~20% within five steps, while the same schedules
         # with sharding gradients/optimizer (parameters kept gathered) match a single process.
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} computes weight gradients in a separate pass "
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} computes weight gradients in a separate pass "
                           "after the input gradients, which gives wrong gradients with sharding=full (FSDP2 "
                           "re-sharding parameters after forward) in torch 2.13: use sharding=gradients or "
                           "optimizer with it")
     if model.tie_embeddings:
         raise ConfigError("model.tie_embeddings shares the embedding with the output head, which live on the "
-                          f"first and last pipeline stages: untie them or set parallel.pp=1 (pp={p.pp})")
-    if p.pp_microbatches is not None and p.pp_microbatches < 1:
-        raise ConfigError(f"parallel.pp_microbatches must be >= 1 or null, got {p.pp_microbatches}")
-    if p.pp_layer_split:
-        split = p.pp_layer_split
+                          f"first and last pipeline stages: untie them or set parallel.pp=1 (pp={parallel.pp})")
+    if parallel.pp_microbatches is not None and parallel.pp_microbatches < 1:
+        raise ConfigError(f"parallel.pp_microbatches must be >= 1 or null, got {parallel.pp_microbatches}")
+    if parallel.pp_layer_split:
+        split = parallel.pp_layer_split
         if len(split) != stages or sum(split) != model.n_layers or min(split) < 1:
             raise ConfigError(f"parallel.pp_layer_split={split} must give >= 1 layer to each of the "
-                              f"{stages} stages (pp={p.pp} x pp_virtual_stages={v}) and sum to "
+                              f"{stages} stages (pp={parallel.pp} x pp_virtual_stages={v}) and sum to "
                               f"model.n_layers={model.n_layers}")
     elif model.n_layers < stages:
-        raise ConfigError(f"{stages} pipeline stages (pp={p.pp} x pp_virtual_stages={v}) need at least "
+        raise ConfigError(f"{stages} pipeline stages (pp={parallel.pp} x pp_virtual_stages={v}) need at least "
                           f"{stages} layers; model.n_layers={model.n_layers}")
 
 
@@ -161,13 +161,13 @@ class ParallelMesh:
         return self.dims.dp
 
 
-def build_mesh(p: ParallelConfig, model: ModelConfig, device_type: str,
+def build_mesh(parallel: ParallelConfig, model: ModelConfig, device_type: str,
                seq_len: Optional[int] = None) -> ParallelMesh:
     """Validate the layout against the live world and build its DeviceMesh."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = check_parallel_config(p, model, world_size, seq_len)
+    dims = check_parallel_config(parallel, model, world_size, seq_len)
     sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
-    names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and p.sharding != "none"))
+    names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and parallel.sharding != "none"))
     if not dist.is_initialized() or not names:
         return ParallelMesh(dims)
     world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
@@ -178,6 +178,6 @@ def build_mesh(p: ParallelConfig, model: ModelConfig, device_type: str,
     else:
         dp = sub.get(dp_names[0]) if dp_names else None
     fsdp = None
-    if p.sharding != "none":  # then "dp_shard" is always in the mesh
+    if parallel.sharding != "none":  # then "dp_shard" is always in the mesh
         fsdp = world[dp_names] if len(dp_names) == 2 else sub["dp_shard"]
     return ParallelMesh(dims, world, pp=sub.get("pp"), tp=sub.get("tp"), dp=dp, fsdp=fsdp)

@@ -36,43 +36,43 @@ class Parallelized:
 
 def describe_layout(cfg: Config, mesh: ParallelMesh) -> dict:
     """The layout in a few keys, for logs and metrics."""
-    p, d = cfg.parallel, mesh.dims
+    parallel, d = cfg.parallel, mesh.dims
     layout = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-              "data_parallel": ZERO_NAMES[p.sharding] if d.dp > 1 or p.sharding != "none" else "none",
-              "hsdp": p.sharding != "none" and d.dp_replicate > 1 and d.dp_shard > 1,
-              "activation_checkpointing": p.activation_checkpointing, "param_dtype": p.param_dtype}
+              "data_parallel": ZERO_NAMES[parallel.sharding] if d.dp > 1 or parallel.sharding != "none" else "none",
+              "hsdp": parallel.sharding != "none" and d.dp_replicate > 1 and d.dp_shard > 1,
+              "activation_checkpointing": parallel.activation_checkpointing, "param_dtype": parallel.param_dtype}
     if d.tp > 1:
-        layout.update(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        layout.update(sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
     if d.pp > 1:
-        layout.update(pp_schedule=p.pp_schedule, pp_stages=num_stages(p))
+        layout.update(pp_schedule=parallel.pp_schedule, pp_stages=num_stages(parallel))
     return layout
 
 
 def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
     """Apply TP, activation checkpointing, compile and data parallelism to one part, in place."""
-    p = cfg.parallel
+    parallel = cfg.parallel
     # Simplest path to weights identical to a single process: built on CPU with the seed, then
     # moved and sharded (the full part passes through each device once).
     part.to(device)
     if mesh.tp is not None:
-        apply_tp(part, mesh.tp, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
-    apply_ac(part, p.activation_checkpointing, p.ac_every)
+        apply_tp(part, mesh.tp, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
+    apply_ac(part, parallel.activation_checkpointing, parallel.ac_every)
     if cfg.train.compile:  # per block: the repeated structure compiles once; names stay the same
         for block in part.layers.values():
             block.compile()
-    policy = mixed_precision(p.param_dtype, p.reduce_dtype)
+    policy = mixed_precision(parallel.param_dtype, parallel.reduce_dtype)
     if mesh.fsdp is not None:
-        apply_fsdp(part, mesh.fsdp, sharding=p.sharding, mp_policy=policy, cpu_offload=p.cpu_offload)
+        apply_fsdp(part, mesh.fsdp, sharding=parallel.sharding, mp_policy=policy, cpu_offload=parallel.cpu_offload)
     elif mesh.dp is not None:
         apply_replicate(part, mesh.dp, mp_policy=policy)
 
 
 def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> Parallelized:
     """Build the model with the run's seed (identical on every rank) and apply the configured layout."""
-    p = cfg.parallel
-    mesh = build_mesh(p, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
-    if p.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
-        raise ConfigError(f"parallel.param_dtype={p.param_dtype} is applied by FSDP2, which needs "
+    parallel = cfg.parallel
+    mesh = build_mesh(parallel, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
+    if parallel.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
+        raise ConfigError(f"parallel.param_dtype={parallel.param_dtype} is applied by FSDP2, which needs "
                           "torch.distributed and sharding != none or more than one data-parallel rank; "
                           "in a single process use train.precision=bf16 (autocast)")
     torch.manual_seed(cfg.train.seed)
@@ -81,10 +81,10 @@ def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: Worl
         apply_layout(model, cfg, mesh, world.device)
         built = Parallelized([model], mesh)
     else:
-        groups = pipeline.layer_split(model, p)
-        last = num_stages(p) - 1
+        groups = pipeline.layer_split(model, parallel)
+        last = num_stages(parallel) - 1
         stages = []
-        for sid in pipeline.stage_ids(mesh.pp.get_local_rank(), p):
+        for sid in pipeline.stage_ids(mesh.pp.get_local_rank(), parallel):
             part = pipeline.stage_module(model, groups[sid], first=sid == 0, last=sid == last)
             apply_layout(part, cfg, mesh, world.device)
             stages.append(PipelineStage(part, sid, last + 1, world.device, group=mesh.pp.get_group()))

@@ -33,7 +33,7 @@ PIPELINE_SCHEDULES: dict[str, type] = {
 
 
 def _numel(*modules: nn.Module | None) -> int:
-    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+    return sum(param.numel() for m in modules if m is not None for param in m.parameters())
 
 
 def balanced_split(costs: list[int], stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
@@ -89,13 +89,13 @@ def even_split(n_layers: int, stages: int) -> list[int]:
     return counts
 
 
-def layer_split(model: nn.Module, p: ParallelConfig) -> list[list[str]]:
+def layer_split(model: nn.Module, parallel: ParallelConfig) -> list[list[str]]:
     """The layer keys of each stage, per pp_layer_split, or balanced per pp_balance."""
     keys = list(model.layers.keys())
-    stages = num_stages(p)
-    if p.pp_layer_split:
-        counts = list(p.pp_layer_split)
-    elif p.pp_balance == "layers":
+    stages = num_stages(parallel)
+    if parallel.pp_layer_split:
+        counts = list(parallel.pp_layer_split)
+    elif parallel.pp_balance == "layers":
         counts = even_split(len(keys), stages)
     else:
         counts = balanced_split([_numel(model.layers[k]) for k in keys], stages,
@@ -108,11 +108,11 @@ def layer_split(model: nn.Module, p: ParallelConfig) -> list[list[str]]:
     return groups
 
 
-def stage_ids(pp_rank: int, p: ParallelConfig) -> list[int]:
+def stage_ids(pp_rank: int, parallel: ParallelConfig) -> list[int]:
     """The stages this pipeline rank runs, in order."""
-    if p.pp_schedule in V_SCHEDULES:
-        return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return [pp_rank + k * p.pp for k in range(p.pp_virtual_stages)]
+    if parallel.pp_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * parallel.pp - 1 - pp_rank]
+    return [pp_rank + k * parallel.pp for k in range(parallel.pp_virtual_stages)]
 
 
 def stage_module(model: nn.Module, layers: list[str], first: bool, last: bool) -> nn.Module:
@@ -130,7 +130,7 @@ def stage_module(model: nn.Module, layers: list[str], first: bool, last: bool) -
     return stage
 
 
-def build_schedule(stages: list[PipelineStage], p: ParallelConfig, n_microbatches: int,
+def build_schedule(stages: list[PipelineStage], parallel: ParallelConfig, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    forward_only: bool = False) -> S._PipelineSchedule:
     """The configured schedule over this rank's stages; gradients are averaged over micro-batches.
@@ -139,14 +139,14 @@ def build_schedule(stages: list[PipelineStage], p: ParallelConfig, n_microbatche
     backward actions in eval() too (ZBV and DualPipeV then fail handing a gradient between a
     rank's two stages), so its action lists keep only the forwards and their communication.
     """
-    cls = PIPELINE_SCHEDULES[p.pp_schedule]
+    cls = PIPELINE_SCHEDULES[parallel.pp_schedule]
     single = issubclass(cls, S.PipelineScheduleSingle)
     try:
         schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                        scale_grads=True)
     except ValueError as e:
-        raise ValueError(f"parallel.pp_schedule={p.pp_schedule} with {n_microbatches} micro-batches over "
-                         f"{num_stages(p)} stages (pp={p.pp}): {str(e).rstrip('.')}; change "
+        raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} with {n_microbatches} micro-batches over "
+                         f"{num_stages(parallel)} stages (pp={parallel.pp}): {str(e).rstrip('.')}; change "
                          "parallel.pp_microbatches or the batch / micro-batch size") from e
     if forward_only and not single:
         schedule.pipeline_order_with_comms = {

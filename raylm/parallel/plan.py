@@ -254,7 +254,7 @@ def parse_memory(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
-def resolve_model(model: str, vocab_size: Optional[int] = None) -> tuple[ModelConfig, Optional[int], list[str]]:
+def model_from_arg(model: str, vocab_size: Optional[int] = None) -> tuple[ModelConfig, Optional[int], list[str]]:
     """A named size or a YAML config path -> (ModelConfig, the config's train.seq_len, notes)."""
     notes = []
     seq_len = None
@@ -278,7 +278,7 @@ def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len
              output: Optional[str] = None, activation_checkpointing: str = "none",
              vocab_size: Optional[int] = None, top: int = 10) -> str:
     """`raylm plan`: the ranked table and recommended block as text; the block also goes to `output`."""
-    cfg, config_seq_len, notes = resolve_model(model, vocab_size)
+    cfg, config_seq_len, notes = model_from_arg(model, vocab_size)
     seq_len = seq_len or config_seq_len or cfg.max_seq_len
     memory = parse_memory(gpu_memory)
     rows = plan(cfg, gpus, gpus_per_node, memory, seq_len, global_batch_tokens, precision, micro_batch_size,

@@ -1,7 +1,7 @@
 """Worker health: a self-test at start that fails fast naming the node, and straggler reports.
 
     self_test(device, node_id)                    # every rank, before building the model
-    hooks = (StragglerMonitor(node_id), ...)       # train(cfg, env, hooks)
+    hooks = (StragglerMonitor(node_id, k=3.0), ...)  # train(spec, env, hooks)
 
 The node id comes from outside (the Ray glue knows `ray.get_runtime_context().get_node_id()`);
 nothing here imports Ray, so the loop and the tests run without it.
@@ -177,7 +177,7 @@ class StragglerMonitor(Hook):
     (data wait, host compute before the first collective, device compute) shows the culprit.
     """
 
-    def __init__(self, node_id: str, k: float = 2.0, window: int = 5, repeat_after: int = 100,
+    def __init__(self, node_id: str, k: float, window: int = 5, repeat_after: int = 100,
                  time_key: str = "local_time"):
         if k <= 1 or window < 1 or repeat_after < 1:
             raise ValueError(f"k={k}, window={window}, repeat_after={repeat_after}: need k > 1, "

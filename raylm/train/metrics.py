@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from raylm.config import Config
+from raylm.config import Config, StorageConfig
+from raylm.data import storage
 from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
@@ -54,11 +55,11 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The complete rows of a JSON-lines file that may be being appended to (none if absent)."""
+def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[dict]:
+    """The complete rows of a JSON-lines file (local or s3://) that may be being appended to;
+    none if it is absent."""
     try:
-        with open(path) as f:
-            lines = f.read().split("\n")
+        lines = storage.read_bytes(uri, storage_cfg).decode().split("\n")
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last is partial or empty

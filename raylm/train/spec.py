@@ -132,16 +132,16 @@ def _fill_from_data(cfg: Config, manifest: Manifest, announce: bool) -> Config:
 def check_world_sizes(cfg: Config, seq_len: int) -> None:
     """Every world size the run may have must split the global batch into whole micro-batches:
     an elastic resize keeps the global batch and recomputes gradient accumulation."""
-    p = cfg.parallel
-    sizes = range(p.min_workers or p.num_workers, p.num_workers + 1)
+    parallel = cfg.parallel
+    sizes = range(parallel.min_workers or parallel.num_workers, parallel.num_workers + 1)
     global_batch = global_batch_sequences(cfg, seq_len)
     bad = []
     for n in sizes:
-        dp = n // (p.tp * p.pp)
-        if n % (p.tp * p.pp) or global_batch % (dp * cfg.train.micro_batch_size):
+        dp = n // (parallel.tp * parallel.pp)
+        if n % (parallel.tp * parallel.pp) or global_batch % (dp * cfg.train.micro_batch_size):
             bad.append(n)
     if bad:
-        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={p.tp}, pp={p.pp}, "
+        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, pp={parallel.pp}, "
                           f"train.micro_batch_size={cfg.train.micro_batch_size}); choose a global batch that "
                           f"every size in [{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
 

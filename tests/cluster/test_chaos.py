@@ -16,7 +16,9 @@ import pytest
 
 from raylm.config import load_config
 from raylm.data.stream import Datasets
-from cluster.chaos import TrainDriver, read_jsonl, train_worker
+from tests.support.order import epoch_samples
+from cluster.chaos import TrainDriver, train_worker
+from raylm.train.metrics import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
 from tests.support.clusters import local_cluster as local_cluster_body
 from tests.support.fixtures import write_corpus
@@ -46,7 +48,7 @@ def chaos_dataset(ray_session, tmp_path_factory) -> str:
     out = str(root / "prepared")
     prepare_dataset([write_corpus(root / "text", documents=205, seed=5)], out, tokenizer="byte",
                     seq_len=SEQ_LEN, val_fraction=0.1, shard_rows=300)
-    rows = epoch_samples(out)
+    rows = dataset_epoch_samples(out)
     assert rows % GLOBAL_BATCH == 0, f"train split has {rows} rows; adjust the corpus to a multiple of {GLOBAL_BATCH}"
     return out
 
@@ -57,14 +59,14 @@ def cluster(chaos_dataset) -> LocalCluster:
     yield from local_cluster_body(num_nodes=2, cpus_per_node=3)
 
 
-def epoch_samples(dataset: str) -> int:
+def dataset_epoch_samples(dataset: str) -> int:
     data = load_config(None, [f"data.path={dataset}"]).data
     source = Datasets.load(data, None).open_split("train", data, None)
-    return source.order.epoch_samples
+    return epoch_samples(source.order)
 
 
 def overrides(dataset: str, storage: Path, name: str, *extra: str) -> list[str]:
-    steps = EPOCHS * epoch_samples(dataset) // GLOBAL_BATCH
+    steps = EPOCHS * dataset_epoch_samples(dataset) // GLOBAL_BATCH
     return [f"data.path={dataset}", f"run.storage_path={storage}", f"run.name={name}", "data.chunk_rows=8",
             "model.d_model=256", "model.n_layers=4", "model.n_heads=4", f"model.max_seq_len={SEQ_LEN}",
             f"train.steps={steps}", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4",
@@ -83,7 +85,7 @@ def uninterrupted(cluster, chaos_dataset, tmp_path_factory) -> dict[int, dict]:
 
 
 def rows_by_step(run_dir: Path) -> dict[int, dict]:
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
     steps = [r["step"] for r in rows]
     assert steps == sorted(set(steps)), f"metrics.jsonl repeats or reorders steps: {steps}"
     return {r["step"]: r for r in rows}
@@ -103,7 +105,7 @@ def assert_every_sample_once(dataset: str, rows: dict[int, dict]) -> None:
     data = load_config(None, [f"data.path={dataset}"]).data
     datasets = Datasets.load(data, None)
     source, manifest = datasets.open_split("train", data, None), datasets.manifest
-    n = source.order.epoch_samples
+    n = epoch_samples(source.order)
     every_row = sorted((shard, row) for shard, info in enumerate(manifest.splits["train"].shards)
                        for row in range(info.rows))
     assert len(samples) == EPOCHS * n

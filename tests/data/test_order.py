@@ -5,6 +5,7 @@ import collections
 import pytest
 
 from raylm.data.order import MIX_BLOCK, DatasetOrder, SampleOrder, batch_indices, rank_slice
+from tests.support.order import epoch_samples, locate
 
 
 def make_order(rows=(100, 37, 64), seed=0, chunk_rows=16, weights=None, datasets=1):
@@ -18,18 +19,18 @@ def consume(order, position, steps, global_batch, dp_size, skip=()):
     per_step = []
     for _ in range(steps):
         indices, position = batch_indices(position, global_batch, list(skip))
-        per_step.append([[order.locate(g) for g in rank_slice(indices, r, dp_size)] for r in range(dp_size)])
+        per_step.append([[locate(order, g) for g in rank_slice(indices, r, dp_size)] for r in range(dp_size)])
     return per_step, position
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3])
 def test_epoch_covers_every_row_exactly_once(dp_size):
     order = make_order()
-    n = order.epoch_samples
+    n = epoch_samples(order)
     per_step, _ = consume(order, 0, n // 6, 6, dp_size)  # 201 rows -> 33 steps of 6, 3 left over
     seen = [row for step in per_step for rank in step for row in rank]
     assert len(seen) == len(set(seen))
-    rest = [order.locate(g) for g in range(len(seen), n)]
+    rest = [locate(order, g) for g in range(len(seen), n)]
     assert set(seen) | set(rest) == {(0, s, r) for s, rows in enumerate((100, 37, 64)) for r in range(rows)}
 
 
@@ -53,12 +54,12 @@ def test_resume_at_another_world_size_continues_the_sequence():
 
 def test_epochs_reshuffle_by_seed_and_order_is_pure():
     order = make_order()
-    n = order.epoch_samples
-    epoch0 = [order.locate(g) for g in range(n)]
-    epoch1 = [order.locate(g) for g in range(n, 2 * n)]
+    n = epoch_samples(order)
+    epoch0 = [locate(order, g) for g in range(n)]
+    epoch1 = [locate(order, g) for g in range(n, 2 * n)]
     assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
-    assert [make_order().locate(g) for g in range(n)] == epoch0
-    assert [make_order(seed=1).locate(g) for g in range(n)] != epoch0
+    assert [locate(make_order(), g) for g in range(n)] == epoch0
+    assert [locate(make_order(seed=1), g) for g in range(n)] != epoch0
 
 
 def test_skip_ranges_are_never_fed():
@@ -70,14 +71,14 @@ def test_skip_ranges_are_never_fed():
 
 def test_mixture_proportions_and_determinism():
     order = make_order(rows=(500, 500), weights=[0.7, 0.3], datasets=2)
-    counts = collections.Counter(order.locate(g)[0] for g in range(5 * MIX_BLOCK))
+    counts = collections.Counter(locate(order, g)[0] for g in range(5 * MIX_BLOCK))
     assert counts[0] == 3500 and counts[1] == 1500
-    window = collections.Counter(order.locate(g)[0] for g in range(1234, 1234 + 500))
+    window = collections.Counter(locate(order, g)[0] for g in range(1234, 1234 + 500))
     assert abs(window[0] / 500 - 0.7) < 0.08
     again = make_order(rows=(500, 500), weights=[0.7, 0.3], datasets=2)
-    assert [again.locate(g) for g in range(3000)] == [order.locate(g) for g in range(3000)]
+    assert [locate(again, g) for g in range(3000)] == [locate(order, g) for g in range(3000)]
     # Within a component, every row is used once before any repeats.
-    rows0 = [order.locate(g) for g in range(2000) if order.locate(g)[0] == 0][:1000]
+    rows0 = [locate(order, g) for g in range(2000) if locate(order, g)[0] == 0][:1000]
     assert len(set(rows0)) == 1000
 
 

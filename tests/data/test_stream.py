@@ -9,6 +9,7 @@ import pytest
 from raylm.config import DataConfig
 from raylm.data.manifest import load_manifest
 from raylm.data.stream import Datasets, TokenStream
+from tests.support.order import locate
 
 
 def all_rows(dataset: str) -> list[tuple]:
@@ -85,15 +86,15 @@ def test_mixture_of_real_datasets_keeps_its_proportions(tiny_dataset, tmp_path):
     data = DataConfig(mixture=[MixtureComponent(tiny_dataset, 0.7), MixtureComponent(other, 0.3)], chunk_rows=8)
     source = Datasets.load(data, None).open_split("train", data, None)
     stream = TokenStream(source, 10, 0, 1, [], "local")
-    owners = [source.order.locate(g)[0] for b in stream.batches(0, 0, 100) for g in b.indices]
+    owners = [locate(source.order, g)[0] for b in stream.batches(0, 0, 100) for g in b.indices]
     assert len(owners) == 1000 and abs(owners.count(0) / 1000 - 0.7) < 0.01
     # Each row's tokens are those of the row its owner's shard holds at the located position.
     batch = next(TokenStream(source, 10, 0, 1, [], "local").batches(0, 0, 1))
     for g, tokens in zip(batch.indices, batch.tokens):
-        d, shard, row = source.order.locate(g)
+        d, shard, row = locate(source.order, g)
         expected = pq.read_table(source.shard_uris[d][shard]).column("tokens")[row].as_py()
         assert list(tokens) == expected
-    assert {source.order.locate(g)[0] for g in batch.indices} == {0, 1}
+    assert {locate(source.order, g)[0] for g in batch.indices} == {0, 1}
 
 
 def test_row_group_reads_give_the_same_batches_as_whole_shards(tiny_dataset, monkeypatch):

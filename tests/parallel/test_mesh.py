@@ -10,7 +10,7 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.transformer import Transformer
-from raylm.parallel.mesh import check_parallel_config, resolve_dims
+from raylm.parallel.mesh import check_parallel_config, parallel_dims
 from raylm.parallel.pipeline import (PIPELINE_SCHEDULES, balanced_split, even_split, layer_split, simulated_bubble, stage_ids,
                                      stage_module)
 from raylm.train.spec import check_config
@@ -24,7 +24,7 @@ def parallel(**fields) -> ParallelConfig:
 
 
 def test_dp_shard_is_inferred_from_the_world_size() -> None:
-    dims = resolve_dims(parallel(dp_replicate=2, tp=2, pp=2), 16)
+    dims = parallel_dims(parallel(dp_replicate=2, tp=2, pp=2), 16)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (2, 2, 2, 2, 4)
 
 
