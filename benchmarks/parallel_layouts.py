@@ -17,9 +17,7 @@ import argparse
 import dataclasses
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
