@@ -190,7 +190,10 @@ class ParallelConfig:
     """Elastic: how often Ray Train looks for capacity to grow into."""
     use_gpu: bool = False
     """GPUs and NCCL; otherwise CPU and gloo."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: Union[float, Literal["auto"]] = "auto"
+    """CPUs each worker reserves, and its torch threads. auto: a local Ray started by raylm gives
+    the workers all the machine's cores (cores ÷ num_workers, at least 1); on a joined cluster,
+    1 (GPU workers need few, and a CPU cluster's node size is not known before placement)."""
     dp_replicate: int = 1
     """Data-parallel replicas; with dp_shard > 1 and sharding != none this is HSDP: shard within
     a group of dp_shard ranks (a node), replicate across groups."""
@@ -437,6 +440,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if cfg.data.path and cfg.data.mixture:
         raise ConfigError("set data.path or data.mixture, not both")
+    cpus = cfg.parallel.cpus_per_worker
+    if cpus != "auto" and cpus <= 0:
+        raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")
     for i, (start, *rest) in enumerate(cfg.data.skip):
         if len(rest) != 1 or not 0 <= start < rest[0]:
             raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import time
@@ -15,7 +16,7 @@ from ray.train import UserCallback
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
 from raylm.data import storage
 from raylm.data.storage import redact
-from raylm.ray_runtime import local_num_cpus, start_ray
+from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
@@ -125,12 +126,27 @@ class RecoveryLog(UserCallback):
         append_event(self.path, event)
 
 
+def with_cpus_per_worker(cfg: Config) -> Config:
+    """`cfg` with parallel.cpus_per_worker decided (auto: see its help), the choice printed."""
+    parallel = cfg.parallel
+    if parallel.cpus_per_worker != "auto":
+        return cfg
+    cores = os.cpu_count() or 1
+    if joins_cluster(cfg.run.ray_address):
+        cpus, why = 1, "on a joined cluster"
+    else:
+        cpus, why = max(1, cores // parallel.num_workers), f"{cores} cores ÷ {parallel.num_workers} workers"
+    print(f"raylm: parallel.cpus_per_worker=auto → {cpus} ({why}); each worker runs {cpus} torch thread(s)",
+          flush=True)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, cpus_per_worker=float(cpus)))
+
+
 def launch(cfg: Config) -> dict:
     """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    spec = resolve_run(cfg, announce=True)
+    spec = resolve_run(with_cpus_per_worker(cfg), announce=True)
     cfg = spec.config
     uri = run_uri(cfg)
     restore = checkpoint.latest_complete(uri, cfg.storage)
@@ -142,8 +158,9 @@ def launch(cfg: Config) -> dict:
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
     parallel = cfg.parallel
+    threads = max(1, int(parallel.cpus_per_worker))
     start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
-              max(1, int(parallel.cpus_per_worker)))
+              threads)
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
@@ -160,7 +177,7 @@ def launch(cfg: Config) -> dict:
             callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
             # Train's print patch tees every print into its logger as well: lines came out twice.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                                             "OMP_NUM_THREADS": str(max(1, int(parallel.cpus_per_worker)))}},
+                                             "OMP_NUM_THREADS": str(threads)}},
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
     )
