@@ -1,26 +1,34 @@
-"""Sharded checkpoints with torch.distributed.checkpoint: the whole training state.
+"""The checkpoint format: sharded torch.distributed.checkpoint (DCP) state plus what resuming needs.
 
-A checkpoint directory holds the DCP shards of {"model", "optim"} (each rank writes its own
-file, rank 0 the `.metadata` index), one RNG file per rank, and from rank 0 the train state
-(step, data position), the resolved config and the tokenizer. It is complete only when every
-file the DCP index names and every rank's RNG file are present: `is_complete` checks that,
-so a directory left by a crash mid-write is never taken as the latest.
+A checkpoint directory, `checkpoint_<step, 8 digits>`, holds
+- the DCP shards of {"model", "optim"} (each rank writes `__<rank>_<n>.distcp`) and rank 0's
+  `.metadata` index;
+- `rng/rank_<rank>.pt`: each rank's RNG states as plain tensors and numbers;
+- from rank 0: `train_state.json` (step, data position, tokenizer hash, world size) and the
+  `files` the loop hands over (`config.yaml`, `tokenizer.json`);
+- `checkpoint_manifest.json`, written by `finalize` once every other file is published: each
+  file's size and sha256. A directory without it is an unfinished save, never resumed from.
+
+Reading never runs code from storage: `load` first checks every file against the manifest
+(sizes and checksums), then reads JSON, DCP's metadata and state through `raylm.train.dcp_safe`,
+and the RNG file with `torch.load(weights_only=True)`. Discovery (`latest_usable`) is cheap:
+sizes of every file, checksums of the small files it parses.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
-import random
 import re
+import sys
+import threading
 import time
 from concurrent.futures import Future
-from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,14 +39,31 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from raylm.config import Config, StorageConfig
+from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.parallel.runtime import ParallelModel, World
+from raylm.train.safe_state import (METADATA_FILE, SafeLoadPlanner, SafeReader, is_inside, read_metadata,
+                                    rng_state, set_rng_state)
+
+if TYPE_CHECKING:
+    from raylm.parallel.world import World
+    from raylm.train.step import ParallelModel
 
 PREFIX = "checkpoint_"
 TRAIN_STATE = "train_state.json"
-CONFIG = "config.yaml"
-TOKENIZER = "tokenizer.json"
+MANIFEST = "checkpoint_manifest.json"
+_HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is; the message names it and the file."""
+
+
+class UnusableCheckpointsError(CheckpointError):
+    """The run directory holds finished checkpoints, and none of them can be used."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; training stops rather than go on unprotected."""
 
 
 def dir_name(step: int) -> str:
@@ -50,28 +75,40 @@ def is_checkpoint_name(name: str) -> bool:
     return re.fullmatch(rf"{PREFIX}\d{{8}}", name) is not None
 
 
-def _rng_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, _rng_name(rank))
-
+# ----------------------------------------------------------------------------- files and hashes
 
 def _rng_name(rank: int) -> str:
     return f"rng/rank_{rank:05d}.pt"
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: Optional[str]  # None only in manifests written before checksums were recorded
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _sha256(uri: str, storage_cfg: Optional[StorageConfig] = None) -> str:
+    digest = hashlib.sha256()
+    with storage.open_input(uri, storage_cfg) as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
 
+
+def _owner(name: str) -> int:
+    """The rank that writes `name`: DCP names each rank's shards `__<rank>_<n>.distcp`."""
+    m = re.fullmatch(r"__(\d+)_\d+\.distcp|rng/rank_(\d+)\.pt", name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def own_entries(directory: str, rank: int) -> dict[str, FileEntry]:
+    """Size and sha256 of the files of `directory` that `rank` wrote (ranks may share it)."""
+    return {name: FileEntry(os.path.getsize(os.path.join(directory, name)), _sha256(os.path.join(directory, name)))
+            for name in storage.list_files(directory) if _owner(name) == rank and name != MANIFEST}
+
+
+# ----------------------------------------------------------------------------- save and load
 
 # Optimizer state flattened to one entry per parameter name ("state.layers.0.w.exp_avg",
 # "param_groups.layers.0.w.lr"): pipeline stages hold different parameters, and only per-name
@@ -79,125 +116,287 @@ def _set_rng_state(state: dict) -> None:
 _STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _states(model: ParallelModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def _states(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     # model.model spans all of this rank's parts (pipeline chunks) under the plain model's names.
     return get_state_dict(model.model, optimizer, options=_STATE_DICT_OPTIONS)
 
 
-def save(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-         train_state: dict, files: dict[str, str], asynchronous: bool = False,
-         async_group: Optional[dist.ProcessGroup] = None) -> Optional[Future]:
-    """Write this rank's part of the checkpoint into `directory` (called on every rank);
-    rank 0 adds the train state and `files` (name -> text: the config, the tokenizer).
+def _then(future: Future, fn) -> Future:
+    """A future of `fn()` run on a thread once `future` has succeeded (its error otherwise)."""
+    out: Future = Future()
 
-    `asynchronous`: the tensors are staged in memory and written on a background thread (DCP
-    async_save, its collectives on `async_group`); the returned future completes the write.
+    def run() -> None:
+        try:
+            future.result()
+            out.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `out`
+            out.set_exception(e)
+    threading.Thread(target=run, name="raylm-checkpoint-hash", daemon=True).start()
+    return out
+
+
+def save(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimizer, world: "World",
+         train_state: dict, files: dict[str, str], asynchronous: bool = False,
+         async_group: Optional[dist.ProcessGroup] = None) -> Future:
+    """Write this rank's part of the checkpoint into `directory` (called on every rank); rank 0
+    adds the train state and `files` (name -> text: the config, the tokenizer).
+
+    Returns a future of this rank's `FileEntry`s; `finalize` on rank 0 turns every rank's into
+    the manifest. `asynchronous`: the tensors are staged in memory and written and hashed on
+    background threads (DCP async_save, its collectives on `async_group`).
     """
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    future = None
     if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=directory, process_group=async_group,
-                                no_dist=not dist.is_initialized())
+        written = dcp.async_save(state, checkpoint_id=directory, process_group=async_group,
+                                 no_dist=not dist.is_initialized())
     else:
         dcp.save(state, checkpoint_id=directory)
-    os.makedirs(os.path.dirname(_rng_file(directory, world.rank)), exist_ok=True)
-    torch.save(_rng_state(), _rng_file(directory, world.rank))
+    rng = os.path.join(directory, _rng_name(world.rank))
+    os.makedirs(os.path.dirname(rng), exist_ok=True)
+    torch.save(rng_state(), rng)
     if world.rank == 0:
         for name, text in files.items():
             with open(os.path.join(directory, name), "w") as f:
                 f.write(text)
-        # Written last: a directory without it is never taken for a checkpoint.
         state = {**train_state, "world_size": world.world_size, "dp_size": model.dp_size}
         with open(os.path.join(directory, TRAIN_STATE), "w") as f:
             json.dump(state, f, indent=1)
-    return future
+    if asynchronous:  # hashed once written, off the training thread
+        return _then(written, lambda: own_entries(directory, world.rank))
+    done: Future = Future()
+    done.set_result(own_entries(directory, world.rank))
+    return done
 
 
-def load(directory: str, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-         tokenizer_sha256: str) -> dict:
-    """Restore model, optimizer and this rank's RNG from `directory`; returns the train state."""
-    problem = incomplete_reason(directory, require_manifest=False)  # Ray hands us only what all ranks reported
+def finalize(uri: str, entries: dict[str, FileEntry], storage_cfg: Optional[StorageConfig] = None,
+             extra: Optional[dict] = None) -> None:
+    """Write the manifest of the published checkpoint at `uri` from every rank's `entries`,
+    after checking that each file arrived whole (its size) and nothing DCP needs is missing.
+    Written last: only then is the checkpoint a candidate for resuming. `extra`: more fields."""
+    manifest = {"files": {name: vars(e) for name, e in sorted(entries.items())}, **(extra or {})}
+    problem = _problem(uri, storage_cfg, checksums=False, manifest=entries)
     if problem:
-        raise RuntimeError(f"cannot resume from {directory}: {problem}")
-    with open(os.path.join(directory, TRAIN_STATE)) as f:
-        state = json.load(f)
+        raise CheckpointWriteError(f"checkpoint {uri} is incomplete after publishing: {problem}")
+    storage.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode(), storage_cfg)
+
+
+def check_sound(directory: str, name: Optional[str] = None) -> None:
+    """Raise CheckpointError unless the local checkpoint `directory` (called `name` in the
+    message, e.g. the s3:// URI it was copied from) is whole and every file matches its
+    manifest's size and sha256. A directory without a manifest (a `save` nobody finalized, as
+    in tests that save and load in place) must at least be whole."""
+    has_manifest = os.path.exists(os.path.join(directory, MANIFEST))
+    problem = _problem(directory, None, checksums=True, require_manifest=has_manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {name or directory} cannot be used: {problem}")
+
+
+def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimizer, world: "World",
+         tokenizer_sha256: str) -> dict:
+    """Restore model, optimizer and this rank's RNG from the local `directory`; returns the
+    train state. Every file is checked (`check_sound`) before anything is deserialized."""
+    check_sound(directory)
+    state = _read_train_state(directory, None)
     if state["tokenizer_sha256"] != tokenizer_sha256:
-        raise ValueError(f"checkpoint {directory} was trained with tokenizer {state['tokenizer_sha256'][:12]} "
-                         f"but the dataset uses {tokenizer_sha256[:12]}: refusing to mix tokenizers")
+        raise CheckpointError(f"checkpoint {directory} was trained with tokenizer {state['tokenizer_sha256'][:12]} "
+                              f"but the dataset uses {tokenizer_sha256[:12]}: refusing to mix tokenizers")
     model_sd, optim_sd = _states(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     set_state_dict(model.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_STATE_DICT_OPTIONS)
-    rng = _rng_file(directory, world.rank)
+    rng = os.path.join(directory, _rng_name(world.rank))
     # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
     if os.path.exists(rng) and state["world_size"] == world.world_size:
-        _set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=True))
     return state
 
 
-def load_model_weights(directory: str, model: torch.nn.Module) -> None:
-    """Load only the model weights into a plain single-process module (generation, export)."""
+def load_model_weights(directory: str, model: torch.nn.Module, check: bool = True) -> None:
+    """Load only the model weights into a plain single-process module (generation, export);
+    `check=False` when the caller has just run `check_sound` itself."""
+    if check:
+        check_sound(directory)
     sd = get_model_state_dict(model, options=StateDictOptions())
-    dcp.load({"model": sd}, checkpoint_id=directory)
+    dcp.load({"model": sd}, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     model.load_state_dict(sd)
 
 
-def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None,
-                      require_manifest: bool = True) -> Optional[str]:
-    """None when the checkpoint at `uri` (local or s3://) is whole, else what is missing.
+# ----------------------------------------------------------------------------- checking
 
-    Whole means: the final manifest exists and every file it lists has its size (a crash while
-    writing leaves no manifest), and every file DCP's index and the per-rank RNG need exists.
+def _parse_manifest(raw: bytes) -> dict[str, FileEntry]:
+    try:
+        listed = json.loads(raw)["files"]
+        entries = {name: FileEntry(e, None) if type(e) is int else FileEntry(int(e["size"]), str(e["sha256"]))
+                   for name, e in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{MANIFEST} is not a valid manifest ({type(e).__name__}: {e})") from e
+    outside = [name for name in entries if not is_inside(name)]
+    if outside:
+        raise CheckpointError(f"{MANIFEST} names files outside the checkpoint: {outside[:3]}")
+    return entries
+
+
+def read_manifest(uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict[str, FileEntry]:
+    """The files the manifest at `uri` lists; CheckpointError when it is missing or unparseable."""
+    try:
+        raw = storage.read_bytes(storage.join(uri, MANIFEST), storage_cfg)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"no {MANIFEST} (the save did not finish)") from e
+    return _parse_manifest(raw)
+
+
+def file_problem(uri: str, name: str, entry: FileEntry, storage_cfg: Optional[StorageConfig] = None,
+                 checksum: bool = True) -> Optional[str]:
+    """What is wrong with file `name` of the checkpoint at `uri` against its manifest entry."""
+    try:
+        size = storage.file_size(storage.join(uri, name), storage_cfg)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    if size != entry.size:
+        return f"{name} is {size} bytes, the manifest records {entry.size}"
+    if checksum and entry.sha256 is not None:
+        actual = _sha256(storage.join(uri, name), storage_cfg)
+        if actual != entry.sha256:
+            return f"{name} has sha256 {actual[:16]}..., the manifest records {entry.sha256[:16]}..."
+    return None
+
+
+def _read_train_state(uri: str, storage_cfg: Optional[StorageConfig]) -> dict:
+    try:
+        state = json.loads(storage.read_bytes(storage.join(uri, TRAIN_STATE), storage_cfg))
+        int(state["step"]), int(state["world_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{TRAIN_STATE} is not valid ({type(e).__name__}: {e})") from e
+    return state
+
+
+def _problem(uri: str, storage_cfg: Optional[StorageConfig], checksums: bool, require_manifest: bool = True,
+             manifest: Optional[dict[str, FileEntry]] = None) -> Optional[str]:
+    """None when the checkpoint at `uri` is whole and sound, else what is wrong (naming the file).
+
+    With a manifest: every listed file has its size, and its sha256 when `checksums` (the small
+    files parsed here always). Then, with or without one: the train state and DCP's metadata
+    parse, and every file they need exists (and is listed).
     """
-    present = set(storage.list_files(uri, storage_cfg))
-    if require_manifest:
-        if MANIFEST not in present:
-            return f"no {MANIFEST} (the save did not finish)"
-        listed = json.loads(storage.read_bytes(storage.join(uri, MANIFEST), storage_cfg))["files"]
-        for name, size in listed.items():
-            if name not in present or storage.file_size(storage.join(uri, name), storage_cfg) != size:
-                return f"{name} is missing or not the size the manifest records"
-    if ".metadata" not in present:
-        return "no DCP .metadata (the save did not finish)"
-    if TRAIN_STATE not in present:
-        return f"no {TRAIN_STATE}"
-    world_size = json.loads(storage.read_bytes(storage.join(uri, TRAIN_STATE), storage_cfg))["world_size"]
-    metadata = pickle.loads(storage.read_bytes(storage.join(uri, ".metadata"), storage_cfg))  # DCP's format
+    try:
+        if manifest is None and require_manifest:
+            manifest = read_manifest(uri, storage_cfg)
+        if manifest is not None:
+            for name, entry in manifest.items():
+                problem = file_problem(uri, name, entry, storage_cfg, checksums or name in (TRAIN_STATE, METADATA_FILE))
+                if problem:
+                    return problem
+        present = set(manifest) if manifest is not None else set(storage.list_files(uri, storage_cfg))
+        for name in (METADATA_FILE, TRAIN_STATE):
+            if name not in present:
+                return f"no {name}" + (" in the manifest" if manifest is not None else " (the save did not finish)")
+        world_size = _read_train_state(uri, storage_cfg)["world_size"]
+        try:
+            metadata = read_metadata(storage.read_bytes(storage.join(uri, METADATA_FILE), storage_cfg))
+        except pickle.UnpicklingError as e:
+            return f"{METADATA_FILE} is not valid DCP metadata: {e}"
+    except CheckpointError as e:
+        return str(e)
     needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
     needed |= {_rng_name(r) for r in range(world_size)}
     missing = sorted(needed - present)
     return f"missing {', '.join(missing[:5])}" if missing else None
 
 
-def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
-    """The newest complete checkpoint under a run directory (local or s3://), or None."""
+def incomplete_reason(uri: str, storage_cfg: Optional[StorageConfig] = None,
+                      require_manifest: bool = True) -> Optional[str]:
+    """None when the checkpoint at `uri` (local or s3://) is whole by the cheap checks of
+    discovery (sizes; checksums of the small files), else what is wrong."""
+    return _problem(uri, storage_cfg, checksums=False, require_manifest=require_manifest)
+
+
+def verify(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[tuple[bool, str]]:
+    """`raylm checkpoint verify`: (ok, line) for every file of the checkpoint at `uri`, or of
+    every checkpoint of the run at `uri`, against its manifest (size and sha256), then whether
+    the files DCP's index and the RNG need are all there. A run's unfinished saves (no
+    manifest) are listed as SKIP: they are never resumed from."""
+    base = uri.rstrip("/").rsplit("/", 1)[-1]
+    is_run = not (is_checkpoint_name(base) or storage.exists(storage.join(uri, TRAIN_STATE), storage_cfg))
+    targets = checkpoint_uris(uri, storage_cfg) if is_run else [uri]
+    if not targets:
+        raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding one")
+    lines: list[tuple[bool, str]] = []
+    for target in targets:
+        try:
+            manifest = read_manifest(target, storage_cfg)
+        except CheckpointError as e:
+            unfinished = not storage.exists(storage.join(target, MANIFEST), storage_cfg)
+            lines.append((is_run and unfinished, f"{'SKIP' if is_run and unfinished else 'FAIL'} {target}: {e}"))
+            continue
+        problems = []
+        for name, entry in sorted(manifest.items()):
+            problem = file_problem(target, name, entry, storage_cfg)
+            problems.append(problem)
+            unchecked = " (size only: no checksum recorded)" if entry.sha256 is None else ""
+            lines.append((problem is None, f"FAIL {target}: {problem}" if problem
+                          else f"OK   {storage.join(target, name)}{unchecked}"))
+        if not any(problems):
+            problem = _problem(target, storage_cfg, checksums=False, manifest=manifest)
+            lines.append((problem is None, f"FAIL {target}: {problem}" if problem
+                          else f"OK   {target}: whole ({len(manifest)} files)"))
+    return lines
+
+
+# ----------------------------------------------------------------------------- discovery
+
+def checkpoint_uris(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[str]:
+    """Every checkpoint directory of a run, newest first (finished or not)."""
     names = sorted((n for n in storage.list_dir(run_uri, storage_cfg) if is_checkpoint_name(n)), reverse=True)
-    for name in names:
-        uri = storage.join(run_uri, name)
-        if incomplete_reason(uri, storage_cfg) is None:
-            return uri
-    return None
+    return [storage.join(run_uri, n) for n in names]
 
 
-# ----------------------------------------------------------------------------- policy
+def _scan(run_uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[str], list[tuple[str, str]]]:
+    """The newest usable checkpoint, and the finished ones newer than it that are not (uri, reason).
+    Unfinished saves (no manifest) are passed over silently: they never claimed to be whole."""
+    skipped = []
+    for uri in checkpoint_uris(run_uri, storage_cfg):
+        if not storage.exists(storage.join(uri, MANIFEST), storage_cfg):
+            continue
+        problem = incomplete_reason(uri, storage_cfg)
+        if problem is None:
+            return uri, skipped
+        skipped.append((uri, problem))
+    return None, skipped
 
-MANIFEST = "checkpoint_manifest.json"
+
+def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
+    """The newest usable checkpoint under a run directory (local or s3://), or None; silent."""
+    return _scan(run_uri, storage_cfg)[0]
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; training stops rather than go on unprotected."""
+def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, allow_none_usable: bool = False,
+                  events_path: Optional[str] = None) -> Optional[str]:
+    """The newest usable checkpoint to resume from, or None when the run has none.
+
+    Finished checkpoints passed over (an unparseable manifest, train state or metadata, a file
+    missing or of the wrong size) are reported when `events_path` (the run's events.jsonl) is
+    given, on stderr and as "checkpoint_skipped" events: pass it from the one process that keeps
+    the run's record. When finished checkpoints exist and none is usable, raises
+    UnusableCheckpointsError naming each, unless `allow_none_usable` (training then starts from
+    step 0 beside them).
+    """
+    from raylm.train.metrics import append_event  # noqa: PLC0415 - heavy (model, parallel); rarely needed
+
+    latest, skipped = _scan(run_uri, storage_cfg)
+    for uri, reason in skipped if events_path else ():
+        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
+        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
+    if latest is None and skipped and not allow_none_usable:
+        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
+        raise UnusableCheckpointsError(
+            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
+            "Training will not silently start again from step 0: repair or remove them, or set "
+            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
+    return latest
 
 
-def finalize(uri: str, storage_cfg: Optional[StorageConfig] = None) -> None:
-    """Write the manifest (every file and its size) last: only then is the checkpoint latest."""
-    problem = incomplete_reason(uri, storage_cfg, require_manifest=False)
-    if problem:
-        raise CheckpointWriteError(f"checkpoint {uri} is incomplete after publishing: {problem}")
-    files = {name: storage.file_size(storage.join(uri, name), storage_cfg)
-             for name in storage.list_files(uri, storage_cfg)}
-    storage.write_bytes(storage.join(uri, MANIFEST), json.dumps({"files": files}, indent=1).encode(), storage_cfg)
-
+# ----------------------------------------------------------------------------- retention
 
 def retained(names: list[str], keep_last: Optional[int], keep_every: Optional[int]) -> set[str]:
     """Which checkpoint directory names retention keeps (the newest is always kept)."""
@@ -206,140 +405,3 @@ def retained(names: list[str], keep_last: Optional[int], keep_every: Optional[in
     if keep_every:
         keep |= {n for n in names if int(n[len(PREFIX):]) % keep_every == 0}
     return keep
-
-
-def _local_state_bytes(model: ParallelModel, optimizer: torch.optim.Optimizer) -> int:
-    tensors = [p for part in model.parts for p in part.parameters()]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
-
-
-def _check_space(uri: str, needed: int) -> None:
-    free = storage.free_bytes(uri)
-    if free is not None and free < needed:
-        raise OSError(28, f"not enough free space for a checkpoint at {uri}: {free / 1e6:.1f} MB free, "
-                          f"about {needed / 1e6:.1f} MB needed")
-
-
-@dataclass
-class _Pending:
-    """An async save in flight: its staging directory stays open until it is published."""
-
-    step: int
-    directory: str
-    stack: ExitStack
-    future: Future
-    metrics: dict
-
-
-class Checkpointer:
-    """When to save, and saving safely: all ranks agree that their part was written before the
-    checkpoint is published; failed writes are retried, then stop training unless
-    `checkpoint.allow_failures`, in which case every later step warns until a save succeeds.
-
-    With `checkpoint.async_save`, a save returns once the state is staged in memory; each later
-    step asks whether every rank's write has finished and then publishes it, and training does
-    not end before it is published.
-    """
-
-    def __init__(self, cfg: Config, env, model: ParallelModel, optimizer: torch.optim.Optimizer,
-                 world: World, files: dict[str, str]):
-        self.cfg, self.env, self.model, self.optimizer, self.world, self.files = cfg, env, model, optimizer, world, files
-        self.last_save = time.monotonic()
-        self.failing_since: Optional[int] = None
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.pending: Optional[_Pending] = None
-        self.async_group: Optional[dist.ProcessGroup] = None
-        if cfg.checkpoint.async_save:
-            # DCP's background writes need collectives of their own: on the training group they
-            # would interleave with the step's (gloo fails with a size mismatch).
-            self.async_group = dist.new_group(backend="gloo") if self.distributed else None
-
-    def due(self, step: int, last: int) -> bool:
-        c = self.cfg.checkpoint
-        if step == last or (c.every_steps > 0 and step % c.every_steps == 0):
-            return True
-        if c.every_minutes is None:
-            return False
-        return self.world.agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
-
-    def _space_needed(self) -> tuple[int, int]:
-        """Bytes this rank writes, and bytes of the whole checkpoint."""
-        local = _local_state_bytes(self.model, self.optimizer)
-        total = torch.tensor([local], device=self.world.device, dtype=torch.float64)
-        if self.distributed:
-            dist.all_reduce(total)
-        return local, int(total.item())
-
-    def save(self, step: int, train_state: dict, metrics: dict) -> None:
-        c, root = self.cfg.checkpoint, self.env.checkpoint_root
-        self.wait()  # one async save in flight at a time
-        local, total = self._space_needed()
-        error: Optional[BaseException] = None
-        for attempt in range(c.write_attempts):
-            error = None
-            stack = ExitStack()
-            directory = stack.enter_context(self.env.staging_dir(step))
-            future = None
-            try:
-                _check_space(directory, int(1.1 * local))
-                if self.world.rank == 0:
-                    _check_space(root, int(1.1 * total))
-                future = save(directory, self.model, self.optimizer, self.world, train_state, self.files,
-                              c.async_save, self.async_group)
-            except OSError as e:
-                error = e
-            if self.world.agree(error is None, "all"):
-                if future is not None:
-                    self.pending = _Pending(step, directory, stack, future, metrics)
-                else:
-                    self._publish(step, directory, stack, metrics)
-                self.last_save = time.monotonic()
-                return
-            stack.close()
-            if attempt + 1 < c.write_attempts:
-                time.sleep(min(30.0, 2.0 ** attempt))
-        self._failed(step, error)
-
-    def poll(self) -> None:
-        """Publish the async save in flight if every rank has finished writing it."""
-        if self.pending is not None and self.world.agree(self.pending.future.done(), "all"):
-            self.wait()
-
-    def wait(self) -> None:
-        """Finish the async save in flight, if any (blocking)."""
-        if self.pending is None:
-            return
-        pending, self.pending = self.pending, None
-        error = None
-        try:
-            pending.future.result()
-        except OSError as e:
-            error = e
-        if self.world.agree(error is None, "all"):
-            self._publish(pending.step, pending.directory, pending.stack, pending.metrics)
-        else:
-            pending.stack.close()
-            self._failed(pending.step, error)
-
-    def _failed(self, step: int, error: Optional[BaseException]) -> None:
-        c, root = self.cfg.checkpoint, self.env.checkpoint_root
-        reason = error or "another rank could not write its part"
-        if not c.allow_failures:
-            raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {root} ({reason}). "
-                                       "Training stops so that it never runs unprotected; free space or fix "
-                                       "storage, then resume") from error
-        self.failing_since = self.failing_since or step
-
-    def _publish(self, step: int, directory: str, stack: ExitStack, metrics: dict) -> None:
-        c, root, storage_cfg = self.cfg.checkpoint, self.env.checkpoint_root, self.cfg.storage
-        with stack:
-            uri = self.env.publish(step, directory, metrics)
-        if self.distributed:
-            dist.barrier()  # every rank's part is published before the manifest says so
-        if self.world.rank == 0:
-            finalize(uri, storage_cfg)
-            names = [n for n in storage.list_dir(root, storage_cfg) if is_checkpoint_name(n)]
-            for name in sorted(set(names) - retained(names, c.keep_last, c.keep_every)):
-                storage.delete_dir(storage.join(root, name), storage_cfg)
-        self.failing_since = None

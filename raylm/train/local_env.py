@@ -7,15 +7,22 @@ import os
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from raylm.train import checkpoint
+from raylm.train.metrics import EVENTS_FILE
 
 
 class LocalEnv:
-    """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk)."""
+    """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk).
 
-    def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False):
+    Resuming takes the newest usable checkpoint; rank 0 reports each one passed over (stderr
+    and events.jsonl). Finished checkpoints that are all unusable stop the run unless
+    `allow_none_usable`."""
+
+    def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False, allow_none_usable: bool = False):
         self.run_dir, self.resume, self.use_gpu = run_dir, resume, use_gpu
+        self.allow_none_usable = allow_none_usable
         self.checkpoint_root = run_dir
         os.makedirs(run_dir, exist_ok=True)
 
@@ -26,7 +33,12 @@ class LocalEnv:
 
     @contextlib.contextmanager
     def restore_dir(self) -> Iterator[Optional[str]]:
-        yield checkpoint.latest_complete(self.run_dir) if self.resume else None
+        if not self.resume:
+            yield None
+            return
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        yield checkpoint.latest_usable(self.run_dir, allow_none_usable=self.allow_none_usable,
+                                       events_path=os.path.join(self.run_dir, EVENTS_FILE) if rank0 else None)
 
     @contextlib.contextmanager
     def staging_dir(self, step: int) -> Iterator[str]:

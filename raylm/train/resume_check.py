@@ -1,0 +1,90 @@
+"""What may change when a run resumes from a checkpoint, and what may not.
+
+DCP loads by name and ignores entries the new model does not ask for, so a model with fewer
+layers, or the same tensors split into other heads, would load silently and train on weights
+that mean something else. The driver compares the checkpoint's saved config with the new one
+before any worker starts, and refuses listing every difference among the keys that fix the
+meaning of the saved state (resolved configs: vocab_size and seq_len filled from the data):
+
+- the model's shape: d_model, n_layers, n_heads, n_kv_heads (unset means n_heads), vocab_size,
+  norm, pos_embedding, mlp, ffn_hidden, parallel_block, tie_embeddings, bias; ffn_multiple
+  when ffn_hidden is unset (it then decides the MLP width), vocab_multiple when vocab_size is
+  unset, and max_seq_len with learned positions (the position table's size);
+- train.seq_len: the data position counts sequences of this length;
+- the tokenizer (its sha256, recorded in train_state.json): token ids mean other text.
+
+Everything else may change: the run's length, LR, schedule, intervals, batch size, parallel
+layout, dropout, norm_eps and rope_theta (numerics and a deliberate context-extension knob,
+not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import yaml
+
+from raylm.config import CONFIG_FILE, ConfigError, StorageConfig
+from raylm.data import storage
+from raylm.train.checkpoint import TRAIN_STATE, CheckpointError
+
+_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "vocab_size", "norm", "pos_embedding", "mlp", "ffn_hidden",
+               "parallel_block", "tie_embeddings", "bias")
+
+
+def _fixed_values(tree: dict, other: dict) -> dict[str, Any]:
+    """The values of `tree` that a resume must keep, by dotted key. Conditional keys count when
+    their condition holds in either tree (`other` is the tree it is compared with)."""
+    model, other_model = tree.get("model") or {}, other.get("model") or {}
+    values = {f"model.{k}": model.get(k) for k in _SHAPE_KEYS}
+    values["model.n_kv_heads"] = model.get("n_kv_heads") or model.get("n_heads")
+    if model.get("ffn_hidden") is None or other_model.get("ffn_hidden") is None:
+        values["model.ffn_multiple"] = model.get("ffn_multiple")
+    if model.get("vocab_size") is None or other_model.get("vocab_size") is None:
+        values["model.vocab_multiple"] = model.get("vocab_multiple")
+    if "learned" in (model.get("pos_embedding"), other_model.get("pos_embedding")):
+        values["model.max_seq_len"] = model.get("max_seq_len")
+    values["train.seq_len"] = (tree.get("train") or {}).get("seq_len")
+    return values
+
+
+def check_resume_compatible(saved: dict, new: dict, saved_tokenizer_sha256: Optional[str] = None,
+                            new_tokenizer_sha256: Optional[str] = None) -> None:
+    """Raise ConfigError listing every key whose change would make the saved state mean
+    something else (see the module docstring); `saved` and `new` are config trees as in
+    config.yaml. The tokenizers are compared when both hashes are given."""
+    old_values, new_values = _fixed_values(saved, new), _fixed_values(new, saved)
+    differences = [f"{key}: saved {old_values[key]!r}, now {new_values[key]!r}"
+                   for key in sorted(old_values) if old_values[key] != new_values[key]]
+    if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:
+        differences.append(f"tokenizer: saved sha256 {saved_tokenizer_sha256[:12]}, "
+                           f"now {new_tokenizer_sha256[:12]}")
+    if differences:
+        raise ConfigError("cannot resume: the checkpoint's saved state means something else under the new config "
+                          f"({len(differences)} difference(s)):\n  " + "\n  ".join(differences) +
+                          "\nKeep these as saved, or start a new run (another run.name). The run length, LR, "
+                          "schedule, intervals and parallel layout may change on resume.")
+
+
+def read_saved_config(checkpoint_uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict:
+    """The config tree saved in the checkpoint at `checkpoint_uri` (local or s3://)."""
+    uri = storage.join(checkpoint_uri, CONFIG_FILE)
+    try:
+        tree = yaml.safe_load(storage.read_bytes(uri, storage_cfg))
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{uri} is not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{uri} does not hold a config (a mapping of sections)")
+    return tree
+
+
+def check_checkpoint_resumable(checkpoint_uri: str, new: dict, tokenizer_sha256: str,
+                               storage_cfg: Optional[StorageConfig] = None) -> None:
+    """`check_resume_compatible` against the config and tokenizer saved in a checkpoint."""
+    state_uri = storage.join(checkpoint_uri, TRAIN_STATE)
+    try:
+        saved_tokenizer = json.loads(storage.read_bytes(state_uri, storage_cfg))["tokenizer_sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{state_uri} is not valid ({type(e).__name__}: {e})") from e
+    check_resume_compatible(read_saved_config(checkpoint_uri, storage_cfg), new, saved_tokenizer, tokenizer_sha256)

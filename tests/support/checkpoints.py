@@ -1,0 +1,65 @@
+"""Real checkpoints without the data pipeline: a tiny model, a few steps on random tokens, and
+the production save path (`Checkpointer` over a `LocalEnv`), for the checkpoint tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from raylm.config import CONFIG_FILE, Config, config_to_yaml, load_config
+from raylm.model.transformer import Transformer
+from raylm.parallel.world import World
+from raylm.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from raylm.train.checkpointer import Checkpointer
+from raylm.train.local_env import LocalEnv
+from raylm.train.optim import build_optimizer
+from raylm.train.step import ParallelModel, build_model
+
+TOKENIZER_SHA = "byte-tokenizer-of-the-tests"
+SEQ = 16
+
+
+def tiny_config(*overrides: str) -> Config:
+    return load_config(None, ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", f"model.max_seq_len={SEQ}",
+                              "model.vocab_size=320", "parallel.num_workers=1", "train.micro_batch_size=2",
+                              f"train.seq_len={SEQ}", "optim.lr=1e-2", "schedule.min_lr=1e-3", *overrides])
+
+
+def build(cfg: Config) -> tuple[ParallelModel, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
+    return model, build_optimizer(model.parts, cfg.optim)
+
+
+def train_steps(model: ParallelModel, optimizer: torch.optim.Optimizer, steps: range, vocab: int = 320) -> None:
+    """Steps on random tokens that depend only on the step (so two runs see the same batches)."""
+    for step in steps:
+        tokens = torch.randint(0, vocab, (4, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        model.forward_backward(tokens, 2)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def save_checkpoint(run_dir: str, cfg: Config, step: int, model: ParallelModel,
+                    optimizer: torch.optim.Optimizer) -> str:
+    """A finished checkpoint of `step` in `run_dir`, as the loop's checkpointer writes one."""
+    files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: ByteTokenizer().to_json()}
+    checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, LocalEnv(run_dir), model, optimizer,
+                                World.current(), files)
+    state = {"step": step, "position": step * 4, "tokens_seen": step * 4 * SEQ, "tokenizer_sha256": TOKENIZER_SHA}
+    checkpointer.save(step, state, {"step": step})
+    checkpointer.wait()
+    return os.path.join(run_dir, f"checkpoint_{step:08d}")
+
+
+def make_run(run_dir: str, steps: tuple[int, ...] = (2, 4), *overrides: str) -> list[str]:
+    """A run directory holding finished checkpoints at `steps` of one tiny training."""
+    cfg = tiny_config(*overrides)
+    model, optimizer = build(cfg)
+    done, uris = 0, []
+    for step in steps:
+        train_steps(model, optimizer, range(done, step))
+        uris.append(save_checkpoint(run_dir, cfg, step, model, optimizer))
+        done = step
+    return uris
