@@ -1,6 +1,7 @@
 """Per-GPU memory and per-step communication of a parallel layout: the accounting behind `raylm plan`.
 
-Pure arithmetic on a `ModelConfig`; nothing here touches torch.distributed.
+Pure arithmetic on a `ModelConfig` and a layout, the `ParallelConfig` a run uses (its degrees over
+`num_workers` GPUs and how activations are kept); nothing here touches torch.distributed.
 
 Bytes per parameter (Ψ = the parameters one GPU's model replica holds after tensor and pipeline
 splitting; Adam keeps two moments, m and v):
@@ -40,7 +41,7 @@ the last (a tied head is a second copy there). Estimates are for the worst stage
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models": per layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit for a GeLU 4h MLP with
 dropout (`flash_attention=False`), divided by tp with sequence parallelism (which the planner
-always turns on with TP; `Layout.sequence_parallel=False` gives the paper's 10 + 24/t form).
+always turns on with TP; `parallel.sequence_parallel=False` gives the paper's 10 + 24/t form).
 The 34 is generalised from the config (MLP width and kind, GQA; dropout masks only when
 dropout > 0). By default `flash_attention=True` drops the 5·a·s²·b score terms: raylm's attention
 is `scaled_dot_product_attention`, whose GPU kernels keep no s x s scores. Full checkpointing
@@ -56,9 +57,10 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
-from raylm.config import ActivationCheckpointing, ConfigError, ModelConfig, Sharding
+from raylm.config import ActivationCheckpointing, ConfigError, ModelConfig, ParallelConfig, Sharding
 from raylm.model.sizes import count_params
 from raylm.model.transformer import ffn_hidden_size
+from raylm.parallel.mesh import ParallelDims, parallel_dims
 
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 CHECKPOINTING: tuple[str, ...] = typing.get_args(ActivationCheckpointing)
@@ -94,40 +96,19 @@ def get_precision(precision: str | Precision) -> Precision:
     return PRECISIONS[precision]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Parallel degrees (their product is the world size) and how activations are kept."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    sharding: Sharding = "none"
-    activation_checkpointing: ActivationCheckpointing = "none"
-    ac_every: int = 2
-    """every_k: checkpoint the blocks whose index is a multiple of this."""
-    sequence_parallel: bool = True
-    """With tp > 1: norms and the residual stream sharded along the sequence."""
-    loss_parallel: bool = True
-    """With tp > 1: logits stay sharded by vocabulary through the loss."""
-
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "ac_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"Layout.{name} must be >= 1, got {getattr(self, name)}")
-        if self.sharding not in SHARDINGS:
-            raise ConfigError(f"Layout.sharding {self.sharding!r} is not one of {', '.join(SHARDINGS)}")
-        if self.activation_checkpointing not in CHECKPOINTING:
-            raise ConfigError(f"Layout.activation_checkpointing {self.activation_checkpointing!r} "
-                             f"is not one of {', '.join(CHECKPOINTING)}")
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+def layout_dims(parallel: ParallelConfig) -> ParallelDims:
+    """The concrete degrees of `parallel` on its `num_workers` GPUs (dp_shard=-1 inferred), after
+    checking the fields the accounting reads; an error names the field and what is valid."""
+    if parallel.num_workers < 1:
+        raise ConfigError(f"parallel.num_workers must be >= 1, got {parallel.num_workers}")
+    if parallel.ac_every < 1:
+        raise ConfigError(f"parallel.ac_every must be >= 1, got {parallel.ac_every}")
+    if parallel.sharding not in SHARDINGS:
+        raise ConfigError(f"parallel.sharding {parallel.sharding!r} is not one of {', '.join(SHARDINGS)}")
+    if parallel.activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"parallel.activation_checkpointing {parallel.activation_checkpointing!r} "
+                         f"is not one of {', '.join(CHECKPOINTING)}")
+    return parallel_dims(parallel, parallel.num_workers)
 
 
 @dataclass(frozen=True)
@@ -238,86 +219,90 @@ class MemoryEstimate:
         return self.model_states + self.activations + self.buffers
 
 
-def _stage_params(shape: ModelShape, layout: Layout, stage: int) -> tuple[int, float, float]:
+def _stage_params(shape: ModelShape, dims: ParallelDims, stage: int) -> tuple[int, float, float]:
     """(blocks, per-GPU parameters of one block, per-GPU parameters outside the blocks) of a stage."""
-    blocks = math.ceil(shape.n_layers / layout.pp)
-    if layout.pp == 1:
+    blocks = math.ceil(shape.n_layers / dims.pp)
+    if dims.pp == 1:
         other = shape.first_params + shape.last_params
     elif stage == 0:
         other = shape.first_params
     else:  # a tied head is a second copy of the embedding on the last stage
         other = shape.last_params + (shape.vocab * shape.d_model if shape.tied else 0)
-    return blocks, shape.block_params / layout.tp, other / layout.tp
+    return blocks, shape.block_params / dims.tp, other / dims.tp
 
 
-def checkpointed_blocks(layout: Layout, mode: str, blocks: int) -> int:
+def checkpointed_blocks(parallel: ParallelConfig, mode: str, blocks: int) -> int:
     """How many of a stage's `blocks` keep only their input under checkpointing `mode`."""
-    return {"none": 0, "full": blocks, "every_k": math.ceil(blocks / layout.ac_every)}[mode]
+    return {"none": 0, "full": blocks, "every_k": math.ceil(blocks / parallel.ac_every)}[mode]
 
 
-def _activations(shape: ModelShape, layout: Layout, precision: Precision, seq_len: int, micro_batch_size: int,
-                 stage: int, in_flight: int, mode: str, flash_attention: bool) -> float:
-    blocks = math.ceil(shape.n_layers / layout.pp)
-    sp = layout.sequence_parallel
-    full = layer_activation_bytes(shape, seq_len, micro_batch_size, layout.tp, precision, flash_attention, sp)
-    layer_input = seq_len * micro_batch_size * shape.d_model * precision.activation_bytes / (layout.tp if sp else 1)
-    checkpointed = checkpointed_blocks(layout, mode, blocks)
+def _activations(shape: ModelShape, parallel: ParallelConfig, dims: ParallelDims, precision: Precision,
+                 seq_len: int, micro_batch_size: int, stage: int, in_flight: int, mode: str,
+                 flash_attention: bool) -> float:
+    blocks = math.ceil(shape.n_layers / dims.pp)
+    sp = parallel.sequence_parallel
+    full = layer_activation_bytes(shape, seq_len, micro_batch_size, dims.tp, precision, flash_attention, sp)
+    layer_input = seq_len * micro_batch_size * shape.d_model * precision.activation_bytes / (dims.tp if sp else 1)
+    checkpointed = checkpointed_blocks(parallel, mode, blocks)
     stored = checkpointed * layer_input + (blocks - checkpointed) * full
     recompute = full if checkpointed else 0.0  # one block's activations rebuilt at a time
     act = in_flight * stored + recompute
-    if stage == layout.pp - 1:  # logits, plus fp32 log-probabilities and their gradient for the loss
+    if stage == dims.pp - 1:  # logits, plus fp32 log-probabilities and their gradient for the loss
         logits = seq_len * micro_batch_size * shape.vocab * (precision.activation_bytes + 8)
-        act += logits / (layout.tp if layout.loss_parallel else 1)
+        act += logits / (dims.tp if parallel.loss_parallel else 1)
     return act
 
 
-def _buffers(layout: Layout, prec: Precision, n_local: float, block: float, other: float) -> float:
-    return n_local * prec.autocast_copy_bytes + _comm_buffers(layout, prec, n_local, block, other)
+def _buffers(parallel: ParallelConfig, dims: ParallelDims, prec: Precision, n_local: float, block: float,
+             other: float) -> float:
+    return n_local * prec.autocast_copy_bytes + _comm_buffers(parallel, dims, prec, n_local, block, other)
 
 
-def _comm_buffers(layout: Layout, prec: Precision, n_local: float, block: float, other: float) -> float:
+def _comm_buffers(parallel: ParallelConfig, dims: ParallelDims, prec: Precision, n_local: float, block: float,
+                  other: float) -> float:
     """As raylm applies data parallelism (raylm/parallel/fsdp.py): FSDP2 units of one block each,
     and the embeddings and head; DDP is FSDP2's `replicate` over the same units."""
-    if layout.dp == 1:
+    if dims.dp == 1:
         return 0.0
     unit_grads = max(block, other) * prec.grad_bytes  # flat copy for one unit's reduction
-    if layout.sharding == "none" or layout.dp_shard == 1:
+    if parallel.sharding == "none" or dims.dp_shard == 1:
         return unit_grads
-    if layout.sharding == "full":
+    if parallel.sharding == "full":
         # The embeddings and head stay gathered from forward through backward; the next block
         # is prefetched while one computes.
         return (other + 2 * block) * prec.param_bytes + unit_grads
     # ZeRO-1/2 keep parameters gathered through the step (the params term); without a master
     # copy, the sharded parameters FSDP2 steps on are a second, sharded copy of the weights.
-    return unit_grads + (0.0 if prec.master_bytes else n_local * prec.param_bytes / layout.dp_shard)
+    return unit_grads + (0.0 if prec.master_bytes else n_local * prec.param_bytes / dims.dp_shard)
 
 
-def estimate_memory(model_cfg: ModelConfig, layout: Layout, precision: str | Precision = "mixed",
-                    seq_len: Optional[int] = None, micro_batch_size: int = 1, world_size: Optional[int] = None,
+def estimate_memory(model_cfg: ModelConfig, parallel: ParallelConfig, precision: str | Precision = "mixed",
+                    seq_len: Optional[int] = None, micro_batch_size: int = 1,
                     n_microbatches: Optional[int] = None, flash_attention: bool = True) -> MemoryEstimate:
-    """Per-GPU memory of `layout` on its worst pipeline stage.
+    """Per-GPU memory of the layout `parallel` (over its num_workers GPUs) on its worst pipeline stage.
 
     `n_microbatches` (per optimizer step and data-parallel rank) bounds the microbatches 1F1B
     keeps in flight; None assumes at least pp. `flash_attention` (SDPA's GPU kernels, which
     raylm's attention uses) keeps no s x s attention scores.
     """
-    if world_size is not None and world_size != layout.world_size:
-        raise ConfigError(f"layout {layout} spans {layout.world_size} GPUs, not world_size={world_size}")
+    dims = layout_dims(parallel)
     prec = get_precision(precision)
     shape = model_shape(model_cfg)
     seq_len = seq_len or model_cfg.max_seq_len
-    m = n_microbatches or layout.pp
+    m = n_microbatches or dims.pp
+    mode = parallel.activation_checkpointing
     worst: Optional[MemoryEstimate] = None
-    for stage in sorted({0, layout.pp - 1}):
-        blocks, block, other = _stage_params(shape, layout, stage)
+    for stage in sorted({0, dims.pp - 1}):
+        blocks, block, other = _stage_params(shape, dims, stage)
         n_local = blocks * block + other
-        in_flight = min(layout.pp - stage, m)
-        act = {mode: _activations(shape, layout, prec, seq_len, micro_batch_size, stage, in_flight, mode, flash_attention)
-               for mode in {"none", "full", layout.activation_checkpointing}}
-        est = MemoryEstimate(activations=act[layout.activation_checkpointing],
+        in_flight = min(dims.pp - stage, m)
+        act = {kept: _activations(shape, parallel, dims, prec, seq_len, micro_batch_size, stage, in_flight, kept,
+                                  flash_attention)
+               for kept in {"none", "full", mode}}
+        est = MemoryEstimate(activations=act[mode],
                              activations_no_checkpointing=act["none"], activations_full_checkpointing=act["full"],
-                             buffers=_buffers(layout, prec, n_local, block, other), stage=stage,
-                             **model_state_bytes(n_local, prec, layout.sharding, layout.dp_shard))
+                             buffers=_buffers(parallel, dims, prec, n_local, block, other), stage=stage,
+                             **model_state_bytes(n_local, prec, parallel.sharding, dims.dp_shard))
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None
@@ -347,7 +332,7 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def estimate_communication(model_cfg: ModelConfig, layout: Layout, precision: str | Precision = "mixed",
+def estimate_communication(model_cfg: ModelConfig, parallel: ParallelConfig, precision: str | Precision = "mixed",
                            seq_len: Optional[int] = None, micro_batch_size: int = 1, n_microbatches: int = 1,
                            gpus_per_node: int = 8) -> CommEstimate:
     """Ring-collective bytes sent per GPU per optimizer step of `n_microbatches` microbatches.
@@ -358,21 +343,22 @@ def estimate_communication(model_cfg: ModelConfig, layout: Layout, precision: st
     and ZeRO-3 reduce-scatter every microbatch; ZeRO-1/2 gather parameters once per step, ZeRO-3
     twice per microbatch (forward and backward).
     """
+    dims = layout_dims(parallel)
     prec = get_precision(precision)
     shape = model_shape(model_cfg)
     seq_len = seq_len or model_cfg.max_seq_len
     m = n_microbatches
-    blocks = math.ceil(shape.n_layers / layout.pp)
+    blocks = math.ceil(shape.n_layers / dims.pp)
     n_local = max(b * block + other for b, block, other in
-                  (_stage_params(shape, layout, stage) for stage in {0, layout.pp - 1}))
-    tp, ds, dr = layout.tp, layout.dp_shard, layout.dp_replicate
+                  (_stage_params(shape, dims, stage) for stage in {0, dims.pp - 1}))
+    tp, ds, dr = dims.tp, dims.dp_shard, dims.dp_replicate
 
     transfers: list[tuple[float, int]] = []  # (bytes, span of ranks the group covers)
-    if layout.sharding == "none" or ds == 1:  # all-reduce = reduce-scatter + all-gather
-        transfers.append((2 * _ring(layout.dp) * n_local * prec.grad_bytes, tp * layout.dp))
+    if parallel.sharding == "none" or ds == 1:  # all-reduce = reduce-scatter + all-gather
+        transfers.append((2 * _ring(dims.dp) * n_local * prec.grad_bytes, tp * dims.dp))
     else:
-        syncs = 1 if layout.sharding == "optimizer" else m
-        gathers = 2 * m if layout.sharding == "full" else 1
+        syncs = 1 if parallel.sharding == "optimizer" else m
+        gathers = 2 * m if parallel.sharding == "full" else 1
         transfers.append((_ring(ds) * n_local * (gathers * prec.param_bytes + syncs * prec.grad_bytes), tp * ds))
         # HSDP: replicas all-reduce their gradient shards.
         transfers.append((syncs * 2 * _ring(dr) * n_local / ds * prec.grad_bytes, tp * ds * dr))
@@ -381,12 +367,12 @@ def estimate_communication(model_cfg: ModelConfig, layout: Layout, precision: st
     sbh = seq_len * micro_batch_size * shape.d_model * prec.activation_bytes
     tensor_parallel = 0.0
     if tp > 1:  # an SP all-gather + reduce-scatter pair moves what one all-reduce does
-        recomputed = checkpointed_blocks(layout, layout.activation_checkpointing, blocks)
+        recomputed = checkpointed_blocks(parallel, parallel.activation_checkpointing, blocks)
         tensor_parallel = m * (4 * blocks + 2 * recomputed) * 2 * _ring(tp) * sbh
     # A middle stage sends each microbatch's activations forward and its gradient backward, whole
     # sequences even with SP.
-    pipeline = m * 2 * sbh if layout.pp > 1 else 0.0
-    transfers.append((pipeline, 2 * layout.dp * tp))  # neighbouring stages are dp*tp ranks apart
+    pipeline = m * 2 * sbh if dims.pp > 1 else 0.0
+    transfers.append((pipeline, 2 * dims.dp * tp))  # neighbouring stages are dp*tp ranks apart
     inter = sum(volume for volume, span in transfers if span > gpus_per_node)
     return CommEstimate(data_parallel=data_parallel, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         inter_node=inter)

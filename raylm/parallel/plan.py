@@ -10,11 +10,15 @@ Candidates (`enumerate_layouts`):
   and tp x dp_shard dividing gpus_per_node, so each shard group sits inside one node and only
   the replicas' gradient all-reduce crosses nodes.
 
+A layout is the `ParallelConfig` a run uses: num_workers = the GPUs, concrete degrees, and with
+tp > 1 sequence and loss parallelism on; `plan` adds the activation checkpointing mode and the
+dtypes of its precision, and the recommended `parallel:` block is a dump of those fields.
+
 A layout is feasible when raylm can run it (`raylm.parallel.mesh.check_parallel_config` accepts
-its `parallel:` block: e.g. tp divides the MLP width and vocabulary, no pipeline with tied
-embeddings), its per-GPU total is at most (1 - headroom) of the GPU's memory (headroom 10% by
-default, for the CUDA context, NCCL and allocator fragmentation), and the global batch splits
-evenly into dp x micro_batch_size. With tp > 1 the block turns on sequence and loss parallelism.
+it: e.g. tp divides the MLP width and vocabulary, no pipeline with tied embeddings), its per-GPU
+total is at most (1 - headroom) of the GPU's memory (headroom 10% by default, for the CUDA
+context, NCCL and allocator fragmentation), and the global batch splits evenly into
+dp x micro_batch_size.
 
 Ranking: feasible layouts first, by a step-time proxy = compute + communication, with no overlap
 assumed: compute = flops_per_token x global batch tokens / (gpus x peak FLOP/s), times 4/3 for
@@ -41,8 +45,8 @@ from raylm.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.presets import MODEL_SIZES, preset
 from raylm.model.sizes import count_params, flops_per_token
-from raylm.parallel.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, Layout, MemoryEstimate, checkpointed_blocks,
-                                   estimate_communication, estimate_memory, get_precision)
+from raylm.parallel.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, MemoryEstimate, checkpointed_blocks,
+                                   estimate_communication, estimate_memory, get_precision, layout_dims)
 from raylm.parallel.mesh import check_parallel_config
 
 DEFAULT_VOCAB = 50272  # OPT's (GPT-2's BPE padded); named sizes leave vocab_size to the dataset
@@ -63,7 +67,7 @@ class Hardware:
 
 @dataclass
 class PlanRow:
-    layout: Layout
+    layout: ParallelConfig
     memory: MemoryEstimate
     comm: CommEstimate
     n_microbatches: int
@@ -85,7 +89,7 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(world_size: int, gpus_per_node: int, n_heads: int, n_layers: int,
                       n_kv_heads: Optional[int] = None, shardings: Sequence[str] = SHARDINGS,
-                      max_tp: Optional[int] = None, max_pp: Optional[int] = None) -> list[Layout]:
+                      max_tp: Optional[int] = None, max_pp: Optional[int] = None) -> list[ParallelConfig]:
     """Every candidate layout of `world_size` GPUs under the rule in the module docstring."""
     for name, value in (("world_size", world_size), ("gpus_per_node", gpus_per_node)):
         if value < 1:
@@ -94,6 +98,11 @@ def enumerate_layouts(world_size: int, gpus_per_node: int, n_heads: int, n_layer
         if s not in SHARDINGS:
             raise ConfigError(f"sharding {s!r} is not one of {', '.join(SHARDINGS)}")
     kv = n_kv_heads or n_heads
+
+    def candidate(dp_replicate: int, dp_shard: int, tp: int, pp: int, sharding: str) -> ParallelConfig:
+        return ParallelConfig(num_workers=world_size, use_gpu=True, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                              tp=tp, pp=pp, sharding=sharding, sequence_parallel=tp > 1, loss_parallel=tp > 1)
+
     layouts = []
     for tp in _divisors(world_size):
         if gpus_per_node % tp or n_heads % tp or kv % tp or (max_tp and tp > max_tp):
@@ -103,17 +112,17 @@ def enumerate_layouts(world_size: int, gpus_per_node: int, n_heads: int, n_layer
                 continue
             dp = world_size // (tp * pp)
             if "none" in shardings:
-                layouts.append(Layout(dp_replicate=dp, dp_shard=1, tp=tp, pp=pp, sharding="none"))
+                layouts.append(candidate(dp, 1, tp, pp, "none"))
             if dp == 1:
                 continue
             shards = [d for d in _divisors(dp) if d == dp or (1 < d and gpus_per_node % (tp * d) == 0)]
             for sharding in (s for s in SHARDINGS[1:] if s in shardings):
                 for d in shards:
-                    layouts.append(Layout(dp_replicate=dp // d, dp_shard=d, tp=tp, pp=pp, sharding=sharding))
+                    layouts.append(candidate(dp // d, d, tp, pp, sharding))
     return layouts
 
 
-def _complexity(layout: Layout) -> tuple[int, int, int, bool, int]:
+def _complexity(layout: ParallelConfig) -> tuple[int, int, int, bool, int]:
     """Simpler sorts first: fewer model-parallel dimensions, smaller pp (the most intrusive), then
     tp, then plain data parallel before HSDP, then less sharding."""
     model_parallel = (layout.pp > 1) + (layout.tp > 1)
@@ -121,25 +130,26 @@ def _complexity(layout: Layout) -> tuple[int, int, int, bool, int]:
     return model_parallel, layout.pp, layout.tp, hsdp, SHARDINGS.index(layout.sharding)
 
 
-def _evaluate(model_cfg: ModelConfig, layout: Layout, precision: str, seq_len: int, micro_batch_size: int,
+def _evaluate(model_cfg: ModelConfig, layout: ParallelConfig, precision: str, seq_len: int, micro_batch_size: int,
               global_seqs: int, gpus_per_node: int, limit: float, hardware: Hardware,
               flash_attention: bool) -> PlanRow:
-    per_step = layout.dp * micro_batch_size
+    dims = layout_dims(layout)
+    per_step = dims.dp * micro_batch_size
     m = max(1, global_seqs // per_step)
     memory = estimate_memory(model_cfg, layout, precision, seq_len, micro_batch_size, n_microbatches=m,
                              flash_attention=flash_attention)
     comm = estimate_communication(model_cfg, layout, precision, seq_len, micro_batch_size, m, gpus_per_node)
-    blocks = math.ceil(model_cfg.n_layers / layout.pp)
+    blocks = math.ceil(model_cfg.n_layers / dims.pp)
     recomputed = checkpointed_blocks(layout, layout.activation_checkpointing, blocks) / blocks
-    compute = (flops_per_token(model_cfg, seq_len) * global_seqs * seq_len / (layout.world_size * hardware.peak_flops)
-               * (1 + recomputed / 3) * (m + layout.pp - 1) / m)
+    compute = (flops_per_token(model_cfg, seq_len) * global_seqs * seq_len / (dims.world_size * hardware.peak_flops)
+               * (1 + recomputed / 3) * (m + dims.pp - 1) / m)
     reasons = []
     try:
-        check_parallel_config(ParallelConfig(**parallel_settings(layout, precision)[0]), model_cfg, layout.world_size)
+        check_parallel_config(layout, model_cfg, dims.world_size)
     except ConfigError as e:
         reasons.append(f"raylm cannot run it: {e}")
     if global_seqs % per_step:
-        reasons.append(f"global batch of {global_seqs} sequences does not split into dp {layout.dp} "
+        reasons.append(f"global batch of {global_seqs} sequences does not split into dp {dims.dp} "
                        f"x micro-batch {micro_batch_size}")
     if memory.total > limit:
         reasons.append(f"{memory.total / 1e9:.1f} GB > {limit / 1e9:.1f} GB usable")
@@ -173,10 +183,11 @@ def plan(model_cfg: ModelConfig, gpus: int, gpus_per_node: int, gpu_memory_bytes
         raise ConfigError(f"global_batch_tokens {tokens} is not a multiple of seq_len {seq_len}")
     limit = gpu_memory_bytes * (1 - headroom)
     modes = ["none", "full"] if activation_checkpointing == "auto" else [activation_checkpointing]
+    dtypes, _ = precision_settings(precision)
     rows = []
     for layout in enumerate_layouts(gpus, gpus_per_node, model_cfg.n_heads, model_cfg.n_layers, model_cfg.n_kv_heads):
         for mode in modes:
-            row = _evaluate(model_cfg, replace(layout, activation_checkpointing=mode), precision, seq_len,
+            row = _evaluate(model_cfg, replace(layout, activation_checkpointing=mode, **dtypes), precision, seq_len,
                             micro_batch_size, tokens // seq_len, gpus_per_node, limit, hardware, flash_attention)
             if row.feasible:
                 break
@@ -210,32 +221,43 @@ def format_table(rows: Sequence[PlanRow], top: Optional[int] = 10) -> str:
     return "\n".join(lines)
 
 
-def parallel_settings(layout: Layout, precision: str) -> tuple[dict, list[str]]:
-    """ParallelConfig keys that run `layout` as estimated, and notes on what lies outside them."""
-    block: dict = {"num_workers": layout.world_size, "use_gpu": True, "dp_replicate": layout.dp_replicate,
-                   "dp_shard": layout.dp_shard, "tp": layout.tp, "pp": layout.pp, "sharding": layout.sharding}
+def precision_settings(precision: str) -> tuple[dict[str, str], list[str]]:
+    """The ParallelConfig dtypes that train as `precision` is estimated, and notes on what lies
+    outside them."""
+    dtypes, notes = {}, []
+    if precision in ("mixed", "bf16"):  # 2-byte gradients, as the estimate counts them
+        dtypes.update(param_dtype="bf16", reduce_dtype="bf16")
+    if precision == "bf16":
+        notes.append("raylm keeps fp32 master weights and AdamW state: expect the `mixed` estimate")
+    elif precision == "fp16":
+        dtypes["param_dtype"] = "fp16"
+        notes.append("raylm has no fp16 loss scaling and reduces gradients in fp32 (2 bytes each more)")
+    elif precision == "amp":
+        notes.append("with train.precision: bf16 (autocast over fp32 weights)")
+    return dtypes, notes
+
+
+def parallel_settings(layout: ParallelConfig) -> dict:
+    """The fields of `layout` that the planner decides, as `parallel:` keys: the GPUs and degrees
+    always, the rest where they are on (sequence and loss parallelism with tp > 1, checkpointing,
+    ac_every with every_k, dtypes other than fp32)."""
+    block: dict = {name: getattr(layout, name)
+                   for name in ("num_workers", "use_gpu", "dp_replicate", "dp_shard", "tp", "pp", "sharding")}
     if layout.tp > 1:
         block.update(sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
     if layout.activation_checkpointing != "none":
         block["activation_checkpointing"] = layout.activation_checkpointing
         if layout.activation_checkpointing == "every_k":
             block["ac_every"] = layout.ac_every
-    notes = []
-    if precision in ("mixed", "bf16"):  # 2-byte gradients, as the estimate counts them
-        block.update(param_dtype="bf16", reduce_dtype="bf16")
-    if precision == "bf16":
-        notes.append("raylm keeps fp32 master weights and AdamW state: expect the `mixed` estimate")
-    elif precision == "fp16":
-        block["param_dtype"] = "fp16"
-        notes.append("raylm has no fp16 loss scaling and reduces gradients in fp32 (2 bytes each more)")
-    elif precision == "amp":
-        notes.append("with train.precision: bf16 (autocast over fp32 weights)")
-    return block, notes
+    block.update((name, getattr(layout, name)) for name in ("param_dtype", "reduce_dtype")
+                 if getattr(layout, name) != "fp32")
+    return block
 
 
 def parallel_block_yaml(row: PlanRow, precision: str = "mixed") -> str:
-    """The `parallel:` block for `row` in ParallelConfig's keys, the estimate as a comment."""
-    block, notes = parallel_settings(row.layout, precision)
+    """The `parallel:` block for `row` in ParallelConfig's keys, the estimate and the notes on
+    `precision` as comments."""
+    block, (_, notes) = parallel_settings(row.layout), precision_settings(precision)
     header = [f"raylm plan: {row.memory.total / 1e9:.1f} GB per GPU, step ~{row.step_s:.2f} s "
               f"({row.n_microbatches} micro-batches per rank)", *notes]
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump({"parallel": block}, sort_keys=False)

@@ -4,7 +4,9 @@
     hooks = (StragglerMonitor(node_id, k=3.0), ...)  # train(spec, env, hooks)
 
 The node id comes from outside (the Ray glue knows `ray.get_runtime_context().get_node_id()`);
-nothing here imports Ray, so the loop and the tests run without it.
+nothing here imports Ray, so the loop and the tests run without it. The checks call torch.sum,
+torch.matmul and the torch.distributed collectives through their modules, so a test can fault
+one rank by replacing those calls there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,12 +25,6 @@ from raylm.train.hooks import Hook
 from raylm.train.state import Run
 
 log = logging.getLogger(__name__)
-
-# Test-only fault injection: `tamper(check, tensor)` returns what this rank uses in place of
-# `tensor` at each check ("alloc", "matmul", "all_reduce" for the rank's contribution,
-# "broadcast" for what it received). Production passes None.
-Tamper = Callable[[str, torch.Tensor], torch.Tensor]
-
 
 class WorkerHealthError(RuntimeError):
     """A worker failed its self-test; `node_id` and `rank` name the failing worker (the first,
@@ -53,17 +49,17 @@ def _mismatch(got: torch.Tensor, expected: torch.Tensor) -> Optional[str]:
             f"expected {expected[at].item():g}, got {got[at].item():g}")
 
 
-def _local_checks(device: torch.device, tamper: Tamper, alloc_mb: int, n: int) -> Optional[tuple[str, str]]:
+def _local_checks(device: torch.device, alloc_mb: int, n: int) -> Optional[tuple[str, str]]:
     """(check, detail) of the first failing on-device check, or None."""
     count = alloc_mb * 2 ** 20 // 8
     # Distinct values (a stuck address line shows) whose int64 sum is exact and known.
-    values = tamper("alloc", torch.arange(count, dtype=torch.int64, device=device))
-    if (total := int(values.sum())) != count * (count - 1) // 2:
+    values = torch.arange(count, dtype=torch.int64, device=device)
+    if (total := int(torch.sum(values))) != count * (count - 1) // 2:
         return "alloc", f"{alloc_mb} MiB of 0..{count - 1} summed to {total}, expected {count * (count - 1) // 2}"
     i = torch.arange(n).unsqueeze(1)
     j = torch.arange(n).unsqueeze(0)
     a, b = (i * 3 + j * 5) % 7 - 3, (i * 2 + j * 7) % 5 - 2  # |entries| ≤ 3, |sums| ≤ 6n < 2^24
-    product = tamper("matmul", a.to(device, torch.float32) @ b.to(device, torch.float32))
+    product = torch.matmul(a.to(device, torch.float32), b.to(device, torch.float32))
     detail = _mismatch(product, a @ b)  # int64 on the CPU: the known result, whatever the device
     return ("matmul", f"{n}×{n} fp32 product: {detail}") if detail else None
 
@@ -83,14 +79,13 @@ def _raise_first(results: list[tuple[str, Optional[tuple[str, str]]]]) -> None:
         raise WorkerHealthError(node, rank, check, detail + others)
 
 
-def _collective_checks(device: torch.device, tamper: Tamper, nodes: list[str],
-                       m: int = 1024) -> Optional[tuple[str, str]]:
+def _collective_checks(device: torch.device, nodes: list[str], m: int = 1024) -> Optional[tuple[str, str]]:
     rank, size = dist.get_rank(), dist.get_world_size()
     # Rank r sends base × (r % 7 + 1) with base in 1..8: every partial sum is an integer below
     # 2^24 for up to ~300k ranks, so exact in fp32 whatever order the reduction takes.
     base = (torch.arange(m, device=device) % 8 + 1).to(torch.float32)
     factor = [r % 7 + 1 for r in range(size)]
-    mine = tamper("all_reduce", base * factor[rank])
+    mine = base * factor[rank]
     total = mine.clone()
     dist.all_reduce(total)
     # Everyone's contribution as well, so that a wrong sum names the rank that caused it.
@@ -106,12 +101,11 @@ def _collective_checks(device: torch.device, tamper: Tamper, nodes: list[str],
     sent = base * 7 + size
     received = sent.clone() if rank == 0 else torch.zeros_like(sent)
     dist.broadcast(received, src=0)
-    detail = _mismatch(tamper("broadcast", received), sent)
+    detail = _mismatch(received, sent)
     return ("broadcast", f"from rank 0: {detail}") if detail else None
 
 
-def self_test(device: torch.device, node_id: str, *, timeout_s: float = 60.0, alloc_mb: int = 64,
-              tamper: Optional[Tamper] = None) -> None:
+def self_test(device: torch.device, node_id: str, *, timeout_s: float = 60.0, alloc_mb: int = 64) -> None:
     """Check this worker before it trains; raise WorkerHealthError naming the bad node.
 
     On the device: allocate `alloc_mb` MiB and read it back; a 256×256 fp32 matmul of integer
@@ -130,20 +124,19 @@ def self_test(device: torch.device, node_id: str, *, timeout_s: float = 60.0, al
     """
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
-    tamper = tamper or (lambda _, t: t)
     outcome: dict[str, BaseException] = {}
 
     def run() -> None:
         try:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the current device is per thread
-            failure = _local_checks(device, tamper, alloc_mb, n=256)
+            failure = _local_checks(device, alloc_mb, n=256)
             if not distributed:
                 _raise_first([(node_id, failure)])
                 return
             results = _exchange(failure, node_id)
             _raise_first(results)
-            failure = _collective_checks(device, tamper, [node for node, _ in results])
+            failure = _collective_checks(device, [node for node, _ in results])
             _raise_first(_exchange(failure, node_id))
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             outcome["error"] = e

@@ -19,8 +19,8 @@ from cluster.ports import free_ports
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.presets import preset
 from raylm.model.sizes import count_params
-from raylm.parallel.memory import (PRECISIONS, Layout, estimate_communication, estimate_memory,
-                                   layer_activation_bytes, model_shape, model_state_bytes)
+from raylm.parallel.memory import (PRECISIONS, estimate_communication, estimate_memory, layer_activation_bytes,
+                                   model_shape, model_state_bytes)
 from raylm.parallel.mesh import check_parallel_config
 from raylm.parallel.plan import enumerate_layouts, parallel_block_yaml, parse_memory, plan, run_plan
 
@@ -32,6 +32,13 @@ ZERO_ND = 64
 
 def _total(states: dict[str, float]) -> float:
     return sum(states.values())
+
+
+def layout(num_workers: int = 1, **fields) -> ParallelConfig:
+    """A layout on `num_workers` GPUs with sequence and loss parallelism on when tp > 1, as the
+    planner sets them."""
+    tp = fields.get("tp", 1) > 1
+    return ParallelConfig(num_workers=num_workers, **{"sequence_parallel": tp, "loss_parallel": tp, **fields})
 
 
 def test_pure_bf16_10b_needs_80gb_per_replica():
@@ -61,24 +68,24 @@ def test_estimate_memory_applies_the_table_to_a_10b_model():
     cfg = ModelConfig(**{**preset("13b"), "d_model": 5120, "n_layers": 32}, vocab_size=50272)
     psi = count_params(cfg)
     assert 9.5e9 < psi < 10.5e9
-    ddp = estimate_memory(cfg, Layout(dp_replicate=64), "bf16", 2048)
+    ddp = estimate_memory(cfg, layout(64, dp_replicate=64), "bf16", 2048)
     assert ddp.model_states == 8 * psi
-    zero3 = estimate_memory(cfg, Layout(dp_shard=64, sharding="full"), "mixed", 2048)
+    zero3 = estimate_memory(cfg, layout(64, dp_shard=64, sharding="full"), "mixed", 2048)
     assert zero3.model_states == pytest.approx(16 * psi / 64)
-    hsdp = estimate_memory(cfg, Layout(dp_replicate=8, dp_shard=8, sharding="full"), "mixed", 2048)
+    hsdp = estimate_memory(cfg, layout(64, dp_replicate=8, dp_shard=8, sharding="full"), "mixed", 2048)
     assert hsdp.model_states == pytest.approx(16 * psi / 8)  # only the shard dimension divides
-    tp = estimate_memory(cfg, Layout(tp=8), "mixed", 2048)
+    tp = estimate_memory(cfg, layout(8, tp=8), "mixed", 2048)
     assert tp.model_states == pytest.approx(16 * psi / 8)
 
 
 def test_pipeline_stage_holds_its_blocks_and_the_embeddings():
     shape = model_shape(OPT_175B)
     # 1F1B: the first stage keeps 8 microbatches in flight, so it is the worst.
-    first = estimate_memory(OPT_175B, Layout(pp=8), "bf16", 2048, n_microbatches=8)
+    first = estimate_memory(OPT_175B, layout(8, pp=8), "bf16", 2048, n_microbatches=8)
     assert first.stage == 0
     assert first.params == 2 * (12 * shape.block_params + shape.first_params)  # token + position embeddings
     # With one microbatch the last stage's logits tip it; a tied head is a second copy there.
-    last = estimate_memory(OPT_175B, Layout(pp=8), "bf16", 2048, n_microbatches=1)
+    last = estimate_memory(OPT_175B, layout(8, pp=8), "bf16", 2048, n_microbatches=1)
     assert last.stage == 7
     assert last.params == 2 * (12 * shape.block_params + shape.last_params + shape.vocab * shape.d_model)
 
@@ -100,15 +107,15 @@ def test_activations_reproduce_korthikanti_without_flash_attention():
 
 def test_full_checkpointing_keeps_layer_inputs_and_one_layer():
     cfg = replace(OPT_175B, n_layers=8)
-    est = estimate_memory(cfg, Layout(activation_checkpointing="full"), "mixed", 2048, micro_batch_size=2)
+    est = estimate_memory(cfg, layout(activation_checkpointing="full"), "mixed", 2048, micro_batch_size=2)
     layer = layer_activation_bytes(model_shape(cfg), 2048, 2, 1, PRECISIONS["mixed"])
     logits = 2048 * 2 * 50272 * (2 + 8)
     assert est.activations == pytest.approx(8 * 2 * 2048 * 2 * 12288 + layer + logits)
     assert est.activations_no_checkpointing == pytest.approx(8 * layer + logits)
-    every_3 = estimate_memory(cfg, Layout(activation_checkpointing="every_k", ac_every=3), "mixed", 2048, 2)
+    every_3 = estimate_memory(cfg, layout(activation_checkpointing="every_k", ac_every=3), "mixed", 2048, 2)
     # raylm checkpoints blocks 0, 3 and 6 of 8
     assert every_3.activations == pytest.approx(3 * 2 * 2048 * 2 * 12288 + 5 * layer + layer + logits)
-    in_flight = estimate_memory(cfg, Layout(pp=4, activation_checkpointing="none"), "mixed", 2048, n_microbatches=16)
+    in_flight = estimate_memory(cfg, layout(4, pp=4, activation_checkpointing="none"), "mixed", 2048, n_microbatches=16)
     first_stage = 4 * 2 * layer_activation_bytes(model_shape(cfg), 2048, 1, 1, PRECISIONS["mixed"])
     assert in_flight.activations_no_checkpointing >= first_stage  # 4 microbatches x 2 blocks
 
@@ -117,27 +124,27 @@ def test_communication_volumes():
     cfg, n = OPT_175B, 64
     shape = model_shape(cfg)
     psi = shape.total_params
-    ddp = estimate_communication(cfg, Layout(dp_replicate=n), "mixed", 2048)
+    ddp = estimate_communication(cfg, layout(n, dp_replicate=n), "mixed", 2048)
     assert ddp.data_parallel == pytest.approx(2 * psi * (n - 1) / n * 2)
-    zero3 = estimate_communication(cfg, Layout(dp_shard=n, sharding="full"), "mixed", 2048)
+    zero3 = estimate_communication(cfg, layout(n, dp_shard=n, sharding="full"), "mixed", 2048)
     assert zero3.data_parallel == pytest.approx(3 * psi * (n - 1) / n * 2)
     assert zero3.inter_node == zero3.data_parallel  # 64 ranks span 8 nodes
     # Over 4 microbatches ZeRO-3 gathers twice and reduce-scatters once per microbatch, ZeRO-2
     # gathers once per step and reduce-scatters per microbatch, ZeRO-1 and DDP sync once per step.
-    per_step = {sharding: estimate_communication(cfg, Layout(dp_shard=n, sharding=sharding), "mixed", 2048,
+    per_step = {sharding: estimate_communication(cfg, layout(n, dp_shard=n, sharding=sharding), "mixed", 2048,
                                                  n_microbatches=4).data_parallel / (psi * (n - 1) / n * 2)
                 for sharding in ("full", "gradients", "optimizer")}
     assert per_step == pytest.approx({"full": 12, "gradients": 5, "optimizer": 2})
-    tp = estimate_communication(cfg, Layout(tp=8), "mixed", 2048, micro_batch_size=1, n_microbatches=2)
+    tp = estimate_communication(cfg, layout(8, tp=8), "mixed", 2048, micro_batch_size=1, n_microbatches=2)
     assert tp.tensor_parallel == pytest.approx(2 * 96 * 4 * 2 * 7 / 8 * 2048 * 12288 * 2)
     assert tp.inter_node == 0
 
 
 def test_enumerated_layouts_follow_the_rule():
     layouts = enumerate_layouts(64, 8, n_heads=32, n_layers=24, n_kv_heads=8)
-    assert len(set(layouts)) == len(layouts)
+    assert len({repr(lay) for lay in layouts}) == len(layouts)  # no duplicates (ParallelConfig is unhashable)
     for lay in layouts:
-        assert lay.world_size == 64
+        assert lay.num_workers == 64
         assert 8 % lay.tp == 0 and 32 % lay.tp == 0 and lay.pp <= 24  # node, heads, kv heads (8)
         if lay.sharding == "none":
             assert lay.dp_shard == 1
@@ -145,8 +152,8 @@ def test_enumerated_layouts_follow_the_rule():
             assert lay.dp_shard > 1
             if lay.dp_replicate > 1:  # HSDP: each shard group inside one node
                 assert 8 % (lay.tp * lay.dp_shard) == 0
-    assert Layout(dp_replicate=8, dp_shard=8, sharding="full") in layouts
-    assert Layout(dp_replicate=4, dp_shard=16, sharding="full") not in layouts
+    assert layout(64, use_gpu=True, dp_replicate=8, dp_shard=8, sharding="full") in layouts
+    assert layout(64, use_gpu=True, dp_replicate=4, dp_shard=16, sharding="full") not in layouts
     assert not any(lay.tp == 16 for lay in layouts)
 
 
@@ -159,7 +166,8 @@ def test_opt_175b_needs_model_parallelism_on_1024_a100s():
         assert "GB usable" in row.reason
     # OPT ties its embeddings, which raylm's pipeline stages cannot share.
     assert all("tie_embeddings" in r.reason for r in rows if r.layout.pp > 1)
-    (opt_layout,) = [r for r in rows if r.layout == Layout(dp_shard=128, tp=8, sharding="full")]
+    (opt_layout,) = [r for r in rows if r.layout == layout(1024, use_gpu=True, dp_shard=128, tp=8, sharding="full",
+                                                         param_dtype="bf16", reduce_dtype="bf16")]
     assert opt_layout.feasible, opt_layout.reason
     assert rows[0].feasible
     # That verdict is without activation checkpointing: with full checkpointing ZeRO-3 over
@@ -286,8 +294,9 @@ def test_estimate_matches_measured_bytes_on_cpu(world_size: int, tmp_path: Path,
     multiprocessing.set_forkserver_preload([__name__])
     torch.multiprocessing.start_processes(_measure_worker, args=(world_size, free_ports(1)[0], cfg, str(tmp_path)),
                                           nprocs=world_size, join=True, start_method="forkserver")
-    layouts = {"none": Layout(dp_replicate=world_size), "full": Layout(dp_shard=world_size, sharding="full"),
-               "hsdp": Layout(dp_replicate=2, dp_shard=2, sharding="full")}
+    layouts = {"none": layout(world_size, dp_replicate=world_size),
+               "full": layout(world_size, dp_shard=world_size, sharding="full"),
+               "hsdp": layout(world_size, dp_replicate=2, dp_shard=2, sharding="full")}
     for rank in range(world_size):
         measured = json.loads((tmp_path / f"{rank}.json").read_text())
         for name, held in measured.items():
@@ -329,5 +338,5 @@ def test_estimate_bounds_cuda_peak_memory():
     torch.cuda.reset_peak_memory_stats()
     forward_backward()
     peak = torch.cuda.max_memory_allocated()
-    est = estimate_memory(cfg, Layout(), "amp", seq_len, batch).total
+    est = estimate_memory(cfg, layout(), "amp", seq_len, batch).total
     assert 0.7 * peak <= est <= 1.3 * peak, (est / 1e9, peak / 1e9)

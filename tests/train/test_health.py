@@ -1,14 +1,16 @@
-"""Worker self-test and straggler detection on real gloo process groups (no mocks of torch).
+"""Worker self-test and straggler detection on real gloo process groups.
 
-Faults are injected through `self_test(tamper=...)` on one rank; stragglers are ranks that
-really sleep longer.
+A fault is injected on one rank by replacing, for the length of its self-test, the real torch
+call a check makes with one that calls it and corrupts what it returns, sends or receives;
+stragglers are ranks that really sleep longer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -21,23 +23,62 @@ from tests.support.distributed import run_distributed
 CPU = torch.device("cpu")
 
 
-def _corrupt(check: str):
-    """A tamper function that adds 1 to the first element at `check` only."""
-    def tamper(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name != check:
-            return tensor
-        tensor = tensor.clone()
-        tensor.view(-1)[0] += 1
-        return tensor
-    return tamper
+def _bump_first(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with 1 added to its first element, in place."""
+    tensor.view(-1)[0] += 1
+    return tensor
+
+
+def _faulty(check: str) -> list[tuple[object, str, Callable[[Callable], Callable]]]:
+    """(module, name, real call -> faulty call) for each torch call the check `check` makes."""
+    def reads_back_wrong(real: Callable) -> Callable:
+        return lambda *args, **kwargs: real(*args, **kwargs) + 1
+
+    def computes_wrong(real: Callable) -> Callable:
+        return lambda *args, **kwargs: _bump_first(real(*args, **kwargs))
+
+    # This rank's contribution is off by one in both the sum and the gather, as it would be from
+    # a bad device or link: the all-gather is what lets every rank name it.
+    def reduces_wrong(real: Callable) -> Callable:
+        return lambda tensor, *args, **kwargs: real(_bump_first(tensor), *args, **kwargs)
+
+    def gathers_wrong(real: Callable) -> Callable:
+        return lambda out, tensor, *args, **kwargs: real(out, _bump_first(tensor.clone()), *args, **kwargs)
+
+    def receives_wrong(real: Callable) -> Callable:
+        def broadcast(tensor: torch.Tensor, *args, **kwargs):
+            work = real(tensor, *args, **kwargs)
+            _bump_first(tensor)
+            return work
+        return broadcast
+
+    return {
+        "alloc": [(torch, "sum", reads_back_wrong)],
+        "matmul": [(torch, "matmul", computes_wrong)],
+        "all_reduce": [(dist, "all_reduce", reduces_wrong), (dist, "all_gather", gathers_wrong)],
+        "broadcast": [(dist, "broadcast", receives_wrong)],
+    }[check]
+
+
+@contextlib.contextmanager
+def _sabotaged(check: str) -> Iterator[None]:
+    """This process's torch calls behind `check` give wrong values until the block ends."""
+    faults = [(module, name, getattr(module, name), make) for module, name, make in _faulty(check)]
+    try:
+        for module, name, real, make in faults:
+            setattr(module, name, make(real))
+        yield
+    finally:
+        for module, name, real, _ in faults:
+            setattr(module, name, real)
 
 
 def _self_test_outcome(bad_rank: Optional[int], check: str) -> Optional[tuple]:
     """Run the self-test (sabotaged at `check` on `bad_rank`); what this rank saw."""
     rank = dist.get_rank()
-    tamper = _corrupt(check) if rank == bad_rank else None
     try:
-        self_test(CPU, f"node-{rank}", timeout_s=60, alloc_mb=8, tamper=tamper)
+        with _sabotaged(check) if rank == bad_rank else contextlib.nullcontext():
+            self_test(CPU, f"node-{rank}", timeout_s=60, alloc_mb=8)
     except WorkerHealthError as e:
         return e.node_id, e.rank, e.check, str(e)
     return None
@@ -46,9 +87,12 @@ def _self_test_outcome(bad_rank: Optional[int], check: str) -> Optional[tuple]:
 def test_self_test_passes_alone_and_names_the_node_on_a_bad_matmul():
     self_test(CPU, "solo", alloc_mb=8)
     with pytest.raises(WorkerHealthError, match=r"'matmul' failed on node solo \(rank 0\).*expected 5, got 6"):
-        self_test(CPU, "solo", alloc_mb=8, tamper=_corrupt("matmul"))
+        with _sabotaged("matmul"):
+            self_test(CPU, "solo", alloc_mb=8)
     with pytest.raises(WorkerHealthError, match="'alloc' failed on node solo"):
-        self_test(CPU, "solo", alloc_mb=8, tamper=_corrupt("alloc"))
+        with _sabotaged("alloc"):
+            self_test(CPU, "solo", alloc_mb=8)
+    self_test(CPU, "solo", alloc_mb=8)  # the faults end with their block
 
 
 # (rank to sabotage or None, where, what every rank's error must say). One process group runs
