@@ -265,6 +265,30 @@ class RunConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The stability guard: what OPT's and PaLM's teams did by hand when the loss spiked."""
+
+    enabled: bool = True
+    window: int = 128
+    """Recent healthy steps whose loss and grad norm give the rolling mean and deviation."""
+    sigmas: float = 6.0
+    """A step whose loss or grad norm exceeds the rolling mean by this many deviations is an outlier."""
+    min_history: int = 20
+    """Healthy steps seen before any step is judged an outlier (the start of a run moves fast)."""
+    rollback_after: int = 3
+    """This many outliers within rollback_window steps roll the run back (one alone is skipped)."""
+    rollback_window: int = 50
+    snapshot_every: int = 25
+    """Steps between in-memory snapshots of the healthy state (model, optimizer, RNG) to roll
+    back to; one is also kept from the start of the invocation."""
+    lr_factor: float = 1.0
+    """Multiply the LR by this at each rollback (PaLM and OPT lowered it; 1 keeps it)."""
+    max_rollbacks: int = 3
+    """This many rollbacks within stop_window steps stop the run with an error naming them."""
+    stop_window: int = 1000
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -275,6 +299,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
 
 # ----------------------------------------------------------------------------- building
@@ -440,6 +465,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if cfg.data.path and cfg.data.mixture:
         raise ConfigError("set data.path or data.mixture, not both")
+    g = cfg.guard
+    guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.rollback_after": g.rollback_after,
+                      "guard.rollback_window": g.rollback_window, "guard.max_rollbacks": g.max_rollbacks,
+                      "guard.stop_window": g.stop_window}
+    for key, value in guard_positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if not 0.0 < g.lr_factor <= 1.0:
+        raise ConfigError(f"guard.lr_factor must be in (0, 1], got {g.lr_factor}")
+    if g.min_history < 2 or g.snapshot_every < 1:
+        raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
+                          f"{g.min_history} and {g.snapshot_every}")
     cpus = cfg.parallel.cpus_per_worker
     if cpus != "auto" and cpus <= 0:
         raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")

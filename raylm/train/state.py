@@ -3,6 +3,7 @@ environment the loop runs in. Below all three, so that none imports another for 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import ContextManager, Optional, Protocol
@@ -16,9 +17,20 @@ from raylm.train.step import ParallelModel
 
 @dataclass
 class TrainState:
+    """What a checkpoint's train_state.json holds besides the tensors."""
+
     step: int = 0  # optimizer steps completed
     position: int = 0  # global index of the next sample to train on
     tokens_seen: int = 0
+    skip: list[list[int]] = field(default_factory=list)  # sample ranges the guard skipped (beside data.skip)
+    lr_scale: float = 1.0  # the guard's cuts of the scheduled LR
+    rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "TrainState":
+        """From a checkpoint's train state; older checkpoints lack the guard's fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in saved.items() if k in names})
 
 
 class TrainEnv(Protocol):

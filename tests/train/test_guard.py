@@ -1,0 +1,142 @@
+"""The stability guard on real training runs (two gloo ranks): a spike is skipped, a poisoned
+region is rolled back and skipped, a non-finite gradient is survived with an LR cut, and
+repeated trouble stops the run with a message and a marker that a plain resume respects."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from raylm.train.guard import GuardStopped
+from raylm.train.hooks import Hook
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import train
+from raylm.train.metrics import read_jsonl
+from tests.support.distributed import run_distributed
+from tests.support.poison import poisoned_copy
+from tests.train.test_loop import tiny_config
+
+pytestmark = pytest.mark.slow
+
+BATCH = 8  # tiny_config's global batch
+GUARD = ("guard.min_history=10", "guard.snapshot_every=10", "guard.rollback_after=2", "guard.rollback_window=10",
+         "guard.max_rollbacks=5", "train.eval_every=0", "train.tensorboard=false", "checkpoint.every_steps=0")
+
+
+def _losses(run_dir: str) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}  # last wins
+
+
+def _events(run_dir: str, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == kind]
+
+
+def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
+    train(tiny_config(dataset, *extra), LocalEnv(run_dir))
+
+
+def _poisoned(tiny_dataset: str, tmp_path, steps: range) -> str:
+    cfg = tiny_config(tiny_dataset)
+    return poisoned_copy(tiny_dataset, str(tmp_path / "poisoned"), cfg.data, BATCH, steps)
+
+
+def test_a_batch_of_random_bytes_is_skipped(tiny_dataset, tmp_path):
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 31))
+    run = str(tmp_path / "run")
+    run_distributed(_train_ranks, 2, data, run, "train.steps=40", *GUARD)
+    (skipped,) = _events(run, "spike_skipped")
+    assert skipped["step"] == 30 and skipped["samples"] == [30 * BATCH, 31 * BATCH]
+    assert skipped["sigmas"] > 6 and skipped["reason"] in ("loss spike", "grad_norm spike")
+    assert _events(run, "rollback") == []
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    assert rows[30]["skipped_steps"] == 0 and rows[31]["skipped_steps"] == 1 and rows[40]["skipped_steps"] == 1
+    assert rows[32]["loss"] < rows[31]["loss"] + 1.0  # the spike's update never happened
+
+
+def test_a_poisoned_region_is_rolled_back_and_skipped_like_a_run_told_to_skip_it(tiny_dataset, tmp_path):
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 35))
+    guarded = str(tmp_path / "guarded")
+    run_distributed(_train_ranks, 2, data, guarded, "train.steps=45", *GUARD)
+    rollbacks = _events(guarded, "rollback")
+    assert rollbacks and all(r["to_step"] == 30 for r in rollbacks)
+    skip = _events(guarded, "data_skipped")[-1]["skip"]
+    start, end = min(s for s, _ in skip), max(e for _, e in skip)
+    assert start == 30 * BATCH and end >= 35 * BATCH  # the whole poisoned region, from the snapshot on
+    # The reference: the same data, told to skip that window from the start, at the same world size.
+    reference = str(tmp_path / "reference")
+    run_distributed(_train_ranks, 2, data, reference, "train.steps=45", *GUARD, f"data.skip=[[{start}, {end}]]")
+    assert _events(reference, "rollback") == [] and _events(reference, "spike_skipped") == []
+    got, want = _losses(guarded), _losses(reference)
+    assert sorted(got) == sorted(want) == list(range(1, 46))
+    for step in range(1, 46):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), step
+    # The skip ranges are run state: the final checkpoint carries them.
+    state = json.load(open(os.path.join(guarded, "checkpoint_00000045", "train_state.json")))
+    assert state["skip"] == skip and len(state["rollbacks"]) == len(rollbacks)
+
+
+class NanGradientOnce(Hook):
+    """Test-side fault: at `step`, the first time it runs, every gradient becomes NaN."""
+
+    def __init__(self, step: int):
+        self.step, self.done, self.handles = step, False, []
+
+    def on_step_begin(self, run, step):
+        if step == self.step and not self.done:
+            self.done = True
+            self.handles = [p.register_hook(lambda g: g * float("nan")) for p in run.model.model.parameters()]
+
+    def on_step_end(self, run, step, metrics):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _train_with_nan_gradient(dataset: str, run_dir: str, *extra: str) -> dict:
+    return train(tiny_config(dataset, *extra), LocalEnv(run_dir), hooks=(NanGradientOnce(20),))
+
+
+def test_a_non_finite_gradient_rolls_back_cuts_the_lr_and_the_run_finishes(tiny_dataset, tmp_path):
+    run = str(tmp_path / "run")
+    finals = run_distributed(_train_with_nan_gradient, 2, tiny_dataset, run, "train.steps=30", *GUARD,
+                             "guard.lr_factor=0.5", "schedule.name=constant", "schedule.warmup_steps=0")
+    assert [f["step"] for f in finals] == [30, 30]  # the workers finished: nothing for Ray to restart
+    (rollback,) = _events(run, "rollback")
+    assert rollback["step"] == 20 and rollback["reason"] == "non-finite" and rollback["to_step"] == 20
+    (scaled,) = _events(run, "lr_scaled")
+    assert scaled["lr_scale"] == 0.5
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    assert rows[20]["lr"] == pytest.approx(1e-2) and rows[21]["lr"] == pytest.approx(5e-3)
+    assert all(torch.isfinite(torch.tensor(rows[s]["loss"])) for s in range(1, 31))
+
+
+class PoisonWeights(Hook):
+    def on_step_begin(self, run, step):
+        if step == 3:
+            with torch.no_grad():
+                next(run.model.model.parameters()).fill_(float("nan"))
+
+
+def test_repeated_trouble_stops_the_run_and_a_resume_needs_changed_settings(tiny_dataset, tmp_path):
+    run = str(tmp_path / "run")
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=2", "guard.max_rollbacks=2")
+    with pytest.raises(GuardStopped, match=r"stopped the run at step 3 \(non-finite.*after 2 rollback\(s\).*"
+                                           r"skipped sample ranges \[\[0, 32\]"):
+        train(cfg, LocalEnv(run), hooks=(PoisonWeights(),))
+    assert [e["step"] for e in _events(run, "guard_stopped")] == [3]
+    assert os.path.exists(os.path.join(run, "guard_stopped.json"))
+    with pytest.raises(GuardStopped, match="refusing to replay it with the same settings"):
+        train(cfg, LocalEnv(run))
+    final = train(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=2", "guard.max_rollbacks=2",
+                              "optim.lr=5e-3"), LocalEnv(run))
+    assert final["step"] == 6 and not os.path.exists(os.path.join(run, "guard_stopped.json"))
+
+
+def test_with_the_guard_off_a_nan_stops_with_the_samples_named(tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset, "train.steps=10", "checkpoint.every_steps=2", "guard.enabled=false")
+    with pytest.raises(FloatingPointError, match=r"step 3: loss nan .* global positions \[24, 32\)"):
+        train(cfg, LocalEnv(str(tmp_path)), hooks=(PoisonWeights(),))
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint_")) == ["checkpoint_00000002"]
