@@ -7,81 +7,39 @@ Ray stays at the edges: `TrainEnv` is how the loop reaches storage and the clust
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import ContextManager, Optional, Protocol
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylm.config import Config, config_to_yaml, global_batch_sequences
-from raylm.data.manifest import load_dataset_tokenizer
-from raylm.data.stream import TokenStream, open_split
+from raylm.config import CONFIG_FILE, Config, config_to_yaml
+from raylm.data.stream import TokenStream
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
-from raylm.parallel.runtime import ParallelModel, World, build_parallel_model
+from raylm.parallel.world import World
+from raylm.tokenizer import TOKENIZER_FILE
 from raylm.train import checkpoint
+from raylm.train.checkpointer import Checkpointer
+from raylm.train.guard import Guard, refuse_guard_stopped
 from raylm.train.hooks import Hook
-from raylm.train.metrics import MetricsLogger, peak_flops
+from raylm.train.metrics import EVENTS_FILE, MetricsLogger, peak_flops
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
-from raylm.train.resolve import resolve_for_data
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps completed
-    position: int = 0  # global index of the next sample to train on
-    tokens_seen: int = 0
-
-
-class TrainEnv(Protocol):
-    """Where the loop meets storage and the cluster (Ray Train, or plain files in tests)."""
-
-    run_dir: str  # local directory for metrics.jsonl and TensorBoard (rank 0 writes)
-
-    def device(self) -> torch.device:
-        """The device this rank trains on."""
-
-    checkpoint_root: str  # where published checkpoints live (local path or s3:// URI)
-
-    def restore_dir(self) -> ContextManager[Optional[str]]:
-        """A local directory holding the checkpoint to resume from, or None."""
-
-    def staging_dir(self, step: int) -> ContextManager[str]:
-        """A local directory for this rank's part of the checkpoint of `step`."""
-
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
-        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
-
-    def report(self, metrics: dict) -> None:
-        """Progress for the cluster's bookkeeping (not every step: it may block)."""
-
-
-@dataclass
-class Run:
-    """The live objects of a run, handed to hooks."""
-
-    cfg: Config
-    world: World
-    model: ParallelModel
-    optimizer: torch.optim.Optimizer
-    state: TrainState
-    seq_len: int
-    global_batch: int
-    flops_per_token: float
-    peak_flops: float  # per device
-    history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
+from raylm.train.spec import RunSpec, resolve_run
+from raylm.train.state import Run, TrainEnv, TrainState
+from raylm.train.step import ParallelModel, build_model
 
 
 class _EvalSet:
     """Fixed held-out batches: the first `eval_batches` global batches of the val split, in
     file order, so every evaluation and every world size sees the same tokens."""
 
-    def __init__(self, cfg: Config, model: ParallelModel, global_batch: int):
-        source, _ = open_split(cfg.data, "val", cfg.storage, shuffle=False)
-        stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
+    def __init__(self, spec: RunSpec, model: ParallelModel):
+        cfg = spec.config
+        source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
+        stream = TokenStream(source, spec.global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
         self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
                         for b in stream.batches(0, 0, cfg.train.eval_batches)]
 
@@ -95,36 +53,42 @@ class _EvalSet:
             model.train(True)
 
 
-def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
-    """Train per `cfg` on this process's rank; returns the last step's metrics."""
+def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
+    """Train on this process's rank; returns the last step's metrics. `run` is a RunSpec
+    resolved on the driver, or a Config, resolved here (a single process, tests, sweeps)."""
+    spec = run if isinstance(run, RunSpec) else resolve_run(run)
+    cfg, seq_len, global_batch = spec.config, spec.seq_len, spec.global_batch
     world = World.current(env.device())
-    source, manifests = open_split(cfg.data, "train", cfg.storage)
-    cfg = resolve_for_data(cfg, manifests[0])
-    seq_len = manifests[0].seq_len
-    global_batch = global_batch_sequences(cfg, seq_len)
+    source = spec.datasets.open_split("train", cfg.data, cfg.storage)
 
-    model = build_parallel_model(lambda: Transformer(cfg.model), cfg, world)
+    model = build_model(lambda: Transformer(cfg.model), cfg, world)
     optimizer = build_optimizer(model.parts, cfg.optim)
     state = TrainState()
     with env.restore_dir() as restore:
         if restore is not None:
-            saved = checkpoint.load(restore, model, optimizer, world, manifests[0].tokenizer.sha256)
-            state = TrainState(saved["step"], saved["position"], saved["tokens_seen"])
+            saved = checkpoint.load(restore, model, optimizer, world, spec.tokenizer_sha256)
+            state = TrainState.from_saved(saved)
 
     local_batch = global_batch // model.dp_size
     if global_batch % model.dp_size or local_batch % cfg.train.micro_batch_size:
         raise ValueError(
             f"global batch {global_batch} must split into {model.dp_size} data-parallel ranks × "
             f"whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}")
-    stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, cfg.data.skip,
-                         engine=cfg.data.loader, prefetch=cfg.data.prefetch_chunks)
-    evals = _EvalSet(cfg, model, global_batch) if cfg.train.eval_every > 0 else None
+    guard = None
+    if cfg.guard.enabled:
+        refuse_guard_stopped(env.checkpoint_root, cfg)
+        guard = Guard(cfg, model, optimizer, world, os.path.join(env.run_dir, EVENTS_FILE), env.checkpoint_root)
+        guard.start(state)
+
+    def stream_from(state: TrainState) -> TokenStream:
+        """The run's batches; the guard's skip ranges grow at each rollback."""
+        return TokenStream(source, global_batch, model.dp_rank, model.dp_size, [*cfg.data.skip, *state.skip],
+                           engine=cfg.data.loader, prefetch=cfg.data.prefetch_chunks)
+
+    evals = _EvalSet(spec, model) if cfg.train.eval_every > 0 else None
     # What a checkpoint needs besides tensors to be usable on its own (generation, export).
-    checkpoint_files = {checkpoint.CONFIG: config_to_yaml(cfg),
-                        checkpoint.TOKENIZER: load_dataset_tokenizer(
-                            cfg.data.mixture[0].path if cfg.data.mixture else cfg.data.path,
-                            cfg.storage, manifests[0]).to_json()}
-    checkpointer = checkpoint.Checkpointer(cfg, env, model, optimizer, world, checkpoint_files)
+    checkpoint_files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
+    checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, model, optimizer, world, checkpoint_files)
 
     run = Run(cfg, world, model, optimizer, state, seq_len, global_batch,
               flops_per_token(cfg.model, seq_len), peak_flops(world.device, cfg.train.peak_tflops))
@@ -134,7 +98,7 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
         hook.on_train_start(run)
 
     try:
-        metrics = _train_steps(run, env, stream, hooks, checkpointer, evals, manifests[0].tokenizer.sha256)
+        metrics = _train_steps(run, env, stream_from, hooks, checkpointer, evals, guard, spec.tokenizer_sha256)
         for hook in hooks:
             hook.on_train_end(run, metrics)
     finally:
@@ -142,8 +106,9 @@ def train(cfg: Config, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
     return metrics
 
 
-def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, checkpointer: checkpoint.Checkpointer,
-                 evals: Optional[_EvalSet], tokenizer_sha256: str) -> dict:
+def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], TokenStream], hooks: tuple,
+                 checkpointer: Checkpointer, evals: Optional[_EvalSet], guard: Optional[Guard],
+                 tokenizer_sha256: str) -> dict:
     """The steps from the run's current state to its last step; returns the last metrics."""
     cfg, world, model, optimizer, state = run.cfg, run.world, run.model, run.optimizer, run.state
     seq_len, global_batch = run.seq_len, run.global_batch
@@ -155,7 +120,7 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
     checkpoint_s = 0.0
     last_report = time.monotonic()
     t0 = time.perf_counter()
-    batches = stream.batches(state.position, state.step, last)
+    batches = stream_from(state).batches(state.position, state.step, last)
     while True:
         if state.step in (10, 100) and world.device.type == "cpu" and not cfg.train.peak_tflops:
             # A CPU's peak is measured; the first time, at start-up, Ray was still starting
@@ -174,18 +139,29 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
         step = batch.step
         for hook in hooks:
             hook.on_step_begin(run, step)
-        lr = lr_at(step, cfg.schedule, cfg.optim.lr, steps)
+        lr = lr_at(step, cfg.schedule, cfg.optim.lr, steps) * state.lr_scale
         apply_lr(optimizer, lr)
         tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(world.device)
         loss = float(model.forward_backward(tokens, cfg.train.micro_batch_size))
         grad_norm = float(model.clip_grad_norm(cfg.optim.grad_clip))
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
+        if verdict == "ok" and not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the guard is off
             # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
             raise FloatingPointError(
                 f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; the weights were "
                 f"not updated. Samples of this step: global positions [{state.position}, "
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
-        optimizer.step()
+        if verdict == "rollback":
+            optimizer.zero_grad(set_to_none=True)
+            guard.roll_back(step, state, batch.next_position)
+            batches.close()
+            batches = stream_from(state).batches(state.position, state.step, last)
+            t0 = time.perf_counter()
+            continue
+        if verdict == "ok":
+            optimizer.step()
+        else:
+            guard.skipped_step(step, [state.position, batch.next_position])
         optimizer.zero_grad(set_to_none=True)
 
         state.step = step + 1
@@ -200,6 +176,10 @@ def _train_steps(run: Run, env: TrainEnv, stream: TokenStream, hooks: tuple, che
                    "data_wait": data_wait, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
         t0, checkpoint_s = now, 0.0
+        if guard is not None:
+            metrics["skipped_steps"] = guard.skipped
+            if verdict == "ok":
+                guard.after_healthy_step(state)
         if cfg.train.audit_samples:
             metrics["samples"] = _samples_of_step(model, batch.indices)
         if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
