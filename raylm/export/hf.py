@@ -1,0 +1,219 @@
+"""`raylm export` and `raylm import`: raylm checkpoints to Hugging Face model directories and back.
+
+Export reads the checkpoint one tensor at a time (DCP metadata first, so every output shape
+is known) and streams safetensors shards: a model of any size exports on one machine.
+
+Import writes a checkpoint that `raylm train` resumes from for continued pretraining: the
+model's weights, step 0 at data position 0 (the schedule, warmup included, starts from the
+beginning), and a fresh AdamW state (zero moments, step 0, the default `optim` settings in
+its parameter groups). The run directory gets the config.yaml to train it with; the data must
+be prepared with the same tokenizer (`raylm prepare --tokenizer <HF_DIR>`), which resuming checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
+from raylm.config import Config, ConfigError, StorageConfig, config_from_dict, config_to_yaml
+from raylm.data import storage
+from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
+from raylm.export.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
+from raylm.export.reader import CheckpointTensors
+from raylm.export.safetensors_io import HFTensors, Planned, write_sharded
+from raylm.generate import local_checkpoint, resolve_checkpoint
+from raylm.model.transformer import Transformer
+from raylm.tokenizer import TOKENIZER_FILE, tokenizer_from_json
+from raylm.train import checkpoint
+from raylm.train.optim import build_optimizer
+from raylm.train.resume_check import read_saved_config
+
+CONFIG_FILE = "config.json"
+DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _refuse_existing(output: str, names: tuple[str, ...], overwrite: bool,
+                     storage_cfg: Optional[StorageConfig]) -> None:
+    present = [n for n in storage.list_dir(output, storage_cfg) if n in names or n.startswith(names)]
+    if present and not overwrite:
+        raise FileExistsError(f"{output} already holds {', '.join(present[:3])}; pass --overwrite to replace it")
+
+
+def _check_tensors(have: set[str], rules: list[Rule], ignored: set[str], what: str) -> None:
+    """Every tensor present is used by a rule (or known to carry no weights), every one the rules
+    need is present: a model option that changes the tensor set cannot pass silently."""
+    wanted = {name for rule in rules for name in rule.raylm}
+    missing, unused = sorted(wanted - have), sorted(have - wanted - ignored)
+    if missing or unused:
+        raise ValueError(f"{what}: " + "; ".join(
+            part for part in (f"missing {', '.join(missing[:5])}" if missing else "",
+                              f"no place for {', '.join(unused[:5])}" if unused else "") if part))
+
+
+def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              storage_cfg: Optional[StorageConfig] = None, overwrite: bool = False) -> dict:
+    """Write the checkpoint `source` (or its run's newest complete one) as a Hugging Face model
+    directory `output` (local or s3://); returns a summary."""
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    uri = resolve_checkpoint(source, storage_cfg)
+    m = config_from_dict(read_saved_config(uri, storage_cfg)).model
+    adapter = adapter_for(m)  # before any download: an unexportable model fails at once
+    _refuse_existing(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
+    with local_checkpoint(uri, storage_cfg) as directory:
+        checkpoint.check_sound(directory, uri)  # every file against the manifest before any is parsed
+        with open(os.path.join(directory, TOKENIZER_FILE)) as f:
+            tokenizer = tokenizer_from_json(f.read(), name=storage.join(uri, TOKENIZER_FILE))
+        tensors = CheckpointTensors(directory)
+        rules = adapter.rules(m)
+        tied = {"output.weight"} if m.tie_embeddings else set()  # the same tensor as tok_embeddings
+        _check_tensors(set(tensors.names()), rules, tied, f"checkpoint {uri} as {adapter.architecture}")
+        target = DTYPE_NAMES[dtype] if dtype else None
+
+        def plan(rule: Rule) -> Planned:
+            meta = rule.to_hf([tensors.meta(n) for n in rule.raylm])
+            make = lambda: rule.to_hf([tensors.read(n) for n in rule.raylm])  # noqa: E731
+            if target is None:
+                return Planned(rule.hf, meta, make)
+            return Planned(rule.hf, meta.to(target), lambda: make().to(target))
+
+        planned = [plan(rule) for rule in rules]
+        out_dtype = target or planned[0].meta.dtype
+        planned += [Planned(name, torch.empty(size, dtype=out_dtype, device="meta"),
+                            lambda size=size: torch.zeros(size, dtype=out_dtype))
+                    for name, size in adapter.zero_biases(m)]
+        files = write_sharded(output, planned, max_shard_bytes, storage_cfg)
+        config = {**adapter.hf_config(m, tokenizer.eot_id), "torch_dtype": _dtype_name(out_dtype)}
+        storage.write_bytes(storage.join(output, CONFIG_FILE), json.dumps(config, indent=2).encode(), storage_cfg)
+        files += [CONFIG_FILE, *write_tokenizer_files(output, tokenizer, m.max_seq_len, storage_cfg)]
+    n_params = sum(p.meta.numel() for p in planned)
+    return {"checkpoint": uri, "output": output, "architecture": adapter.architecture, "files": files,
+            "parameters": n_params, "dtype": _dtype_name(out_dtype)}
+
+
+# ----------------------------------------------------------------------------- import
+
+
+@dataclass
+class _WholeModel:
+    """What `checkpoint.save` reads of a model: the plain module and its data-parallel size."""
+
+    model: torch.nn.Module
+    dp_size: int = 1
+
+
+@dataclass
+class _OneProcess:
+    """What `checkpoint.save` reads of the world: one process."""
+
+    rank: int = 0
+    world_size: int = 1
+
+
+def _hf_names(tensors: HFTensors, adapter: Adapter) -> dict[str, str]:
+    """Canonical HF name -> stored name: some checkpoints (GPT-2's own) leave out the base
+    model's prefix ("transformer.")."""
+    out = {}
+    for name in tensors.names():
+        canonical = name if name.startswith((adapter.base_prefix, "lm_head.")) else adapter.base_prefix + name
+        out[canonical] = name
+    return out
+
+
+@torch.no_grad()
+def _fill_from_hf(model: Transformer, tensors: HFTensors, adapter: Adapter, where: str) -> None:
+    m = model.cfg
+    rules = adapter.rules(m)
+    names = _hf_names(tensors, adapter)
+    ignored = {n for n in names if n.endswith(adapter.ignored_hf)}
+    if m.tie_embeddings:
+        ignored.add("lm_head.weight")  # saved by some versions although tied: it is wte
+    needed = {rule.hf for rule in rules}
+    _check_tensors(set(names), [Rule(n, (n,)) for n in needed], ignored, f"{where} as {adapter.architecture}")
+    params = dict(model.named_parameters())
+    for rule in rules:
+        for name, value in zip(rule.raylm, rule.from_hf(tensors.read(names[rule.hf]))):
+            if value.shape != params[name].shape:
+                raise ValueError(f"{where}: {rule.hf} gives {name} the shape {tuple(value.shape)}, "
+                                 f"config.json implies {tuple(params[name].shape)}")
+            params[name].copy_(value)
+
+
+def _fresh_optimizer(model: Transformer, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW as a run starts it: every state zero at step 0 (AdamW creates its state lazily;
+    a step with zero gradients at lr 0 creates it without touching the weights)."""
+    optimizer = build_optimizer(model, cfg.optim)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        state["step"].zero_()
+    return optimizer
+
+
+def import_hf(hf_dir: str, output: str, storage_cfg: Optional[StorageConfig] = None,
+              overwrite: bool = False) -> dict:
+    """Turn the Llama or GPT-2 model directory `hf_dir` (local) into the raylm run directory
+    `output` (local or s3://) holding config.yaml and checkpoint_00000000; returns a summary."""
+    config_path = os.path.join(hf_dir, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE})")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    adapter = adapter_for_hf(hf_config, config_path)
+    model_cfg, inexact = adapter.model_config(hf_config)
+    tokenizer_path = os.path.join(hf_dir, TOKENIZER_FILE)
+    if not os.path.exists(tokenizer_path):
+        raise FileNotFoundError(f"{hf_dir}: no {TOKENIZER_FILE}; raylm needs the fast tokenizer file to tokenize "
+                                "data for continued pretraining")
+    with open(tokenizer_path) as f:
+        tokenizer = read_hf_tokenizer(f.read(), name=tokenizer_path)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                          f"{model_cfg.vocab_size}")
+    _refuse_existing(output, (checkpoint.PREFIX,), overwrite, storage_cfg)
+
+    absolute = output if storage.is_s3(output) else os.path.abspath(output)
+    parent, name = absolute.rstrip("/").rsplit("/", 1)
+    cfg = Config(model=model_cfg)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, storage_path=parent))
+    model = Transformer(model_cfg)
+    _fill_from_hf(model, HFTensors(hf_dir), adapter, hf_dir)
+    optimizer = _fresh_optimizer(model, cfg)
+    state = {"step": 0, "position": 0, "tokens_seen": 0, "tokenizer_sha256": tokenizer.sha256,
+             "imported_from": os.path.abspath(hf_dir)}
+    files = {RAYLM_CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: tokenizer.to_json()}
+    uri = storage.join(absolute, checkpoint.dir_name(0))
+    for existing in storage.list_dir(absolute, storage_cfg):  # only with overwrite: refused above
+        if checkpoint.is_checkpoint_name(existing):
+            storage.delete_dir(storage.join(absolute, existing), storage_cfg)
+    with tempfile.TemporaryDirectory(prefix="raylm-import-") as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: as meant
+        local = tmp if storage.is_s3(uri) else uri
+        entries = checkpoint.save(local, _WholeModel(model), optimizer, _OneProcess(), state, files).result()
+        if storage.is_s3(uri):
+            storage.copy_dir(local, uri, storage_cfg)
+    checkpoint.finalize(uri, entries, storage_cfg)
+    storage.write_bytes(storage.join(absolute, RAYLM_CONFIG_FILE), files[RAYLM_CONFIG_FILE].encode(), storage_cfg)
+    return {"source": hf_dir, "architecture": adapter.architecture, "checkpoint": uri,
+            "config": storage.join(absolute, RAYLM_CONFIG_FILE), "tokenizer": tokenizer.kind,
+            "parameters": sum(p.numel() for p in model.parameters()), "warnings": inexact}

@@ -1,0 +1,122 @@
+"""safetensors files written one tensor at a time, and read back from a Hugging Face directory.
+
+The format (https://huggingface.co/docs/safetensors) is an 8-byte little-endian header length,
+a JSON header giving each tensor's dtype, shape and byte range, then the raw bytes. Every
+shape is known before any tensor is read (from DCP's metadata), so the header is written first
+and each tensor streamed after it: memory holds one tensor, whatever the model's size. Large
+models are split into shards with Hugging Face's index file, as `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from raylm.config import StorageConfig
+from raylm.data import storage
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+
+
+@dataclass
+class Planned:
+    """One output tensor: its name, a meta tensor with its shape and dtype, and how to make it."""
+
+    name: str
+    meta: torch.Tensor
+    make: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.meta.shape) * self.meta.dtype.itemsize
+
+
+def plan_shards(tensors: list[Planned], max_shard_bytes: int) -> list[list[Planned]]:
+    """Consecutive tensors grouped into shards of at most `max_shard_bytes` (a larger tensor gets
+    a shard of its own)."""
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _header(shard: list[Planned]) -> bytes:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+        if t.meta.dtype not in DTYPES:
+            raise ValueError(f"{t.name}: dtype {t.meta.dtype} cannot be written (supported: {list(DTYPES)})")
+        header[t.name] = {"dtype": DTYPES[t.meta.dtype], "shape": list(t.meta.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_sharded(directory: str, tensors: list[Planned], max_shard_bytes: int,
+                  storage_cfg: Optional[StorageConfig] = None) -> list[str]:
+    """Write `tensors` as model.safetensors, or as model-0000k-of-0000n.safetensors shards plus
+    model.safetensors.index.json; returns the file names written."""
+    shards = plan_shards(tensors, max_shard_bytes)
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for name, shard in zip(names, shards):
+        with storage.open_output(storage.join(directory, name), storage_cfg) as f:
+            f.write(_header(shard))
+            for t in shard:
+                value = t.make()
+                if value.shape != t.meta.shape or value.dtype != t.meta.dtype:
+                    raise AssertionError(f"{t.name}: made {tuple(value.shape)} {value.dtype}, planned "
+                                         f"{tuple(t.meta.shape)} {t.meta.dtype}")
+                f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+                del value
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                 "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
+        storage.write_bytes(storage.join(directory, INDEX_FILE), json.dumps(index, indent=2).encode(), storage_cfg)
+        names.append(INDEX_FILE)
+    return names
+
+
+class HFTensors:
+    """The tensors of a local Hugging Face model directory (model.safetensors or an index of
+    shards), by name, read lazily one at a time."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        index = os.path.join(directory, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
+            with safe_open(os.path.join(directory, SINGLE_FILE), framework="pt") as f:
+                weight_map = {name: SINGLE_FILE for name in f.keys()}
+        else:
+            others = sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth")))
+            hint = (f" (found {', '.join(others)}: re-save it with transformers' save_pretrained, which writes "
+                    "safetensors)") if others else ""
+            raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+        self.weight_map: dict[str, str] = weight_map
+        self._files = {file: safe_open(os.path.join(directory, file), framework="pt")
+                       for file in sorted(set(weight_map.values()))}
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._files[self.weight_map[name]].get_tensor(name)

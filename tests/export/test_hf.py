@@ -1,0 +1,206 @@
+"""Hugging Face export and import against the real `transformers`: logits and greedy generation
+of exported checkpoints, bit-exact round trips of imported models, continued pretraining from an
+import, and the errors for models and inputs that have no conversion."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raylm.cli import main
+from raylm.config import ConfigError, ModelConfig, load_config
+from raylm.export.adapters import adapter_for
+from raylm.export.hf import export_hf, import_hf
+from raylm.export.hf_tokenizer import byte_tokenizer_json
+from raylm.generate import generate, load_for_inference
+from raylm.tokenizer import ByteTokenizer
+from raylm.train import checkpoint
+from raylm.train.hooks import Hook
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import train
+from tests.train.test_loop import tiny_config
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach the Hub
+
+FAMILIES = {
+    # LlamaForCausalLM: the defaults (RMSNorm, RoPE, SwiGLU), then GQA, biases and a tied head.
+    "llama": (),
+    "llama-gqa-bias-tied": ("model.n_kv_heads=2", "model.bias=true", "model.tie_embeddings=true"),
+    # GPT2LMHeadModel: GPT-2 itself (biases, tied), then ReLU without biases and an untied head.
+    "gpt2": ("model.norm=layernorm", "model.pos_embedding=learned", "model.mlp=gelu", "model.bias=true",
+             "model.tie_embeddings=true"),
+    "gpt2-relu-nobias": ("model.norm=layernorm", "model.pos_embedding=learned", "model.mlp=relu"),
+}
+TEXT = "The king rode to the castle. Ünïcode, too: naïve café 🙂\n"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dataset, tmp_path_factory) -> dict[str, str]:
+    """A 6-step run of each family (the weights have moved away from their init)."""
+    runs = {}
+    for name, extra in FAMILIES.items():
+        runs[name] = str(tmp_path_factory.mktemp("runs") / name)
+        train(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0", *extra),
+              LocalEnv(runs[name]))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exported_model_matches_raylm_logits_and_greedy_generation(trained, family, tmp_path):
+    out = str(tmp_path / "hf")
+    # A small shard size exercises the sharded layout and its index, as for a large model.
+    summary = export_hf(trained[family], out, max_shard_bytes=40_000)
+    assert summary["checkpoint"].endswith("checkpoint_00000006")  # the run's newest
+    assert "model.safetensors.index.json" in os.listdir(out)
+    ours, tokenizer, cfg = load_for_inference(trained[family])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == summary["architecture"]
+    # Every exported tensor is a parameter of the HF model (GPT-2 adds zero biases to a model without).
+    assert sum(p.numel() for p in hf.parameters()) == summary["parameters"]
+
+    tokens = torch.tensor([tokenizer.encode(TEXT)[:32]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=0)
+        prompt = tokens[:, :8]
+        theirs = hf.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eot_id,
+                             eos_token_id=None)[0, 8:].tolist()
+    assert theirs == generate(ours, prompt[0].tolist(), 20, temperature=0)
+
+    # The tokenizer files give the same ids with transformers' own loader.
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer(TEXT)["input_ids"] == tokenizer.encode(TEXT)
+    assert hf.config.eos_token_id == tokenizer.eot_id
+
+
+def _tiny_hf(family: str, directory: str, **overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rope_theta=5e5, **overrides)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=257, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         activation_function="gelu", **overrides)
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # GPT-2 and Llama initialise biases and norms to 0 and 1: make them count
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(0.5, 0.2)
+    model.save_pretrained(directory, max_shard_size="100KB")  # sharded: the index path of the reader
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        f.write(byte_tokenizer_json())
+    return model.eval()
+
+
+def _hf_tensors(directory: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("llama", {"tie_word_embeddings": True}),
+                                              ("gpt2", {}), ("gpt2", {"tie_word_embeddings": False})])
+def test_import_then_export_gives_identical_tensors(family, overrides, tmp_path, capsys):
+    source, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "again")
+    hf = _tiny_hf(family, source, **overrides)
+    main(["import", source, "--output", run])
+    assert "continue pretraining with `raylm train" in capsys.readouterr().out
+    ckpt = os.path.join(run, checkpoint.dir_name(0))
+    assert checkpoint.incomplete_reason(ckpt) is None and checkpoint.latest_complete(run) == ckpt
+
+    ours, tokenizer, _ = load_for_inference(run)
+    assert isinstance(tokenizer, ByteTokenizer)  # the byte tokenizer's equivalent comes back as itself
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, atol=1e-4, rtol=0)
+
+    main(["export", run, "--output", out])
+    original, again = _hf_tensors(source), _hf_tensors(out)
+    assert sorted(original) == sorted(again)
+    for name in original:
+        assert torch.equal(original[name], again[name]), name
+
+
+class CheckStart(Hook):
+    """Records what the loop starts from: the step and the weights."""
+
+    def on_train_start(self, run):
+        self.step = run.state.step
+        self.weights = {k: v.detach().clone() for k, v in run.model.model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_imported_checkpoint(tiny_dataset, tmp_path):
+    source, run = str(tmp_path / "hf"), str(tmp_path / "run")
+    _tiny_hf("llama", source)
+    import_hf(source, run)
+    imported, _, _ = load_for_inference(run)
+    cfg = load_config(os.path.join(run, "config.yaml"), [
+        f"data.path={tiny_dataset}", "data.loader=local", "train.seq_len=32", "train.steps=3",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.tensorboard=false",
+        "schedule.warmup_steps=1", "checkpoint.every_steps=3"])
+    start = CheckStart()
+    final = train(cfg, LocalEnv(run), hooks=(start,))
+    assert start.step == 0
+    for name, value in imported.state_dict().items():
+        assert torch.equal(start.weights[name], value), name
+    assert final["step"] == 3 and checkpoint.latest_complete(run).endswith("checkpoint_00000003")
+
+
+def test_models_without_a_hugging_face_equivalent_are_named():
+    cases = {
+        "model.parallel_block=True": ModelConfig(parallel_block=True),
+        "model.mlp='gelu' (Llama needs 'swiglu')": ModelConfig(mlp="gelu"),
+        "model.norm='layernorm' (Llama needs 'rmsnorm')": ModelConfig(norm="layernorm"),
+        "model.n_kv_heads=2 (GPT-2 has no grouped-query attention": ModelConfig(
+            norm="layernorm", pos_embedding="learned", mlp="gelu", n_kv_heads=2),
+        "model.norm='rmsnorm' (GPT-2 needs 'layernorm')": ModelConfig(pos_embedding="learned", mlp="gelu"),
+        "model.mlp='swiglu' (GPT-2 needs 'gelu' or 'relu')": ModelConfig(norm="layernorm", pos_embedding="learned"),
+    }
+    for expected, cfg in cases.items():
+        with pytest.raises(ConfigError) as info:
+            adapter_for(cfg)
+        assert expected in str(info.value) and "no Hugging Face equivalent" in str(info.value)
+
+
+def _cli_error(argv: list[str], capsys) -> str:
+    capsys.readouterr()  # only what the command prints
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error:") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.slow
+def test_cli_errors_for_unexportable_model_missing_checkpoint_and_unimportable_model(tiny_dataset, tmp_path, capsys):
+    run = str(tmp_path / "parallel-block")
+    train(tiny_config(tiny_dataset, "model.parallel_block=true", "train.steps=2", "train.eval_every=0"),
+          LocalEnv(run))
+    err = _cli_error(["export", run, "--output", str(tmp_path / "out")], capsys)
+    assert "model.parallel_block=True" in err
+    assert not os.path.exists(tmp_path / "out")  # nothing written
+
+    err = _cli_error(["export", str(tmp_path / "no-such-run"), "--output", str(tmp_path / "out")], capsys)
+    assert "no-such-run is neither a checkpoint nor a run directory" in err
+
+    source = str(tmp_path / "rope-scaled")
+    _tiny_hf("llama", source, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
+    assert "rope scaling 'linear'" in err
+
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["model_type"] = "mistral"
+    with open(os.path.join(source, "config.json"), "w") as f:
+        json.dump(config, f)
+    err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
+    assert "model_type 'mistral' cannot be imported" in err
