@@ -145,6 +145,9 @@ class TrainConfig:
     """Seconds between metrics-only reports to Ray Train (Tune sees these); 0: only with
     checkpoints. Each report holds every rank about a second (Ray's cross-rank barrier and its
     one-slot result queue, drained once per controller poll), so reports go by time, not steps."""
+    z_loss: float = 0.0
+    """PaLM's z-loss weight (1e-4 in PaLM): adds z_loss * log(Z)^2 to the training loss (the
+    reported `loss` includes it; `val_loss` is plain cross entropy). 0: off."""
     compile: bool = False
     peak_tflops: Optional[float] = None
     """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
@@ -446,6 +449,18 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, list]:
+    """Dotted key -> [old value, new value] for every leaf that differs between two config trees."""
+    changes: dict[str, list] = {}
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b:
+            changes[prefix + key] = [a, b]
+    return changes
+
+
 def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
@@ -465,6 +480,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if cfg.data.path and cfg.data.mixture:
         raise ConfigError("set data.path or data.mixture, not both")
+    if t.z_loss < 0 or (t.z_loss and cfg.parallel.loss_parallel):
+        raise ConfigError(f"train.z_loss must be >= 0 and cannot be combined with parallel.loss_parallel "
+                          f"(the logits stay sharded by vocabulary there), got {t.z_loss}")
     g = cfg.guard
     guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.rollback_after": g.rollback_after,
                       "guard.rollback_window": g.rollback_window, "guard.max_rollbacks": g.max_rollbacks,

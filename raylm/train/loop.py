@@ -24,6 +24,7 @@ from raylm.tokenizer import TOKENIZER_FILE
 from raylm.train import checkpoint
 from raylm.train.checkpointer import Checkpointer
 from raylm.train.guard import Guard, refuse_guard_stopped
+from raylm.train.resume_check import check_resume, record_config_change
 from raylm.train.hooks import Hook
 from raylm.train.metrics import EVENTS_FILE, MetricsLogger, peak_flops
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
@@ -66,8 +67,11 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
     state = TrainState()
     with env.restore_dir() as restore:
         if restore is not None:
+            changes = check_resume(restore, cfg, spec.tokenizer_sha256)
             saved = checkpoint.load(restore, model, optimizer, world, spec.tokenizer_sha256)
             state = TrainState.from_saved(saved)
+            if changes and world.rank == 0:  # an operator's change mid-flight, as OPT's team made them
+                record_config_change(env.run_dir, state.step, changes)
 
     local_batch = global_batch // model.dp_size
     if global_batch % model.dp_size or local_batch % cfg.train.micro_batch_size:

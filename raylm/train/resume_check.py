@@ -21,13 +21,18 @@ not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it)
 from __future__ import annotations
 
 import json
+import os
+import time
 from typing import Any, Optional
 
 import yaml
 
-from raylm.config import CONFIG_FILE, ConfigError, StorageConfig
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_changes, config_to_dict
 from raylm.data import storage
 from raylm.train.checkpoint import TRAIN_STATE, CheckpointError
+from raylm.train.metrics import EVENTS_FILE, append_event
+
+CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume
 
 _SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "vocab_size", "norm", "pos_embedding", "mlp", "ffn_hidden",
                "parallel_block", "tie_embeddings", "bias")
@@ -88,3 +93,26 @@ def check_checkpoint_resumable(checkpoint_uri: str, new: dict, tokenizer_sha256:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{state_uri} is not valid ({type(e).__name__}: {e})") from e
     check_resume_compatible(read_saved_config(checkpoint_uri, storage_cfg), new, saved_tokenizer, tokenizer_sha256)
+
+
+# Keys that differ between any two invocations without being a change of the run.
+_NOT_CHANGES = ("run.ray_address", "run.ray_num_cpus", "train.stop_at_step", "checkpoint.resume")
+
+
+def check_resume(checkpoint_dir: str, cfg: Config, tokenizer_sha256: str,
+                 storage_cfg: Optional[StorageConfig] = None) -> dict[str, list]:
+    """Refuse what a resume from `checkpoint_dir` may not change (`check_resume_compatible`);
+    return what else changed since the checkpoint was written (dotted key -> [old, new])."""
+    new = config_to_dict(cfg)
+    check_checkpoint_resumable(checkpoint_dir, new, tokenizer_sha256, storage_cfg)
+    changes = config_changes(read_saved_config(checkpoint_dir, storage_cfg), new)
+    return {key: change for key, change in changes.items() if key not in _NOT_CHANGES}
+
+
+def record_config_change(run_dir: str, step: int, changes: dict[str, list]) -> None:
+    """An event, and a row of the run's config history (config_history.jsonl)."""
+    row = {"event": "config_changed", "time": time.time(), "step": step, "changes": changes}
+    append_event(os.path.join(run_dir, EVENTS_FILE), row)
+    append_event(os.path.join(run_dir, CONFIG_HISTORY_FILE), row)
+    print(f"raylm: resuming at step {step} with changed " +
+          ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changes.items()), flush=True)

@@ -32,6 +32,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+def training_loss(z_loss: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Cross entropy, plus PaLM's z-loss `z_loss * log(Z)^2` (Z the softmax normaliser, averaged
+    over tokens) when it is set: it keeps the logits from drifting, an fp16/bf16 stability aid."""
+    if not z_loss:
+        return cross_entropy
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        log_z = torch.logsumexp(logits.flatten(0, 1).float(), dim=-1)  # (B*T,)
+        return cross_entropy(logits, targets) + z_loss * log_z.pow(2).mean()
+
+    return loss
+
+
 def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
     if cfg.train.precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
@@ -72,6 +85,7 @@ class ParallelModel:
         # the chunks for checkpoints and optimizers, not a callable model).
         self.model = merged_view(parts)
         self.layout: dict = describe_layout(cfg, mesh)
+        self.loss_fn = training_loss(cfg.train.z_loss)
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
     # peers share them, so they see the same samples.
@@ -101,7 +115,7 @@ class ParallelModel:
             with self._loss_context():
                 with autocast(self.cfg, self.world.device):
                     logits = model(mb[:, :-1])  # (B, T, vocab)
-                loss = cross_entropy(logits, mb[:, 1:]) / len(micro)
+                loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
                 loss.backward()
             total += _whole(loss.detach())
         return self.mean_across_dp(total)
@@ -166,7 +180,8 @@ class PipelineModel(ParallelModel):
             raise ValueError(f"the local batch of {local_batch} sequences does not split into {n} pipeline "
                              "micro-batches (parallel.pp_microbatches or train.micro_batch_size)")
         if (n, backward) not in self._schedules:
-            schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n, cross_entropy,
+            schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n,
+                                               self.loss_fn if backward else cross_entropy,
                                                forward_only=not backward)
             self._schedules[n, backward] = schedule
             if backward:

@@ -1,13 +1,16 @@
 """The training loop as a plain function (no Ray in the loop): learning, exact resume, errors."""
 
+import hashlib
 import json
 import os
 
 import pytest
+import torch
 
 from raylm.config import ConfigError, load_config
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
+from raylm.train.metrics import read_jsonl
 
 
 def tiny_config(dataset, *extra):
@@ -59,11 +62,34 @@ def test_resume_refuses_a_checkpoint_of_another_tokenizer(tiny_dataset, tmp_path
     state_file = tmp_path / "checkpoint_00000002" / "train_state.json"
     state = json.loads(state_file.read_text())
     state["tokenizer_sha256"] = "0" * 64
-    state_file.write_text(json.dumps(state, indent=1))  # same size: the manifest still holds
-    with pytest.raises(ValueError, match="refusing to mix tokenizers"):
+    state_file.write_text(json.dumps(state, indent=1))
+    # A sound checkpoint of another tokenizer: its manifest records the new file.
+    manifest_file = tmp_path / "checkpoint_00000002" / "checkpoint_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"]["train_state.json"] = {"size": state_file.stat().st_size,
+                                             "sha256": hashlib.sha256(state_file.read_bytes()).hexdigest()}
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"cannot resume.*\n  tokenizer: saved sha256 000000000000"):
         train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=0"), LocalEnv(str(tmp_path)))
 
 
 def test_global_batch_that_does_not_split_is_a_clear_error(tiny_dataset, tmp_path):
     with pytest.raises(ValueError, match="micro_batch_size=3"):
         train(tiny_config(tiny_dataset, "train.micro_batch_size=3", "train.steps=2"), LocalEnv(str(tmp_path)))
+
+
+def test_z_loss_adds_palms_term_to_the_training_loss_only(tiny_dataset, tmp_path):
+    from raylm.train.step import cross_entropy, training_loss
+
+    logits, targets = torch.randn(2, 5, 11) * 4, torch.randint(0, 11, (2, 5))
+    log_z = torch.logsumexp(logits, dim=-1)
+    assert training_loss(0.0) is cross_entropy
+    assert torch.allclose(training_loss(1e-2)(logits, targets), cross_entropy(logits, targets) + 1e-2 * (log_z ** 2).mean())
+    plain = train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4"), LocalEnv(str(tmp_path / "a")))
+    with_z = train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4", "train.z_loss=1e-2"),
+                   LocalEnv(str(tmp_path / "b")))
+    first = lambda run: read_jsonl(str(tmp_path / run / "metrics.jsonl"))[0]["loss"]  # noqa: E731
+    assert first("b") > first("a") + 1e-3  # same weights at step 1: the difference is the z term
+    assert with_z["val_loss"] != plain["val_loss"]  # the updates differ, the measure does not
+    with pytest.raises(ConfigError, match="train.z_loss"):
+        tiny_config(tiny_dataset, "train.z_loss=1e-4", "parallel.loss_parallel=true")
