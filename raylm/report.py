@@ -1,0 +1,260 @@
+"""`raylm report`: figures and one self-contained HTML page for one or more runs.
+
+A run directory (local or s3://) holds metrics.jsonl (one row per committed step; a resume
+drops the rows of steps that were trained again), events.jsonl (failures, resumes, and the
+stability guard's actions) and config.yaml. Every figure has the step on its x axis with each
+event drawn where it happened; runs given together are overlaid. Keys a run lacks (MFU on an
+old run, activation norms before the guard writes them) are left out, not errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Optional
+
+from raylm.config import CONFIG_FILE, StorageConfig
+from raylm.data import storage
+from raylm.train import checkpoint
+from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
+
+NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
+EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
+                "spike_skipped": "tab:gray", "data_skipped": "tab:olive", "lr_scaled": "tab:blue",
+                "guard_stopped": "black"}
+RUN_STYLES = ("-", "--", ":", "-.")
+
+
+@dataclass
+class RunRecord:
+    uri: str
+    label: str
+    rows: list[dict]
+    events: list[dict]
+    config: Optional[str]
+    summary: dict = field(default_factory=dict)
+
+
+def _saved_world_size(uri: str, step: int, storage_cfg: Optional[StorageConfig]) -> Optional[int]:
+    """The world size that wrote the checkpoint of `step`, if it is still there."""
+    state = storage.join(uri, checkpoint.dir_name(step), checkpoint.TRAIN_STATE)
+    if not storage.exists(state, storage_cfg):
+        return None
+    return json.loads(storage.read_bytes(state, storage_cfg)).get("world_size")
+
+
+def _event_step(event: dict, rows: list[dict]) -> Optional[int]:
+    """Where an event goes on the step axis: its own step, the step it resumed from, the
+    last step written before it (rows with times), or the checkpoint it restarted from."""
+    for key in ("step", "from_step"):
+        if isinstance(event.get(key), (int, float)):
+            return int(event[key])
+    if "time" in event and rows and "time" in rows[0]:
+        before = [r["step"] for r in rows if r.get("time", float("inf")) <= event["time"]]
+        return before[-1] if before else 0
+    name = str(event.get("restart_from") or "").rstrip("/").rsplit("/", 1)[-1]
+    return int(name[len(checkpoint.PREFIX):]) if checkpoint.is_checkpoint_name(name) else None
+
+
+def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) -> RunRecord:
+    metrics_uri = storage.join(uri, METRICS_FILE)
+    if not storage.exists(metrics_uri, storage_cfg):
+        raise FileNotFoundError(f"{uri} is not a run directory: no {METRICS_FILE}")
+    rows = sorted(read_jsonl(metrics_uri, storage_cfg), key=lambda r: r["step"])
+    events = read_jsonl(storage.join(uri, EVENTS_FILE), storage_cfg)
+    config_uri = storage.join(uri, CONFIG_FILE)
+    if not storage.exists(config_uri, storage_cfg):  # runs outside `raylm train`: the newest checkpoint's
+        latest = checkpoint.latest_complete(uri, storage_cfg)
+        config_uri = storage.join(latest, CONFIG_FILE) if latest else None
+    config = storage.read_bytes(config_uri, storage_cfg).decode() if config_uri else None
+    world = None
+    for event in events:
+        event["_step"] = _event_step(event, rows)
+        if event.get("event") == "resumed":
+            before = _saved_world_size(uri, event.get("from_step", 0), storage_cfg) or world
+            if before is not None and event.get("world_size") not in (None, before):
+                event["resize"] = f"{before}→{event['world_size']}"
+            world = event.get("world_size", world)
+    run = RunRecord(uri, label, rows, events, config)
+    run.summary = summarize(run)
+    return run
+
+
+def summarize(run: RunRecord) -> dict:
+    """Final losses, tokens, time; time lost to failures; goodput.
+
+    Productive time is the step time of the committed steps. Time lost to a failure is the gap
+    from the failure to the resume that followed it, plus the steps trained again (the resume's
+    `steps_lost`, at the median step time). Wall time comes from timestamps (metrics rows'
+    `time`, when the loop writes it, and events); without them goodput is over the time accounted
+    for: steps, checkpoint stalls and failures.
+    """
+    rows, events = run.rows, run.events
+    step_times = [r["step_time"] for r in rows if "step_time" in r]
+    productive = sum(step_times)
+    median_step = statistics.median(step_times) if step_times else 0.0
+    stalls = sum(r.get("checkpoint_s", 0.0) for r in rows)
+    lost, failure_time = 0.0, None
+    for event in sorted((e for e in events if "time" in e), key=lambda e: e["time"]):
+        if event.get("event") == "failure":
+            failure_time = failure_time or event["time"]
+        elif event.get("event") == "resumed":
+            if failure_time is not None:
+                lost += event["time"] - failure_time
+            lost += event.get("steps_lost", 0) * median_step
+            failure_time = None
+    val = [r for r in rows if "val_loss" in r]
+    times = [r["time"] for r in rows if "time" in r] + [e["time"] for e in events if "time" in e]
+    wall = (max(times) - min(times) + (step_times[0] if step_times else 0.0)) if rows and "time" in rows[0] else None
+    accounted = wall if wall is not None else productive + stalls + lost
+    return {
+        "steps": rows[-1]["step"] if rows else 0,
+        "tokens": rows[-1].get("tokens") if rows else None,
+        "final loss": rows[-1].get("loss") if rows else None,
+        "final val_loss": val[-1]["val_loss"] if val else None,
+        "best val_loss": min(r["val_loss"] for r in val) if val else None,
+        "failures": sum(e.get("event") == "failure" for e in events),
+        "restarts": sum(e.get("event") == "resumed" for e in events),
+        "resizes": sum("resize" in e or e.get("event") == "resize" for e in events),
+        "productive time (s)": productive,
+        "checkpoint stalls (s)": stalls,
+        "time lost to failures (s)": lost,
+        "wall time (s)": wall,
+        "goodput": productive / accounted if accounted else None,
+        "goodput basis": "wall time" if wall is not None else "steps + checkpoint stalls + failures",
+    }
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _mark_events(ax, runs: list[RunRecord]) -> None:
+    for run in runs:
+        for event in run.events:
+            if event.get("_step") is not None:
+                kind = "resize" if "resize" in event else event.get("event", "event")
+                ax.axvline(event["_step"], color=EVENT_COLORS.get(kind, "tab:cyan"), alpha=0.6, linewidth=1,
+                           label=f"event: {kind}")
+
+
+def _series(run: RunRecord, key: str) -> tuple[list, list]:
+    points = [(r["step"], r[key]) for r in run.rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _figure(runs: list[RunRecord], panels: list[tuple[str, list[str]]], title: str, log_y: bool = False) -> bytes:
+    """PNG of one or more stacked panels (y label, metric keys), every run overlaid."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+
+    fig = Figure(figsize=(9, 3.2 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (ylabel, keys) in zip(axes, panels):
+        for i, run in enumerate(runs):
+            for key in keys:
+                steps, values = _series(run, key)
+                if steps:
+                    marker = "o" if key == "val_loss" else None
+                    ax.plot(steps, values, RUN_STYLES[i % len(RUN_STYLES)], marker=marker, markersize=3,
+                            label=f"{run.label}: {key}" if len(runs) > 1 or len(keys) > 1 else key)
+        _mark_events(ax, runs)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))  # one legend entry per event kind
+        if unique:
+            ax.legend(unique.values(), unique.keys(), fontsize=7, loc="best")
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("step")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def figures(runs: list[RunRecord]) -> dict[str, tuple[str, bytes]]:
+    """file name -> (caption, PNG bytes), for the panels some run has data for."""
+    have = {key for run in runs for row in run.rows for key in row}
+    norms = sorted(k for k in have if NORM_KEY.match(k))
+    specs = [("loss.png", "Loss and validation loss", [("loss", ["loss", "val_loss"])], False),
+             ("lr.png", "Learning rate", [("lr", ["lr"])], False),
+             ("grad_norm.png", "Gradient norm (before clipping)", [("grad norm", ["grad_norm"])], True),
+             ("throughput.png", "Throughput and MFU", [("tokens/s", ["tokens_per_s"]), ("MFU", ["mfu"])], False),
+             ("norms.png", "Activation and parameter norms", [("norm", norms)], True),
+             ("checkpoint_stalls.png", "Checkpoint stalls (s the loop was blocked)", [("s", ["checkpoint_s"])], False)]
+    out = {}
+    for name, caption, panels, log_y in specs:
+        panels = [(label, [k for k in keys if k in have]) for label, keys in panels]
+        panels = [p for p in panels if p[1]]
+        if panels:
+            out[name] = (caption, _figure(runs, panels, caption, log_y))
+    return out
+
+
+# ----------------------------------------------------------------------------- HTML
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _event_time(event: dict) -> str:
+    if "time" not in event:
+        return "–"
+    return datetime.fromtimestamp(event["time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def render_html(runs: list[RunRecord], figs: dict[str, tuple[str, bytes]]) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(run.label)}</th>" for run in runs)
+    summary = "".join(f"<tr><th>{e(key)}</th>" + "".join(f"<td>{e(_fmt(run.summary[key]))}</td>" for run in runs)
+                      + "</tr>" for key in runs[0].summary)
+    images = "".join(f'<figure><img alt="{e(caption)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+                     f"<figcaption>{e(caption)}</figcaption></figure>" for caption, png in figs.values())
+    events = "".join(
+        f"<tr><td>{e(run.label)}</td><td>{e(_event_time(ev))}</td><td>{e(_fmt(ev.get('_step')))}</td>"
+        f"<td class=ev-{e(str(ev.get('event')))}>{e(str(ev.get('event')))}"
+        f"{e(' (resize ' + ev['resize'] + ')') if 'resize' in ev else ''}</td>"
+        f"<td><code>{e(json.dumps({k: v for k, v in ev.items() if k not in ('event', 'time', '_step')}))}</code></td></tr>"
+        for run in runs for ev in sorted(run.events, key=lambda ev: ev.get("time", 0)))
+    configs = "".join(f"<details><summary>{e(run.label)}: config.yaml</summary><pre>{e(run.config or 'no config.yaml')}"
+                      "</pre></details>" for run in runs)
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}"
+             "img{max-width:100%}code{font-size:11px}.ev-failure{color:#c00}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>raylm report: "
+            f"{e(', '.join(r.label for r in runs))}</title><style>{style}</style></head><body>"
+            f"<h1>raylm report</h1><p>{''.join(f'<div>{e(r.label)}: <code>{e(r.uri)}</code></div>' for r in runs)}</p>"
+            f"<h2>Summary</h2><table><tr><th></th>{head}</tr>{summary}</table>"
+            f"<h2>Figures</h2>{images}"
+            f"<h2>Events</h2><table><tr><th>run</th><th>time</th><th>step</th><th>event</th><th>details</th></tr>"
+            f"{events or '<tr><td colspan=5>no events</td></tr>'}</table>"
+            f"<h2>Resolved config</h2>{configs}</body></html>\n")
+
+
+def _labels(uris: list[str]) -> list[str]:
+    names = [uri.rstrip("/").rsplit("/", 1)[-1] for uri in uris]
+    return [name if names.count(name) == 1 else f"{name} ({i + 1})" for i, name in enumerate(names)]
+
+
+def write_report(run_uris: list[str], output: Optional[str] = None,
+                 storage_cfg: Optional[StorageConfig] = None) -> dict:
+    """Figures and report.html for the runs at `run_uris` into `output` (default: the first
+    run's `report/`), local or s3://; returns the files written."""
+    runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
+    output = output or storage.join(run_uris[0], "report")
+    figs = figures(runs)
+    for name, (_, png) in figs.items():
+        storage.write_bytes(storage.join(output, name), png, storage_cfg)
+    storage.write_bytes(storage.join(output, "report.html"), render_html(runs, figs).encode(), storage_cfg)
+    return {"output": output, "files": [*figs, "report.html"], "runs": {r.label: r.summary for r in runs}}

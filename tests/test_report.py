@@ -1,0 +1,91 @@
+"""`raylm report` on a real run that failed, restarted and resized, next to an uninterrupted one."""
+
+import json
+import os
+
+import pytest
+from PIL import Image
+
+from raylm.cli import main
+from raylm.launch import RecoveryLog
+from raylm.report import write_report
+from raylm.train.hooks import Hook
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import train
+from tests.support.distributed import run_distributed
+from tests.train.test_loop import tiny_config
+
+COMMON = ("train.steps=8", "checkpoint.every_steps=3", "train.eval_every=4")
+
+
+class FailAtStep(Hook):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, run, step):
+        if step == self.step:
+            raise RuntimeError(f"injected failure at step {step}")
+
+
+def _train_ranks(dataset: str, run_dir: str) -> None:
+    train(tiny_config(dataset, *COMMON), LocalEnv(run_dir))
+
+
+@pytest.fixture(scope="module")
+def restarted_run(tiny_dataset, tmp_path_factory) -> str:
+    """One rank until an injected failure at step 5 (checkpoint of step 3 stands), the failure
+    recorded by the driver's real RecoveryLog, then a resume on two ranks: a restart and a resize."""
+    run = str(tmp_path_factory.mktemp("runs") / "restarted")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(tiny_config(tiny_dataset, *COMMON), LocalEnv(run), hooks=(FailAtStep(5),))
+    RecoveryLog(run, run, None).after_exception(None, {0: RuntimeError("injected failure at step 5")})
+    run_distributed(_train_ranks, 2, tiny_dataset, run)
+    return run
+
+
+def _png_ok(path: str) -> None:
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.size[0] > 300 and image.size[1] > 200
+
+
+@pytest.mark.slow
+def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_run, tiny_dataset, tmp_path):
+    straight = str(tmp_path / "straight")
+    train(tiny_config(tiny_dataset, *COMMON), LocalEnv(straight))
+    with open(os.path.join(restarted_run, "events.jsonl")) as f:
+        kinds = [json.loads(line)["event"] for line in f]
+    assert kinds == ["failure", "resumed"]
+
+    out = str(tmp_path / "report")
+    written = write_report([restarted_run, straight], out)
+    for name in ("loss.png", "lr.png", "grad_norm.png", "throughput.png", "checkpoint_stalls.png"):
+        assert name in written["files"]
+        _png_ok(os.path.join(out, name))
+    assert "norms.png" not in written["files"]  # no activation norms in these runs: no empty figure
+
+    summary = written["runs"]["restarted"]
+    assert summary["steps"] == 8 and summary["failures"] == 1 and summary["restarts"] == 1
+    assert summary["resizes"] == 1
+    assert summary["time lost to failures (s)"] > 0
+    assert 0 < summary["goodput"] < written["runs"]["straight"]["goodput"] <= 1
+    assert summary["final loss"] == pytest.approx(written["runs"]["straight"]["final loss"], rel=1e-4)
+
+    with open(os.path.join(out, "report.html")) as f:
+        page = f.read()
+    assert page.count("data:image/png;base64,") == len(written["files"]) - 1  # self-contained
+    assert "injected failure at step 5" in page  # the failure's cause, from events.jsonl
+    assert "resumed" in page and "(resize 1→2)" in page
+    assert "checkpoint_00000003" in page  # where the restart resumed from
+    assert "restarted" in page and "straight" in page and "global_batch_size: 8" in page
+
+
+def test_report_cli_names_a_directory_without_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path / "nothing-here")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error:") and "no metrics.jsonl" in err and "Traceback" not in err
