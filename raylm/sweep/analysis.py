@@ -1,0 +1,188 @@
+"""From the sweep's trial table to fit.json's contents, predictions and the recommended run.
+
+Pure functions (no Ray): rows are dicts with the columns of trials.csv.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from raylm.config import Config, config_from_dict, config_to_dict
+from raylm.sweep import fit
+from raylm.sweep.config import SweepConfig
+from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
+
+COMPLETED, STOPPED, ERROR = "completed", "stopped_early", "error"
+
+
+def rung_bests(rows: list[dict]) -> list[dict]:
+    """Per rung, the best completed trial: its loss, and the best learning rate refined between
+    the tried values (at its best batch size when batch sizes were swept)."""
+    by_rung: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["status"] == COMPLETED:
+            by_rung[row["rung"]].append(row)
+    out = []
+    for rung, trials in by_rung.items():
+        best = min(trials, key=lambda r: r["val_loss"])
+        same_batch = [r for r in trials if r["batch"] == best["batch"]]
+        lr, _, at_edge = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
+        out.append({"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
+                    "tokens": best["tokens"], "flops": best["flops"], "loss": best["val_loss"], "lr": lr,
+                    "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)})
+    return sorted(out, key=lambda r: (r["params"], r["tokens"]))
+
+
+@dataclass
+class Laws:
+    """The fitted rules a prediction or recommendation uses."""
+
+    parametric: Optional[fit.Parametric]
+    bootstrap: list[fit.Parametric]
+    lr_vs_params: Optional[dict]
+    batch_vs_flops: Optional[dict]
+    flops_per_token: Callable[[float], float]
+    confidence: float
+
+    def predict(self, params: float, tokens: float) -> dict:
+        loss = float(self.parametric.loss(params, tokens))
+        samples = [b.loss(params, tokens) for b in self.bootstrap]
+        return {"loss": loss, "interval": fit.interval(samples, self.confidence) if samples else [loss, loss]}
+
+
+def _safe(f: Callable[[], dict]) -> dict:
+    """A fit that cannot be made (too few points, degenerate data) is recorded, not fatal."""
+    try:
+        return f()
+    except (ValueError, np.linalg.LinAlgError) as e:
+        return {"error": str(e)}
+
+
+def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig) -> tuple[dict, Laws]:
+    """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`)."""
+    bests = rung_bests(rows)
+    result: dict = {"params_count": sweep.fit.params, "rungs": bests}
+    per_size: dict[int, list[dict]] = defaultdict(list)
+    for b in bests:
+        per_size[b["size"]].append(b)
+    size_lr = [{"size": s, "params": v[0]["params"], "lr": float(math.exp(np.mean([math.log(b["lr"]) for b in v])))}
+               for s, v in sorted(per_size.items())]
+    result["lr"] = {"per_size": size_lr,
+                    "lr_vs_params": _safe(lambda: fit.power_law([s["params"] for s in size_lr],
+                                                                [s["lr"] for s in size_lr])),
+                    "lr_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests], [b["lr"] for b in bests])),
+                    "at_grid_edge": [b["rung"] for b in bests if b["lr_at_grid_edge"]]}
+    batch_law = None
+    if len(sweep.ladder.batch_size) > 1:
+        result["batch"] = {"per_rung": [{"rung": b["rung"], "batch": b["batch"]} for b in bests],
+                           "batch_vs_params": _safe(lambda: fit.power_law([b["params"] for b in bests],
+                                                                          [b["batch"] for b in bests])),
+                           "batch_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests],
+                                                                         [b["batch"] for b in bests]))}
+        batch_law = result["batch"]["batch_vs_flops"] if "coef" in result["batch"]["batch_vs_flops"] else None
+    f_law = fit.flops_per_token_law([s.params for s in sizes], [s.flops_per_token for s in sizes])
+
+    parametric, boots = None, []
+    if len(bests) >= 5:
+        n, d, loss = ([b[k] for b in bests] for k in ("params", "tokens", "loss"))
+        p = fit.fit_parametric(n, d, loss, delta=sweep.fit.huber_delta)
+        parametric = p.fit
+        boots = fit.bootstrap_parametric(n, d, loss, p, sweep.fit.bootstrap, sweep.fit.seed, sweep.fit.huber_delta)
+        predicted = parametric.loss(n, d)
+        result["parametric"] = {
+            "form": "L(N, D) = E + A / N^alpha + B / D^beta", **parametric.to_dict(),
+            "interval": {k: fit.interval([getattr(b, k) for b in boots], sweep.fit.confidence) for k in fit.NAMES}
+            if boots else {},
+            "confidence": sweep.fit.confidence, "bootstrap": len(boots), "huber_delta": sweep.fit.huber_delta,
+            "objective": p.objective,
+            "residuals": [{"rung": b["rung"], "params": b["params"], "tokens": b["tokens"], "loss": b["loss"],
+                           "fitted": float(fl), "relative": float((b["loss"] - fl) / fl)}
+                          for b, fl in zip(bests, predicted)]}
+    else:
+        result["parametric"] = {"error": f"{len(bests)} rungs completed; the fit needs at least 5"}
+    laws = Laws(parametric, boots, result["lr"]["lr_vs_params"] if "coef" in result["lr"]["lr_vs_params"] else None,
+                batch_law, f_law, sweep.fit.confidence)
+
+    iso_points: dict[float, list[tuple[float, float]]] = defaultdict(list)
+    for b in bests:
+        if b["budget"].startswith("flops="):
+            iso_points[float(b["budget"].split("=", 1)[1])].append((b["params"], b["loss"]))
+    if iso_points:
+        result["isoflop"] = _safe(lambda: fit.isoflop_fit(dict(iso_points), f_law))
+    if parametric is not None:
+        result["compute_optimal"] = _compute_optimal(laws, bests, boots)
+    return result, laws
+
+
+def _compute_optimal(laws: Laws, bests: list[dict], boots: list[fit.Parametric]) -> dict:
+    """N*(C), D*(C) from the parametric fit with the real FLOPs per token, over the ladder's compute
+    range and two decades beyond; power laws through them; and the closed-form exponents of the
+    C = 6ND approximation (beta/(alpha+beta), alpha/(alpha+beta)) with bootstrap intervals."""
+    low, high = min(b["flops"] for b in bests), max(b["flops"] for b in bests) * 100
+    table = []
+    for c in np.geomspace(low, high, 7):
+        n, d, loss = fit.compute_optimal(laws.parametric, float(c), laws.flops_per_token)
+        table.append({"flops": float(c), "params": n, "tokens": d, "tokens_per_param": d / n, "loss": loss})
+    p = laws.parametric
+    out = {"table": table,
+           "params_vs_flops": fit.power_law([t["flops"] for t in table], [t["params"] for t in table]),
+           "tokens_vs_flops": fit.power_law([t["flops"] for t in table], [t["tokens"] for t in table]),
+           "closed_form_6nd": {"params_exponent": p.beta / (p.alpha + p.beta),
+                               "tokens_exponent": p.alpha / (p.alpha + p.beta)}}
+    if boots:
+        out["closed_form_6nd"]["params_exponent_interval"] = fit.interval(
+            [b.beta / (b.alpha + b.beta) for b in boots], laws.confidence)
+    return out
+
+
+def predicted_lr(laws: Laws, params: float, fallback: float) -> float:
+    return fit.eval_power_law(laws.lr_vs_params, params) if laws.lr_vs_params else fallback
+
+
+def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, resolved: Config) -> tuple[Config, dict]:
+    """A complete `raylm train` config for target.flops or target.params, and its prediction.
+
+    `base` is the user's base run (its parallel layout, checkpointing, data); `resolved` the same
+    resolved against the data (vocabulary, seq_len, absolute paths)."""
+    seq_len = resolved.train.seq_len
+    if sweep.target.flops:
+        n_opt, _, _ = fit.compute_optimal(laws.parametric, sweep.target.flops, laws.flops_per_token)
+    else:
+        n_opt = sweep.target.params
+    size = shape_for_params(n_opt, sweep, sizes, resolved)
+    tokens = (sweep.target.flops / size.flops_per_token if sweep.target.flops
+              else fit.params_for_tokens_optimal(laws.parametric, size.params, laws.flops_per_token))
+    p = base.parallel
+    unit = max(1, p.num_workers // (p.tp * p.pp)) * base.train.micro_batch_size  # whole micro-batches per rank
+    if laws.batch_vs_flops:
+        batch = max(unit, unit * round(fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token) / unit))
+    else:
+        t = resolved.train
+        batch = t.global_batch_size if t.global_batch_size is not None else t.global_batch_tokens // seq_len
+    steps = steps_for(tokens, batch, seq_len)
+    lr = predicted_lr(laws, size.params, base.optim.lr)
+    warmup_fraction, min_lr_fraction = schedule_shape(base)
+    tree = config_to_dict(base)
+    tree["model"] = {**config_to_dict(size.model), "size": None, "vocab_size": base.model.vocab_size}
+    tree["data"] = config_to_dict(resolved)["data"]  # absolute paths: the file runs from anywhere
+    tree["optim"]["lr"] = lr
+    tree["schedule"].update(warmup_steps=round(warmup_fraction * steps), min_lr=lr * min_lr_fraction)
+    tree["train"].update(steps=steps, global_batch_size=batch, global_batch_tokens=None, stop_at_step=None,
+                         eval_every=min(base.train.eval_every, steps) if base.train.eval_every else 0)
+    tree["checkpoint"]["every_steps"] = min(base.checkpoint.every_steps, steps)
+    tree["run"]["name"] = f"{base.run.name}-recommended"
+    tree["run"]["storage_path"] = resolved.run.storage_path
+    cfg = config_from_dict(tree)
+    trained = steps * batch * seq_len
+    info = {"target": {"flops": sweep.target.flops, "params": sweep.target.params},
+            "params": size.params, "params_non_embedding": size.params_non_embedding,
+            "params_total": size.params_total, "tokens": trained, "flops": trained * size.flops_per_token,
+            "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
+            "lr": lr, "batch": batch, "steps": steps,
+            "predicted_loss": laws.predict(size.params, trained)}
+    return cfg, info

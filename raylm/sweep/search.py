@@ -1,0 +1,139 @@
+"""Ray Tune's search and early stopping, per rung.
+
+Learning rates only compete within a rung (one size at one budget): a smaller model at the same
+point of its budget is worse whatever its learning rate, so one ASHA over all trials would stop
+the small sizes. `RungASHA` keeps one ASHA per rung. `RungSearcher` hands out the trials: the
+k-th candidate of every rung before the (k+1)-th of any (so ASHA and Optuna see earlier results
+of a rung when its later candidates run), costliest rungs first within a round.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+from ray import tune
+from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler
+from ray.tune.search import Searcher
+
+from raylm.sweep.config import SweepConfig
+from raylm.sweep.ladder import Rung, lr_values
+
+METRIC, MODE = "val_loss", "min"
+PROGRESS = "progress"  # fraction of the trial's budget trained: ASHA's time axis, the same for every rung
+
+
+@dataclass(frozen=True)
+class RungSlot:
+    rung: str
+    lr_scale: float
+    lr: Optional[float] = None  # grid and random: decided up front; bayes: by Optuna
+    batch: Optional[int] = None
+
+
+def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: dict[str, float]) -> list[RungSlot]:
+    """Every trial of the search, in the order it is handed out."""
+    fitted = sorted((r for r in rungs if not r.held_out), key=lambda r: -cost[r.name])
+    rng = np.random.default_rng(sweep.search.seed)
+    per_rung: dict[str, list[RungSlot]] = {}
+    for rung in fitted:
+        if sweep.search.algorithm == "grid":
+            slots = [RungSlot(rung.name, rung.lr_scale, lr, b) for lr in lr_values(sweep, rung) for b in batches]
+        elif sweep.search.algorithm == "random":
+            lows, highs = np.log(sweep.lr.low), np.log(sweep.lr.high)
+            slots = [RungSlot(rung.name, rung.lr_scale, float(np.exp(rng.uniform(lows, highs))) * rung.lr_scale,
+                              int(rng.choice(batches))) for _ in range(sweep.search.samples)]
+        else:
+            slots = [RungSlot(rung.name, rung.lr_scale) for _ in range(sweep.search.samples)]
+        per_rung[rung.name] = slots
+    rounds = max(len(s) for s in per_rung.values())
+    return [per_rung[r.name][k] for k in range(rounds) for r in fitted if k < len(per_rung[r.name])]
+
+
+class RungSearcher(Searcher):
+    """Suggests {"rung", "lr", "batch"} from a fixed plan; for bayes, each rung's learning rate
+    (and batch) comes from that rung's own Optuna TPE study."""
+
+    def __init__(self, slots: list[RungSlot], sweep: SweepConfig, batches: list[int]):
+        super().__init__(metric=METRIC, mode=MODE)
+        self.slots, self.next = slots, 0
+        self.trial_rung: dict[str, str] = {}
+        self.studies: dict = {}
+        if sweep.search.algorithm == "bayes":
+            from ray.tune.search.optuna import OptunaSearch
+
+            space = {"lr_mult": tune.loguniform(sweep.lr.low, sweep.lr.high)}
+            if len(batches) > 1:
+                space["batch"] = tune.choice(batches)
+            self.studies = {s.rung: OptunaSearch(space, metric=METRIC, mode=MODE, seed=sweep.search.seed)
+                            for s in slots}
+        self.batch = batches[0]
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        return True
+
+    def suggest(self, trial_id: str):
+        if self.next >= len(self.slots):
+            return Searcher.FINISHED
+        slot = self.slots[self.next]
+        self.next += 1
+        self.trial_rung[trial_id] = slot.rung
+        if slot.lr is not None:
+            return {"rung": slot.rung, "lr": slot.lr, "batch": slot.batch}
+        suggested = self.studies[slot.rung].suggest(trial_id)
+        return {"rung": slot.rung, "lr": suggested["lr_mult"] * slot.lr_scale,
+                "batch": suggested.get("batch", self.batch)}
+
+    def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
+        rung = self.trial_rung.get(trial_id)
+        if rung in self.studies:
+            self.studies[rung].on_trial_complete(trial_id, result, error)
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+
+class RungASHA(FIFOScheduler):
+    """One ASHA (AsyncHyperBandScheduler) per rung, on validation loss against the fraction of
+    the budget trained. Trials finish their budget (stop_last_trials=False): the last report is
+    the final validation loss."""
+
+    def __init__(self, grace_fraction: float, reduction_factor: float):
+        super().__init__()
+        self.grace, self.reduction = grace_fraction, reduction_factor
+        self.per_rung: dict[str, AsyncHyperBandScheduler] = {}
+
+    def _of(self, trial) -> AsyncHyperBandScheduler:
+        rung = trial.config["rung"]
+        if rung not in self.per_rung:
+            self.per_rung[rung] = AsyncHyperBandScheduler(
+                time_attr=PROGRESS, metric=METRIC, mode=MODE, max_t=1.0, grace_period=self.grace,
+                reduction_factor=self.reduction, stop_last_trials=False)
+        return self.per_rung[rung]
+
+    def set_search_properties(self, metric, mode, **spec) -> bool:
+        return metric in (None, METRIC) and mode in (None, MODE)
+
+    def on_trial_add(self, tune_controller, trial) -> None:
+        self._of(trial).on_trial_add(tune_controller, trial)
+
+    def on_trial_result(self, tune_controller, trial, result: dict) -> str:
+        return self._of(trial).on_trial_result(tune_controller, trial, result)
+
+    def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
+        self._of(trial).on_trial_complete(tune_controller, trial, result)
+
+    def on_trial_remove(self, tune_controller, trial) -> None:
+        self._of(trial).on_trial_remove(tune_controller, trial)
+
+    def debug_string(self) -> str:
+        stopped = sum(s._num_stopped for s in self.per_rung.values())
+        return f"ASHA per rung ({len(self.per_rung)} rungs): {stopped} trials stopped early"
+

@@ -1,0 +1,107 @@
+"""One sweep trial: a Ray Tune function trainable that runs the training loop of `raylm train`
+(`raylm.train.loop.train`) in-process on one worker, the issue's allowance for tiny CPU trials.
+
+Its run directory is `<sweep>/trials/<trial id>`: metrics.jsonl and a checkpoint at every
+evaluation. A restarted trial (Tune's FailureConfig, or a sweep resumed after its driver died)
+resumes from its newest checkpoint there; a trial that had finished reports its final result
+again from `final.json` instead of training twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from ray import tune
+
+from raylm.sweep.config import SweepConfig
+from raylm.sweep.ladder import Rung, trial_config
+from raylm.sweep.search import PROGRESS
+from raylm.train.hooks import Hook
+from raylm.train.local_env import LocalEnv
+from raylm.train.loop import train
+from raylm.train.spec import RunSpec
+
+FINAL_FILE = "final.json"
+PID_FILE = "worker.pid"  # the process training this trial now (chaos tests kill it)
+STARTED_FILE = "started"
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """What every trial of a phase shares (handed over once, through the object store)."""
+
+    sweep: SweepConfig
+    spec: dict  # RunSpec.to_dict() of the base run, resolved against its data on the driver
+    rungs: dict[str, Rung]
+    trials_dir: str
+    threads: int  # torch threads: the trial's whole CPUs
+    use_gpu: bool
+
+
+class TuneReporter(Hook):
+    """Each validation loss goes to Tune with the fraction of the budget trained (ASHA's clock)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        if "val_loss" in metrics:
+            tune.report({"val_loss": metrics["val_loss"], "loss": metrics["loss"], "step": metrics["step"],
+                         "tokens": metrics["tokens"], PROGRESS: metrics["step"] / self.steps})
+
+
+def trial_dir(trials_dir: str, trial_id: str) -> str:
+    return os.path.join(trials_dir, trial_id)
+
+
+def _last_eval(run_dir: str) -> dict:
+    """The newest metrics row with a validation loss (the loop evaluates at the last step)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return next(r for r in reversed(rows) if "val_loss" in r)
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)  # whole or absent: a reader never sees half a file
+
+
+def run_trial(config: dict, plan: TrialPlan) -> None:
+    run_dir = trial_dir(plan.trials_dir, tune.get_context().get_trial_id())
+    os.makedirs(run_dir, exist_ok=True)
+    final_path = os.path.join(run_dir, FINAL_FILE)
+    if os.path.exists(final_path):
+        with open(final_path) as f:
+            tune.report(json.load(f))
+        return
+    started_path = os.path.join(run_dir, STARTED_FILE)
+    if not os.path.exists(started_path):
+        with open(started_path, "w") as f:
+            f.write(str(time.time()))
+    with open(started_path) as f:
+        started = float(f.read())
+    with open(os.path.join(run_dir, PID_FILE), "w") as f:
+        f.write(str(os.getpid()))
+
+    torch.set_num_threads(min(plan.threads, os.cpu_count() or 1))  # more threads than cores only contend
+    # DCP says so at every checkpoint of a single process, which is what a trial is.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    spec = RunSpec.from_dict(plan.spec)
+    rung = plan.rungs[config["rung"]]
+    cfg = trial_config(plan.sweep, spec.config, rung, config["lr"], config["batch"],
+                       run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}")
+    train(dataclasses.replace(spec, config=cfg), LocalEnv(run_dir, use_gpu=plan.use_gpu),
+          (TuneReporter(cfg.train.steps),))
+    last = _last_eval(run_dir)
+    final = {"val_loss": last["val_loss"], "loss": last["loss"], "step": last["step"], "tokens": last["tokens"],
+             PROGRESS: last["step"] / cfg.train.steps, "wall_s": time.time() - started}
+    _write_json(final_path, final)
+    tune.report(final)

@@ -1,0 +1,84 @@
+"""Sweep configs and the ladder: every trial's config is built and bad input is refused, naming
+the field, before any trial starts (no Ray)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raylm.config import load_config
+from raylm.errors import ConfigError
+from raylm.sweep import ladder
+from raylm.sweep.run import resolve
+
+TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
+
+
+def plan(dataset, tmp_path, *overrides):
+    return resolve(TINY_SWEEP, [f"data.path={dataset}", f"run.storage_path={tmp_path}", *overrides])
+
+
+def test_the_tiny_sweep_resolves_into_rungs_and_trial_configs(tiny_dataset, tmp_path):
+    p = plan(tiny_dataset, tmp_path)
+    assert [s.model.n_layers for s in p.sizes] == [1, 2, 2, 3]  # d_model / 16, halves rounded up
+    assert [s.model.n_heads for s in p.sizes] == [2, 3, 4, 6]
+    assert [r.name for r in p.rungs] == ["s0-tpp2", "s0-tpp4", "s1-tpp2", "s1-tpp4", "s2-tpp2", "s2-tpp4", "s3-check"]
+    check = p.rungs[-1]
+    assert check.held_out and check.target_tokens == 3 * check.size.params  # the median ratio
+    cfg = ladder.trial_config(p.sweep, p.resolved, p.rungs[3], 1e-2, 16, "x")
+    seq_len = p.resolved.train.seq_len
+    assert cfg.train.steps == round(4 * p.sizes[1].params / (16 * seq_len))
+    assert cfg.optim.lr == 1e-2 and cfg.schedule.min_lr == pytest.approx(1e-3)  # the base's min_lr / lr = 0.1
+    assert cfg.schedule.warmup_steps == round(0.1 * cfg.train.steps)  # the base's warmup fraction
+    assert cfg.train.eval_every == cfg.checkpoint.every_steps == max(1, cfg.train.steps // 4)
+    assert cfg.parallel.num_workers == 1 and cfg.data.loader == "local"
+    # The flops of a rung use the model's real FLOPs per token (attention and head included), not 6N.
+    size = p.sizes[2]
+    assert size.flops_per_token > 6 * size.params_non_embedding * 1.2
+
+
+@pytest.mark.parametrize("override, field", [
+    ("sweep.lr.grid=[]", "lr.grid"),
+    ("sweep.ladder.d_model=[16,20,32,48]", "ladder.d_model[1]"),  # 20 is not a multiple of head_dim 8
+    ("sweep.ladder.tokens_per_param=[0.01,4]", "ladder.tokens_per_param"),  # less than one batch
+    ("sweep.lr.grid=[0.01,-1]", "lr.grid"),
+    ("sweep.ladder.d_model=[16,24,24,48]", "ladder.d_model[2]"),  # not larger than the one before
+])
+def test_bad_input_is_refused_naming_the_field(tiny_dataset, tmp_path, override, field):
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        plan(tiny_dataset, tmp_path, override)
+
+
+def test_a_size_that_breaks_the_models_shape_rules_names_its_entry(tiny_dataset, tmp_path, monkeypatch):
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(open(TINY_SWEEP).read().replace("d_model: [16, 24, 32, 48]", "sizes: [{d_model: 16, n_heads: 2, n_layers: 1}, "
+                                                     "{d_model: 24, n_heads: 5, n_layers: 2}, {d_model: 32, n_heads: 4},"
+                                                     " {d_model: 48, n_heads: 6}]"))
+    (tmp_path / "demo-cpu.yaml").write_text(open(os.path.join(os.path.dirname(TINY_SWEEP), "demo-cpu.yaml")).read())
+    with pytest.raises(ConfigError, match=r"ladder.sizes\[1\].*d_model \(24\) must be divisible by model.n_heads \(5\)"):
+        resolve(str(sweep_file), [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}"])
+
+
+def test_the_cli_refuses_bad_input_before_starting_anything(tiny_dataset, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", TINY_SWEEP, f"data.path={tiny_dataset}",
+                             f"run.storage_path={tmp_path}", "sweep.ladder.tokens_per_param=[0.01,4]"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "raylm: error: ladder.tokens_per_param" in result.stderr and "less than one batch" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not os.path.exists(tmp_path / "sweep-tiny" / "tune-ladder")  # no trial was started
+
+
+def test_recommended_shape_follows_the_ladder_rule(tiny_dataset, tmp_path):
+    p = plan(tiny_dataset, tmp_path)
+    size = ladder.shape_for_params(150_000, p.sweep, p.sizes, p.resolved)
+    assert size.model.d_model % 8 == 0 and size.model.n_layers == max(1, int(size.model.d_model / 16 + 0.5))
+    assert 0.6 < size.params / 150_000 < 1.6
+
+
+def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
+    with pytest.raises(ConfigError, match="unknown key ladder"):
+        load_config(None, ["ladder.d_model=[16]"])  # a sweep key without `sweep.` goes to the run config
+    with pytest.raises(ConfigError, match=r"unknown key trial.evalz \(did you mean 'evals'\?\)"):
+        plan(tiny_dataset, tmp_path, "sweep.trial.evalz=3")

@@ -1,0 +1,140 @@
+"""Real sweeps on a local Ray: every output written, ASHA stopping a hopeless learning rate, the
+recommended config training with `raylm train`, and recovery from a killed trial worker and
+from a killed sweep driver."""
+
+import csv
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from raylm.config import load_config
+from raylm.sweep.run import run_sweep
+
+TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
+RAYLM = [sys.executable, "-m", "raylm.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def read_trials(directory):
+    with open(os.path.join(directory, "trials.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def finished_trials(directory):
+    """trial id -> (final.json text, its mtime, metrics.jsonl mtime)."""
+    out = {}
+    for final in glob.glob(os.path.join(directory, "trials", "*", "final.json")):
+        run_dir = os.path.dirname(final)
+        with open(final) as f:
+            out[os.path.basename(run_dir)] = (f.read(), os.path.getmtime(final),
+                                              os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")))
+    return out
+
+
+@pytest.mark.slow
+def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_dataset, tmp_path):
+    command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}"]
+    directory = str(tmp_path / "sweep-tiny")
+    ladder_trials = 6 * 2  # 3 fitted sizes x 2 budgets x 2 learning rates
+
+    # The driver (and the Ray it started, in its process group) dies once some trials have finished.
+    first = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    while len(finished_trials(directory)) < 2 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert first.poll() is None, "the sweep ended before it could be interrupted"
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=60)
+    before = finished_trials(directory)
+    assert 2 <= len(before) < ladder_trials + 1
+
+    second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming" in second.stdout
+
+    # Finished trials were kept, not trained again.
+    after = finished_trials(directory)
+    for trial_id, record in before.items():
+        assert after[trial_id] == record, trial_id
+    rows = read_trials(directory)
+    ladder = [r for r in rows if r["phase"] == "ladder"]
+    assert len(ladder) == ladder_trials and len({r["trial_id"] for r in rows}) == len(rows)
+    assert set(before) <= {r["trial_id"] for r in rows}
+
+    # ASHA stopped the hopeless learning rate early; the good one always finished its budget.
+    assert all(r["status"] == "completed" for r in ladder if float(r["lr"]) == 1e-2)
+    stopped = [r for r in ladder if r["status"] == "stopped_early"]
+    assert stopped and all(float(r["lr"]) == 1e-5 and float(r["progress"]) < 1 for r in stopped)
+    for r in rows:
+        assert float(r["flops"]) == pytest.approx(float(r["tokens"]) * float(r["flops_per_token"]))
+
+    with open(os.path.join(directory, "fit.json")) as f:
+        result = json.load(f)
+    assert {"E", "A", "alpha", "B", "beta", "interval", "residuals"} <= result["parametric"].keys()
+    assert result["asha"]["stopped_early"] == len(stopped) and 0 < result["asha"]["saved_fraction"] < 1
+    assert "lr_vs_params" in result["lr"] and result["compute_optimal"]["table"]
+    check = result["check"]
+    assert check["params"] == 83280 and check["measured_loss"] > 0
+    assert check["relative_error"] == pytest.approx((check["predicted_loss"] - check["measured_loss"])
+                                                    / check["measured_loss"])
+    assert [r["phase"] for r in rows].count("check") == 1
+    for name in ("loss_vs_compute.png", "lr_curves.png", "residuals.png"):
+        assert os.path.getsize(os.path.join(directory, "plots", name)) > 10_000
+
+    # recommended.yaml is a complete run config that `raylm train` runs as it is.
+    recommended = os.path.join(directory, "recommended.yaml")
+    cfg = load_config(recommended)
+    assert cfg.model.d_model == result["recommended"]["d_model"] and cfg.optim.lr == result["recommended"]["lr"]
+    assert "Predicted final val loss" in open(recommended).read()
+    train = subprocess.run([*RAYLM, "train", recommended, "train.stop_at_step=3", f"run.storage_path={tmp_path}/rec"],
+                           env=ENV, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert "done: step 3" in train.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_dataset, tmp_path):
+    overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=killed-worker",
+                 "sweep.check=false", "sweep.target.params=null", "sweep.ladder.d_model=[16,24]",
+                 "sweep.ladder.tokens_per_param=[8]", "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0"]
+    directory = str(tmp_path / "killed-worker")
+    killed = {}
+
+    def kill_one_worker():
+        deadline = time.monotonic() + 300
+        while not killed and time.monotonic() < deadline:
+            for run_dir in glob.glob(os.path.join(directory, "trials", "*")):
+                pid_file = os.path.join(run_dir, "worker.pid")
+                if glob.glob(os.path.join(run_dir, "checkpoint_*", "checkpoint_manifest.json")) \
+                        and os.path.exists(pid_file) and not os.path.exists(os.path.join(run_dir, "final.json")):
+                    killed[os.path.basename(run_dir)] = pid = int(open(pid_file).read())
+                    os.kill(pid, signal.SIGKILL)
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_one_worker, daemon=True)
+    killer.start()
+    run_sweep(TINY_SWEEP, overrides)
+    killer.join()
+    assert killed, "no trial worker was killed"
+    rows = read_trials(directory)
+    assert len(rows) == 2 and all(r["status"] == "completed" and math.isfinite(float(r["val_loss"])) for r in rows)
+    (trial_id, pid), = killed.items()
+    run_dir = os.path.join(directory, "trials", trial_id)
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[0]["from_step"] > 0  # from its own checkpoint, not from scratch
+    assert int(open(os.path.join(run_dir, "worker.pid")).read()) != pid
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == list(range(1, max(steps) + 1))  # every step once: the lost ones were redone, not repeated
