@@ -120,12 +120,26 @@ class ScheduleConfig:
 
 
 @dataclass
+class BatchRampup:
+    """Megatron's --rampup-batch-size: the global batch grows from `start` by `increment` in
+    equal shares of `samples`, then stays at the configured global batch (PaLM, GPT-3)."""
+
+    start: int
+    increment: int
+    samples: int
+    """Samples consumed over the whole ramp."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = 1000
     global_batch_size: Optional[int] = 32
     """Sequences per optimizer step, across all data-parallel ranks."""
     global_batch_tokens: Optional[int] = None
     """Alternative to global_batch_size: tokens per optimizer step (a multiple of seq_len)."""
+    batch_rampup: Optional[BatchRampup] = None
+    """Grow the global batch at the start, e.g. {start: 8, increment: 8, samples: 4096}; every size
+    must split over the data-parallel ranks in whole micro-batches."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on one rank; accumulation fills the global batch."""
     seq_len: Optional[int] = None
@@ -133,8 +147,16 @@ class TrainConfig:
     stop_at_step: Optional[int] = None
     """End this invocation after this step, with a checkpoint, leaving the schedule to
     train.steps (time-boxed or preemptible jobs; the next invocation resumes)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """bf16 runs the forward under autocast; weights and optimizer stay fp32."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16/fp16 run the forward under autocast; weights and optimizer stay fp32. fp16 (and
+    parallel.param_dtype=fp16) adds dynamic loss scaling."""
+    loss_scale_initial: float = 65536.0
+    """fp16: the first loss scale (torch.amp.GradScaler's default)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: clean steps before the scale doubles; an overflow halves it and skips the step."""
+    loss_scale_min: float = 1.0
+    """fp16: a scale below this is a divergence, not an overflow (metaseq's alarm): the guard rolls
+    back (or, with the guard off, the run stops)."""
     seed: int = 1337
     eval_every: int = 100
     """Validation loss on the held-out split every N steps (and at the last step); 0: never."""
@@ -218,7 +240,7 @@ class ParallelConfig:
     """every_k: checkpoint blocks whose index is a multiple of this."""
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Dtype FSDP2/replicate compute in (parameters are cast for forward/backward; the sharded
-    master copy and the optimizer stay fp32). Needs torch.distributed; fp16 has no loss scaling."""
+    master copy and the optimizer stay fp32). Needs torch.distributed; fp16 adds dynamic loss scaling (train.loss_scale_*)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of gradient reductions across data-parallel ranks."""
     cpu_offload: bool = False
@@ -289,6 +311,9 @@ class GuardConfig:
     max_rollbacks: int = 3
     """This many rollbacks within stop_window steps stop the run with an error naming them."""
     stop_window: int = 1000
+    norms_every: int = 100
+    """Every N steps, per-layer activation and parameter norms as metrics (act_norm/*,
+    param_norm/*); 0: never. Works with the guard on or off."""
 
 
 @dataclass
@@ -473,6 +498,9 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
+    ramp = t.batch_rampup
+    if ramp is not None and min(ramp.start, ramp.increment, ramp.samples) <= 0:
+        raise ConfigError(f"train.batch_rampup: start, increment and samples must be positive, got {ramp}")
     if (t.global_batch_size is None) == (t.global_batch_tokens is None):
         raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
                           "(set the other to null)")
@@ -492,6 +520,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if not 0.0 < g.lr_factor <= 1.0:
         raise ConfigError(f"guard.lr_factor must be in (0, 1], got {g.lr_factor}")
+    if g.norms_every < 0:
+        raise ConfigError(f"guard.norms_every must be >= 0, got {g.norms_every}")
     if g.min_history < 2 or g.snapshot_every < 1:
         raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
                           f"{g.min_history} and {g.snapshot_every}")

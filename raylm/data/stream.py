@@ -13,7 +13,7 @@ import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -25,7 +25,10 @@ from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slic
 
 
 STEPS_PER_READ = 16
-READER_CPUS = 0.25  # reads are I/O-bound; a whole CPU would starve the training workers
+# The reader reserves no CPU: the worker it feeds stands for it (give cpus_per_worker room for
+# the reads). Any reservation of its own can be starved: restarted on a node whose CPUs the
+# training workers then filled, a 0.25-CPU reader never started and the run hung.
+READER_CPUS = 0
 
 
 @dataclass
@@ -34,6 +37,30 @@ class Batch:
     tokens: np.ndarray  # (local_batch, row_tokens) int32; inputs are [:, :-1], targets [:, 1:]
     indices: list[int]  # global sample indices of the rows, for audits and tests
     next_position: int  # global position after this whole global batch
+    global_batch: int  # sequences in this step's whole global batch
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """The global batch in sequences as a function of the samples consumed so far: constant, or
+    Megatron's ramp-up (`--rampup-batch-size start increment samples`), growing from `start` by
+    `increment` in equal shares of `ramp_samples`, then `final`. A pure function of the samples
+    consumed, so resumes and resizes see the same sizes."""
+
+    final: int
+    start: Optional[int] = None
+    increment: int = 1
+    ramp_samples: int = 0
+
+    def size(self, consumed: int) -> int:
+        if self.start is None or consumed >= self.ramp_samples:
+            return self.final
+        per_increment = self.ramp_samples / ((self.final - self.start) // self.increment)
+        return min(self.final, self.start + int(consumed // per_increment) * self.increment)
+
+    def sizes(self) -> list[int]:
+        """Every size a run goes through."""
+        return [self.final] if self.start is None else list(range(self.start, self.final + 1, self.increment))
 
 
 # Whole shards kept per process (the reader actor, or the trainer with the local engine), so a
@@ -175,51 +202,59 @@ class Datasets:
                          storage_cfg)
 
 
-def step_positions(position: int, first_step: int, last_step: int, global_batch: int,
-                   skip: list[list[int]]) -> list[tuple[int, int]]:
-    """(step, start position) for each step in [first_step, last_step)."""
+def step_positions(position: int, first_step: int, last_step: int, schedule: BatchSchedule,
+                   skip: list[list[int]], consumed: int = 0) -> list[tuple[int, int, int]]:
+    """(step, start position, global batch) for each step in [first_step, last_step), the first
+    one after `consumed` samples."""
     out = []
     for step in range(first_step, last_step):
-        out.append((step, position))
-        position = batch_indices(position, global_batch, skip)[1]
+        size = schedule.size(consumed)
+        out.append((step, position, size))
+        position = batch_indices(position, size, skip)[1]
+        consumed += size
     return out
 
 
 class TokenStream:
     """Batches for one data-parallel rank from a global position onward."""
 
-    def __init__(self, source: RowSource, global_batch: int, dp_rank: int, dp_size: int,
+    def __init__(self, source: RowSource, global_batch: Union[int, BatchSchedule], dp_rank: int, dp_size: int,
                  skip: list[list[int]], engine: str = "local", prefetch: int = 4):
-        if global_batch % dp_size:
-            raise ValueError(f"global batch {global_batch} is not divisible by the {dp_size} "
-                             "data-parallel ranks")
-        self.source, self.global_batch, self.skip = source, global_batch, skip
+        self.schedule = global_batch if isinstance(global_batch, BatchSchedule) else BatchSchedule(global_batch)
+        uneven = [size for size in self.schedule.sizes() if size % dp_size]
+        if uneven:
+            raise ValueError(f"global batch {uneven[0]} is not divisible by the {dp_size} data-parallel ranks")
+        self.source, self.skip = source, skip
         self.dp_rank, self.dp_size, self.engine, self.prefetch = dp_rank, dp_size, engine, prefetch
 
-    def batch_at(self, step: int, position: int) -> Batch:
-        """This rank's share of the global batch of `step`, which starts at global `position`."""
-        indices, next_position = batch_indices(position, self.global_batch, self.skip)
+    def batch_at(self, step: int, position: int, size: Optional[int] = None) -> Batch:
+        """This rank's share of the global batch of `step` (`size` sequences, the final size by
+        default), which starts at global `position`."""
+        size = size or self.schedule.final
+        indices, next_position = batch_indices(position, size, self.skip)
         mine = rank_slice(indices, self.dp_rank, self.dp_size)
-        return Batch(step, self.source.rows(mine), mine, next_position)
+        return Batch(step, self.source.rows(mine), mine, next_position, size)
 
-    def batches(self, position: int, first_step: int, last_step: int) -> Iterator[Batch]:
-        plan = step_positions(position, first_step, last_step, self.global_batch, self.skip)
+    def batches(self, position: int, first_step: int, last_step: int, consumed: int = 0) -> Iterator[Batch]:
+        """The batches of steps [first_step, last_step), the first at `position` after `consumed`
+        samples (which decide the sizes while the batch ramps up)."""
+        plan = step_positions(position, first_step, last_step, self.schedule, self.skip, consumed)
         if not plan:
             return iter(())
         if self.engine == "ray":
             return self._ray_batches(plan)
         return self._thread_batches(plan)
 
-    def _thread_batches(self, plan: list[tuple[int, int]]) -> Iterator[Batch]:
+    def _thread_batches(self, plan: list[tuple[int, int, int]]) -> Iterator[Batch]:
         q: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
         stop = threading.Event()
 
         def produce() -> None:
             try:
-                for step, pos in plan:
+                for step, pos, size in plan:
                     if stop.is_set():
                         return
-                    q.put(self.batch_at(step, pos))
+                    q.put(self.batch_at(step, pos, size))
                 q.put(None)
             except BaseException as e:  # surfaced in the consumer, which owns error handling
                 q.put(e)
@@ -234,19 +269,24 @@ class TokenStream:
         finally:
             stop.set()
 
-    def _ray_batches(self, plan: list[tuple[int, int]]) -> Iterator[Batch]:
+    def _ray_batches(self, plan: list[tuple[int, int, int]]) -> Iterator[Batch]:
         import ray
         import ray.data
 
         # One read per span of steps: a Ray call per step would cost more than the read.
         span = max(1, min(STEPS_PER_READ, len(plan) // max(1, self.prefetch)))
-        spans = [plan[i:i + span] for i in range(0, len(plan), span)]
+        # A span never mixes batch sizes (a ramp-up stage ends it): its batches stack into one block.
+        spans: list[list[tuple[int, int, int]]] = []
+        for entry in plan:
+            if not spans or len(spans[-1]) == span or spans[-1][-1][2] != entry[2]:
+                spans.append([])
+            spans[-1].append(entry)
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True  # the order is the whole point
         ctx.enable_progress_bars = False
         ds = ray.data.from_items([{"span": k} for k in range(len(spans))],
                                  override_num_blocks=max(1, min(len(spans), 64)))
-        # One long-lived reader actor per rank, on its node unless that node is full. Read tasks
+        # One long-lived reader actor per rank, on its node (it needs no CPU there). Read tasks
         # each took a worker process, which Ray kills once idle beyond its soft limit and starts
         # again for the next task: a Python start-up per span on the trainer's cores.
         node = ray.get_runtime_context().get_node_id()
@@ -260,18 +300,19 @@ class TokenStream:
                                      batch_format="numpy"):
             for i in range(len(block["step"])):
                 yield Batch(int(block["step"][i]), block["tokens"][i], block["indices"][i].tolist(),
-                            int(block["next_position"][i]))
+                            int(block["next_position"][i]), int(block["global_batch"][i]))
 
 
 class _SpanReader:
     """The Ray Data reader of one rank's stream: turns span numbers into that span's batches."""
 
-    def __init__(self, stream: TokenStream, spans: list[list[tuple[int, int]]]):
+    def __init__(self, stream: TokenStream, spans: list[list[tuple[int, int, int]]]):
         self.stream, self.spans = stream, spans
 
     def __call__(self, items: dict) -> dict:
-        batches = [self.stream.batch_at(step, pos) for k in items["span"] for step, pos in self.spans[int(k)]]
+        batches = [self.stream.batch_at(step, pos, size) for k in items["span"] for step, pos, size in self.spans[int(k)]]
         return {"step": np.array([b.step for b in batches]),
                 "next_position": np.array([b.next_position for b in batches]),
+                "global_batch": np.array([b.global_batch for b in batches]),
                 "indices": np.stack([np.array(b.indices) for b in batches]),
                 "tokens": np.stack([b.tokens for b in batches])}

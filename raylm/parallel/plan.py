@@ -231,7 +231,7 @@ def precision_settings(precision: str) -> tuple[dict[str, str], list[str]]:
         notes.append("raylm keeps fp32 master weights and AdamW state: expect the `mixed` estimate")
     elif precision == "fp16":
         dtypes["param_dtype"] = "fp16"
-        notes.append("raylm has no fp16 loss scaling and reduces gradients in fp32 (2 bytes each more)")
+        notes.append("raylm scales the fp16 loss dynamically and reduces gradients in fp32 (2 bytes each more)")
     elif precision == "amp":
         notes.append("with train.precision: bf16 (autocast over fp32 weights)")
     return dtypes, notes

@@ -132,6 +132,11 @@ class Guard:
         self.norms.append(grad_norm)
         return "ok"
 
+    def loss_scale_floor(self, loss: float, scale: float, minimum: float) -> str:
+        """fp16's scale fell below its floor: overflow after overflow is a divergence."""
+        self.trigger = {"reason": "loss-scale floor", "loss": loss, "loss_scale": scale, "loss_scale_min": minimum}
+        return "rollback"
+
     def skipped_step(self, step: int, sample_range: list[int]) -> None:
         self.skipped += 1
         self._event("spike_skipped", step=step, samples=sample_range, **self.trigger)

@@ -27,10 +27,11 @@ from raylm.train.guard import Guard, refuse_guard_stopped
 from raylm.train.resume_check import check_resume, record_config_change
 from raylm.train.hooks import Hook
 from raylm.train.metrics import EVENTS_FILE, MetricsLogger, peak_flops
+from raylm.train.norms import NormsProbe
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import Run, TrainEnv, TrainState
-from raylm.train.step import ParallelModel, build_model
+from raylm.train.step import LossScaler, ParallelModel, build_model, needs_loss_scaling
 
 
 class _EvalSet:
@@ -73,20 +74,24 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
             if changes and world.rank == 0:  # an operator's change mid-flight, as OPT's team made them
                 record_config_change(env.run_dir, state.step, changes)
 
-    local_batch = global_batch // model.dp_size
-    if global_batch % model.dp_size or local_batch % cfg.train.micro_batch_size:
-        raise ValueError(
-            f"global batch {global_batch} must split into {model.dp_size} data-parallel ranks × "
-            f"whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}")
+    for size in spec.batch_schedule.sizes():
+        if size % model.dp_size or (size // model.dp_size) % cfg.train.micro_batch_size:
+            raise ValueError(
+                f"global batch {size} must split into {model.dp_size} data-parallel ranks × "
+                f"whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}")
     guard = None
     if cfg.guard.enabled:
         refuse_guard_stopped(env.checkpoint_root, cfg)
         guard = Guard(cfg, model, optimizer, world, os.path.join(env.run_dir, EVENTS_FILE), env.checkpoint_root)
         guard.start(state)
 
+    if needs_loss_scaling(cfg):
+        state.loss_scale = state.loss_scale or cfg.train.loss_scale_initial
+    scaler = LossScaler(state.loss_scale, cfg.train.loss_scale_growth_interval) if state.loss_scale else None
+
     def stream_from(state: TrainState) -> TokenStream:
         """The run's batches; the guard's skip ranges grow at each rollback."""
-        return TokenStream(source, global_batch, model.dp_rank, model.dp_size, [*cfg.data.skip, *state.skip],
+        return TokenStream(source, spec.batch_schedule, model.dp_rank, model.dp_size, [*cfg.data.skip, *state.skip],
                            engine=cfg.data.loader, prefetch=cfg.data.prefetch_chunks)
 
     evals = _EvalSet(spec, model) if cfg.train.eval_every > 0 else None
@@ -97,12 +102,13 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
     run = Run(cfg, world, model, optimizer, state, seq_len, global_batch,
               flops_per_token(cfg.model, seq_len), peak_flops(world.device, cfg.train.peak_tflops))
     logger = MetricsLogger(cfg, env.run_dir, world)
-    hooks = (*hooks, logger)  # last: it writes out what the other hooks added
+    probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
+    hooks = (*hooks, *probes, logger)  # the logger last: it writes out what the other hooks added
     for hook in hooks:
         hook.on_train_start(run)
 
     try:
-        metrics = _train_steps(run, env, stream_from, hooks, checkpointer, evals, guard, spec.tokenizer_sha256)
+        metrics = _train_steps(run, env, stream_from, hooks, checkpointer, evals, guard, scaler, spec.tokenizer_sha256)
         for hook in hooks:
             hook.on_train_end(run, metrics)
     finally:
@@ -112,10 +118,10 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
 
 def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], TokenStream], hooks: tuple,
                  checkpointer: Checkpointer, evals: Optional[_EvalSet], guard: Optional[Guard],
-                 tokenizer_sha256: str) -> dict:
+                 scaler: Optional[LossScaler], tokenizer_sha256: str) -> dict:
     """The steps from the run's current state to its last step; returns the last metrics."""
     cfg, world, model, optimizer, state = run.cfg, run.world, run.model, run.optimizer, run.state
-    seq_len, global_batch = run.seq_len, run.global_batch
+    seq_len = run.seq_len
     steps = cfg.train.steps
     last = min(steps, cfg.train.stop_at_step or steps)
     metrics: dict = {}
@@ -124,7 +130,7 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
     checkpoint_s = 0.0
     last_report = time.monotonic()
     t0 = time.perf_counter()
-    batches = stream_from(state).batches(state.position, state.step, last)
+    batches = stream_from(state).batches(state.position, state.step, last, state.tokens_seen // seq_len)
     while True:
         if state.step in (10, 100) and world.device.type == "cpu" and not cfg.train.peak_tflops:
             # A CPU's peak is measured; the first time, at start-up, Ray was still starting
@@ -146,9 +152,15 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
         lr = lr_at(step, cfg.schedule, cfg.optim.lr, steps) * state.lr_scale
         apply_lr(optimizer, lr)
         tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(world.device)
+        if scaler is not None:
+            model.loss_scale = scaler.scale = state.loss_scale
         loss = float(model.forward_backward(tokens, cfg.train.micro_batch_size))
+        if scaler is not None:
+            scaler.unscale(model.parts)
         grad_norm = float(model.clip_grad_norm(cfg.optim.grad_clip))
-        verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
+        verdict = _verdict(step, loss, grad_norm, cfg, guard, scaler)
+        if scaler is not None:
+            state.loss_scale = scaler.scale
         if verdict == "ok" and not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the guard is off
             # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
             raise FloatingPointError(
@@ -159,27 +171,29 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
             optimizer.zero_grad(set_to_none=True)
             guard.roll_back(step, state, batch.next_position)
             batches.close()
-            batches = stream_from(state).batches(state.position, state.step, last)
+            batches = stream_from(state).batches(state.position, state.step, last, state.tokens_seen // seq_len)
             t0 = time.perf_counter()
             continue
         if verdict == "ok":
             optimizer.step()
-        else:
+        elif verdict == "skip":
             guard.skipped_step(step, [state.position, batch.next_position])
         optimizer.zero_grad(set_to_none=True)
 
         state.step = step + 1
         state.position = batch.next_position
-        state.tokens_seen += global_batch * seq_len
+        state.tokens_seen += batch.global_batch * seq_len
         now = time.perf_counter()
-        tokens_per_s = global_batch * seq_len / (now - t0)
+        tokens_per_s = batch.global_batch * seq_len / (now - t0)
         # position: where the next step's samples start, so an audit of metrics.jsonl alone
         # can tell which samples each committed step trained on (resume, resize, skip).
-        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "position": state.position, "tokens": state.tokens_seen, "step_time": now - t0,
+        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch.global_batch,
+                   "position": state.position, "tokens": state.tokens_seen, "time": time.time(), "step_time": now - t0,
                    "data_wait": data_wait, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
         t0, checkpoint_s = now, 0.0
+        if scaler is not None:
+            metrics["loss_scale"] = scaler.scale
         if guard is not None:
             metrics["skipped_steps"] = guard.skipped
             if verdict == "ok":
@@ -209,6 +223,25 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
                   "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
     checkpointer.wait()
     return metrics
+
+
+def _verdict(step: int, loss: float, grad_norm: float, cfg: Config, guard: Optional[Guard],
+             scaler: Optional[LossScaler]) -> str:
+    """"ok", "skip", "rollback" (the guard's), or "overflow": an fp16 overflow of the gradients
+    (a finite loss), which halves the loss scale and skips the step, unless the scale falls
+    below train.loss_scale_min: a divergence, rolled back (or, with the guard off, a stop)."""
+    if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
+        scaler.update(overflow=True)
+        if scaler.scale >= cfg.train.loss_scale_min:
+            return "overflow"
+        if guard is None:
+            raise FloatingPointError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
+                                     f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
+        return guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
+    verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
+    if scaler is not None and verdict == "ok":
+        scaler.update(overflow=False)
+    return verdict
 
 
 def _samples_of_step(model: ParallelModel, indices: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ from raylm.data import storage
 from raylm.data.inspect import verify_or_raise
 from raylm.data.manifest import Manifest, load_dataset_tokenizer
 from raylm.data.storage import StorageError
-from raylm.data.stream import Datasets
+from raylm.data.stream import BatchSchedule, Datasets
 from raylm.model.transformer import check_model_config
 from raylm.parallel.mesh import check_parallel_config
 
@@ -38,6 +38,10 @@ class RunSpec:
     @property
     def global_batch(self) -> int:
         return global_batch_sequences(self.config, self.seq_len)
+
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        return batch_schedule(self.config, self.seq_len)
 
     @property
     def tokenizer_sha256(self) -> str:
@@ -129,19 +133,32 @@ def _fill_from_data(cfg: Config, manifest: Manifest, announce: bool) -> Config:
                                train=dataclasses.replace(t, seq_len=manifest.seq_len))
 
 
+def batch_schedule(cfg: Config, seq_len: int) -> BatchSchedule:
+    """The global batch over the run: constant, or ramping up (train.batch_rampup)."""
+    final, ramp = global_batch_sequences(cfg, seq_len), cfg.train.batch_rampup
+    if ramp is None:
+        return BatchSchedule(final)
+    if ramp.start >= final or (final - ramp.start) % ramp.increment:
+        raise ConfigError(f"train.batch_rampup: start {ramp.start} must be below the global batch {final} and reach "
+                          f"it in whole increments of {ramp.increment}")
+    return BatchSchedule(final, ramp.start, ramp.increment, ramp.samples)
+
+
 def check_world_sizes(cfg: Config, seq_len: int) -> None:
-    """Every world size the run may have must split the global batch into whole micro-batches:
-    an elastic resize keeps the global batch and recomputes gradient accumulation."""
+    """Every world size the run may have must split every global batch size it goes through into
+    whole micro-batches: an elastic resize keeps the global batch and recomputes gradient
+    accumulation, and so does each stage of a batch ramp-up."""
     parallel = cfg.parallel
     sizes = range(parallel.min_workers or parallel.num_workers, parallel.num_workers + 1)
-    global_batch = global_batch_sequences(cfg, seq_len)
-    bad = []
-    for n in sizes:
-        dp = n // (parallel.tp * parallel.pp)
-        if n % (parallel.tp * parallel.pp) or global_batch % (dp * cfg.train.micro_batch_size):
-            bad.append(n)
-    if bad:
-        raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, pp={parallel.pp}, "
-                          f"train.micro_batch_size={cfg.train.micro_batch_size}); choose a global batch that "
-                          f"every size in [{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
+    for global_batch in batch_schedule(cfg, seq_len).sizes():
+        bad = []
+        for n in sizes:
+            dp = n // (parallel.tp * parallel.pp)
+            if n % (parallel.tp * parallel.pp) or global_batch % (dp * cfg.train.micro_batch_size):
+                bad.append(n)
+        if bad:
+            raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, "
+                              f"pp={parallel.pp}, train.micro_batch_size={cfg.train.micro_batch_size}); choose "
+                              f"a global batch (and batch_rampup sizes) that every size in "
+                              f"[{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
 

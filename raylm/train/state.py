@@ -25,6 +25,7 @@ class TrainState:
     skip: list[list[int]] = field(default_factory=list)  # sample ranges the guard skipped (beside data.skip)
     lr_scale: float = 1.0  # the guard's cuts of the scheduled LR
     rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back
+    loss_scale: Optional[float] = None  # fp16's dynamic loss scale (None: no scaling)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "TrainState":

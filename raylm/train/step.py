@@ -46,9 +46,46 @@ def training_loss(z_loss: float) -> Callable[[torch.Tensor, torch.Tensor], torch
 
 
 def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.train.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    if cfg.train.precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
+
+
+def needs_loss_scaling(cfg: Config) -> bool:
+    """fp16 anywhere in the forward or backward: small gradients would flush to zero unscaled."""
+    return cfg.train.precision == "fp16" or cfg.parallel.param_dtype == "fp16"
+
+
+class LossScaler:
+    """Dynamic loss scaling (as torch.amp.GradScaler), on the gradient norm the step computes
+    anyway: that norm is global (every shard, TP slice and stage), so every rank sees the same
+    overflow and no extra collective or host sync is needed. An overflow halves the scale and
+    skips the step; `growth_interval` clean steps double it."""
+
+    def __init__(self, initial: float, growth_interval: int, growth: float = 2.0, backoff: float = 0.5):
+        self.scale, self.growth_interval, self.growth, self.backoff = initial, growth_interval, growth, backoff
+        self.clean_steps = 0
+
+    def unscale(self, parts: list[nn.Module]) -> None:
+        """Gradients back to the loss's own scale, before the norm and clipping."""
+        grads = [_local_tensor(p.grad) for p in unique_parameters(parts) if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.scale)
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth
+            self.clean_steps = 0
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +123,7 @@ class ParallelModel:
         self.model = merged_view(parts)
         self.layout: dict = describe_layout(cfg, mesh)
         self.loss_fn = training_loss(cfg.train.z_loss)
+        self.loss_scale = 1.0  # the LossScaler's current scale under fp16; backward sees loss × this
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
     # peers share them, so they see the same samples.
@@ -116,7 +154,7 @@ class ParallelModel:
                 with autocast(self.cfg, self.world.device):
                     logits = model(mb[:, :-1])  # (B, T, vocab)
                 loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
-                loss.backward()
+                (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             total += _whole(loss.detach())
         return self.mean_across_dp(total)
 
@@ -181,7 +219,7 @@ class PipelineModel(ParallelModel):
                              "micro-batches (parallel.pp_microbatches or train.micro_batch_size)")
         if (n, backward) not in self._schedules:
             schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n,
-                                               self.loss_fn if backward else cross_entropy,
+                                               self._scaled_loss if backward else cross_entropy,
                                                forward_only=not backward)
             self._schedules[n, backward] = schedule
             if backward:
@@ -193,6 +231,11 @@ class PipelineModel(ParallelModel):
                           f"bubble {self.layout['pp_bubble']:.1%} of compute time", flush=True)
         return self._schedules[n, backward]
 
+    def _scaled_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule runs backward on what its loss function returns: scale it there (read
+        at each call, as the scale changes), and divide the reported losses back."""
+        return self.loss_fn(logits, targets) * self.loss_scale
+
     def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool) -> torch.Tensor:
         schedule = self._schedule(len(tokens), micro_batch_size, backward)
         inputs = (tokens[:, :-1],) if self.has_first else ()  # later stages receive activations
@@ -203,6 +246,8 @@ class PipelineModel(ParallelModel):
         # The last stage's rank knows the loss; a sum over the pipeline group hands it to all.
         loss = torch.stack([_whole(x.detach()) for x in losses]).mean() if self.has_last else \
             torch.zeros((), device=self.world.device)
+        if backward and self.loss_scale != 1.0:
+            loss = loss / self.loss_scale
         dist.all_reduce(loss, group=self.mesh.pp.get_group())
         return self.mean_across_dp(loss)
 
