@@ -59,13 +59,14 @@ def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) ->
 
 @torch.no_grad()
 def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, seed: Optional[int] = None) -> list[int]:
-    """Autoregressive sampling; temperature 0 is greedy."""
+             top_k: Optional[int] = None, seed: Optional[int] = None, vocab_size: Optional[int] = None) -> list[int]:
+    """Autoregressive sampling; temperature 0 is greedy. `vocab_size`: the tokenizer's, when the
+    model's embedding is padded beyond it (those ids decode to nothing and are never sampled)."""
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     max_len = model.cfg.max_seq_len
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -max_len:])[:, -1, :].float()  # (1, V)
+        logits = model(ids[:, -max_len:])[:, -1, :vocab_size].float()  # (1, V)
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -82,5 +83,5 @@ def generate_text(checkpoint_uri: str, prompt: str, max_new_tokens: int = 200, t
                   top_k: Optional[int] = 200, seed: Optional[int] = None,
                   storage_cfg: Optional[StorageConfig] = None) -> str:
     model, tokenizer, _ = load_for_inference(checkpoint_uri, storage_cfg)
-    new = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed)
+    new = generate(model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, seed, tokenizer.vocab_size)
     return tokenizer.decode(new)

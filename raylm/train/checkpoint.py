@@ -10,13 +10,16 @@ A checkpoint directory, `checkpoint_<step, 8 digits>`, holds
   file's size and sha256. A directory without it is an unfinished save, never resumed from.
 
 Reading never runs code from storage: `load` first checks every file against the manifest
-(sizes and checksums), then reads JSON, DCP's metadata and state through `raylm.train.dcp_safe`,
-and the RNG file with `torch.load(weights_only=True)`. Discovery (`latest_usable`) is cheap:
-sizes of every file, checksums of the small files it parses.
+(sizes and checksums), then reads JSON, and DCP's metadata, state and the RNG file through
+`raylm.train.safe_state` (a restricted unpickler, `torch.load(weights_only=True)`).
+Discovery (`latest_usable`) is cheap: every file's size, checksums of the small files it
+parses. Resuming (`open_latest`) also checks the checksums of the checkpoint it hands out, and
+passes over one that fails for the previous one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,11 +30,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -181,13 +185,34 @@ def finalize(uri: str, entries: dict[str, FileEntry], storage_cfg: Optional[Stor
     storage.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode(), storage_cfg)
 
 
+# Local directories this process has checked in full, with the size and mtime of each file
+# then: `open_latest` checks the checkpoint it hands out, and `load` need not hash it again.
+_SOUND: dict[str, tuple] = {}
+
+
+def _fingerprint(directory: str) -> tuple:
+    stats = {name: os.stat(os.path.join(directory, name)) for name in storage.list_files(directory)}
+    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats.items())
+
+
+def _local_problem(directory: str) -> Optional[str]:
+    """`_problem` with every checksum for a local directory (none needed without a manifest,
+    a `save` nobody finalized, as in tests that save and load in place: it must be whole)."""
+    directory = os.path.abspath(directory)
+    if _SOUND.get(directory) == _fingerprint(directory):
+        return None
+    problem = _problem(directory, None, checksums=True,
+                       require_manifest=os.path.exists(os.path.join(directory, MANIFEST)))
+    if problem is None:
+        _SOUND[directory] = _fingerprint(directory)
+    return problem
+
+
 def check_sound(directory: str, name: Optional[str] = None) -> None:
     """Raise CheckpointError unless the local checkpoint `directory` (called `name` in the
     message, e.g. the s3:// URI it was copied from) is whole and every file matches its
-    manifest's size and sha256. A directory without a manifest (a `save` nobody finalized, as
-    in tests that save and load in place) must at least be whole."""
-    has_manifest = os.path.exists(os.path.join(directory, MANIFEST))
-    problem = _problem(directory, None, checksums=True, require_manifest=has_manifest)
+    manifest's size and sha256."""
+    problem = _local_problem(directory)
     if problem:
         raise CheckpointError(f"checkpoint {name or directory} cannot be used: {problem}")
 
@@ -202,13 +227,17 @@ def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
         raise CheckpointError(f"checkpoint {directory} was trained with tokenizer {state['tokenizer_sha256'][:12]} "
                               f"but the dataset uses {tokenizer_sha256[:12]}: refusing to mix tokenizers")
     model_sd, optim_sd = _states(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+    _read_state({"model": model_sd, "optim": optim_sd}, directory)
     set_state_dict(model.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_STATE_DICT_OPTIONS)
     rng = os.path.join(directory, _rng_name(world.rank))
     # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
     if os.path.exists(rng) and state["world_size"] == world.world_size:
-        set_rng_state(torch.load(rng, weights_only=True))
+        try:
+            set_rng_state(torch.load(rng, weights_only=True))
+        except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"checkpoint {directory}: {_rng_name(world.rank)} is not an RNG state: "
+                                  f"{_first_lines(e)}") from e
     return state
 
 
@@ -218,8 +247,25 @@ def load_model_weights(directory: str, model: torch.nn.Module, check: bool = Tru
     if check:
         check_sound(directory)
     sd = get_model_state_dict(model, options=StateDictOptions())
-    dcp.load({"model": sd}, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+    _read_state({"model": sd}, directory)
     model.load_state_dict(sd)
+
+
+def _first_lines(error: BaseException) -> str:
+    """What torch's long errors say first, and the global a refused unpickling names."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines[1:] if "GLOBAL" in line]
+    return " ".join(lines[:1] + named[:1])[:400]
+
+
+def _read_state(state: dict, directory: str) -> None:
+    """dcp.load through the safe reader and planner; a failure on any rank is a CheckpointError."""
+    try:
+        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+    except CheckpointException as e:  # a BaseException: it would pass `except Exception` handlers
+        rank, (error, _) = next(iter(e.failures.items()))
+        raise CheckpointError(f"checkpoint {directory}: its state cannot be read (rank {rank}: "
+                              f"{type(error).__name__}: {_first_lines(error)})") from e
 
 
 # ----------------------------------------------------------------------------- checking
@@ -370,9 +416,25 @@ def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -
     return _scan(run_uri, storage_cfg)[0]
 
 
+def _report(run_uri: str, skipped: list[tuple[str, str]], found: bool, allow_none_usable: bool,
+            events_path: Optional[str]) -> None:
+    from raylm.train.metrics import append_event  # noqa: PLC0415 - heavy (model, parallel); rarely needed
+
+    for uri, reason in skipped if events_path else ():
+        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
+        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
+    if not found and skipped and not allow_none_usable:
+        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
+        raise UnusableCheckpointsError(
+            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
+            "Training will not silently start again from step 0: repair or remove them, or set "
+            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
+
+
 def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, allow_none_usable: bool = False,
                   events_path: Optional[str] = None) -> Optional[str]:
-    """The newest usable checkpoint to resume from, or None when the run has none.
+    """The newest usable checkpoint to resume from by the cheap checks (sizes), or None when
+    the run has none (for the driver: what the workers will try first).
 
     Finished checkpoints passed over (an unparseable manifest, train state or metadata, a file
     missing or of the wrong size) are reported when `events_path` (the run's events.jsonl) is
@@ -381,19 +443,38 @@ def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, all
     UnusableCheckpointsError naming each, unless `allow_none_usable` (training then starts from
     step 0 beside them).
     """
-    from raylm.train.metrics import append_event  # noqa: PLC0415 - heavy (model, parallel); rarely needed
-
     latest, skipped = _scan(run_uri, storage_cfg)
-    for uri, reason in skipped if events_path else ():
-        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
-        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
-    if latest is None and skipped and not allow_none_usable:
-        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
-        raise UnusableCheckpointsError(
-            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
-            "Training will not silently start again from step 0: repair or remove them, or set "
-            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
+    _report(run_uri, skipped, latest is not None, allow_none_usable, events_path)
     return latest
+
+
+@contextlib.contextmanager
+def open_latest(run_uri: str, storage_cfg: Optional[StorageConfig] = None,
+                fetch: Callable[[str], ContextManager[str]] = contextlib.nullcontext,
+                agree: Callable[[bool], bool] = lambda ok: ok, allow_none_usable: bool = False,
+                events_path: Optional[str] = None) -> Iterator[Optional[str]]:
+    """The checkpoint to resume from, as a local directory whose every file matches its
+    manifest, checksums included; None when the run has none. As `latest_usable`, and a
+    checkpoint whose files do not match (a corrupted shard of the right size) is passed over
+    for the previous one too. `fetch(uri)` gives a local directory for a checkpoint (a download
+    from s3://; local ones are used in place); `agree(ok)` is one decision for every rank
+    (World.agree(ok, "all")), so that all ranks resume from the same checkpoint.
+    """
+    skipped: list[tuple[str, str]] = []
+    for uri in checkpoint_uris(run_uri, storage_cfg):
+        if not storage.exists(storage.join(uri, MANIFEST), storage_cfg):
+            continue  # an unfinished save
+        problem = incomplete_reason(uri, storage_cfg)
+        if agree(problem is None):
+            with fetch(uri) as directory:
+                problem = _local_problem(directory)
+                if agree(problem is None):
+                    _report(run_uri, skipped, True, allow_none_usable, events_path)
+                    yield directory
+                    return
+        skipped.append((uri, problem or "another rank found it unusable"))
+    _report(run_uri, skipped, False, allow_none_usable, events_path)
+    yield None
 
 
 # ----------------------------------------------------------------------------- retention

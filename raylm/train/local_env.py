@@ -7,8 +7,8 @@ import os
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
+from raylm.parallel.world import World
 from raylm.train import checkpoint
 from raylm.train.metrics import EVENTS_FILE
 
@@ -16,9 +16,9 @@ from raylm.train.metrics import EVENTS_FILE
 class LocalEnv:
     """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk).
 
-    Resuming takes the newest usable checkpoint; rank 0 reports each one passed over (stderr
-    and events.jsonl). Finished checkpoints that are all unusable stop the run unless
-    `allow_none_usable`."""
+    Resuming takes the newest checkpoint whose files all match its manifest (checksums
+    included); rank 0 reports each one passed over (stderr and events.jsonl). Finished
+    checkpoints that are all unusable stop the run unless `allow_none_usable`."""
 
     def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False, allow_none_usable: bool = False):
         self.run_dir, self.resume, self.use_gpu = run_dir, resume, use_gpu
@@ -36,9 +36,12 @@ class LocalEnv:
         if not self.resume:
             yield None
             return
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        yield checkpoint.latest_usable(self.run_dir, allow_none_usable=self.allow_none_usable,
-                                       events_path=os.path.join(self.run_dir, EVENTS_FILE) if rank0 else None)
+        world = World.current(self.device())
+        with checkpoint.open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
+                                    allow_none_usable=self.allow_none_usable,
+                                    events_path=os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
+                                    ) as directory:
+            yield directory
 
     @contextlib.contextmanager
     def staging_dir(self, step: int) -> Iterator[str]:

@@ -3,7 +3,12 @@ the production save path (`Checkpointer` over a `LocalEnv`), for the checkpoint 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import subprocess
+import sys
+from typing import Optional
 
 import torch
 
@@ -11,6 +16,7 @@ from raylm.config import CONFIG_FILE, Config, config_to_yaml, load_config
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
 from raylm.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from raylm.train.checkpoint import MANIFEST
 from raylm.train.checkpointer import Checkpointer
 from raylm.train.local_env import LocalEnv
 from raylm.train.optim import build_optimizer
@@ -63,3 +69,32 @@ def make_run(run_dir: str, steps: tuple[int, ...] = (2, 4), *overrides: str) -> 
         uris.append(save_checkpoint(run_dir, cfg, step, model, optimizer))
         done = step
     return uris
+
+
+def forge_manifest(checkpoint_dir: str) -> None:
+    """Rewrite the manifest to match the files as they are now: what someone who can write to
+    the storage can do, so that only the readers' own checks stand between them and the run."""
+    manifest_path = os.path.join(checkpoint_dir, MANIFEST)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    for name in manifest["files"]:
+        path = os.path.join(checkpoint_dir, name)
+        with open(path, "rb") as f:
+            manifest["files"][name] = {"size": os.path.getsize(path), "sha256": hashlib.sha256(f.read()).hexdigest()}
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+
+
+def flip_byte(path: str) -> None:
+    """Corrupt a file in place without changing its size."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def run_cli(*args: str, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`raylm ARGS` in a fresh interpreter, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "raylm.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})

@@ -12,6 +12,7 @@ from raylm.train import checkpoint
 from raylm.train.checkpoint import CheckpointWriteError
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
+from tests.support.checkpoints import flip_byte
 from tests.train.test_loop import losses, tiny_config
 
 
@@ -110,15 +111,40 @@ def test_async_saves_resume_like_sync_saves_on_two_ranks(tiny_dataset, tmp_path)
 
     common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0", "train.tensorboard=false")
     run_distributed(_train_ranks, 2, tiny_dataset, str(tmp_path / "sync"), *common)
-    resumed = str(tmp_path / "async")
-    run_distributed(_train_ranks, 2, tiny_dataset, resumed, *common, "checkpoint.async_save=true",
-                    "train.stop_at_step=4")
-    assert checkpoints(resumed) == ["checkpoint_00000002", "checkpoint_00000004"]
-    assert all(checkpoint.incomplete_reason(os.path.join(resumed, n)) is None for n in checkpoints(resumed))
-    # Resuming from the async checkpoint of step 4 (written while steps went on) reproduces the
-    # synchronous run: the background write saw the state of step 4, not a later one.
-    run_distributed(_train_ranks, 2, tiny_dataset, resumed, *common, "checkpoint.async_save=true")
+    resumed = tmp_path / "async"
+    run_distributed(_train_ranks, 2, tiny_dataset, str(resumed), *common, "checkpoint.async_save=true",
+                    "train.stop_at_step=6")
+    assert checkpoints(resumed) == ["checkpoint_00000002", "checkpoint_00000004", "checkpoint_00000006"]
+    written_during = {n: json.loads((resumed / n / checkpoint.MANIFEST).read_text())["steps_during_write"]
+                      for n in checkpoints(resumed)}
+    # Step 5 trained (and updated the weights) while step 4's checkpoint was being written; the
+    # last save is waited for at the end, with no step during it.
+    assert written_during["checkpoint_00000004"] >= 1 and written_during["checkpoint_00000006"] == 0
+    # What a crash while step 6's checkpoint was written leaves: no manifest. The resume takes
+    # step 4's, and reproduces the synchronous run: the background write saw step 4's state.
+    os.remove(resumed / "checkpoint_00000006" / checkpoint.MANIFEST)
+    run_distributed(_train_ranks, 2, tiny_dataset, str(resumed), *common, "checkpoint.async_save=true")
     sync, async_ = losses(tmp_path / "sync"), losses(resumed)
     assert sorted(async_) == list(range(1, 9))
     for step in range(1, 9):
         assert async_[step] == pytest.approx(sync[step], rel=1e-6), step
+    with open(resumed / "events.jsonl") as f:
+        (event,) = [json.loads(line) for line in f]
+    assert event["event"] == "resumed" and event["from_step"] == 4
+
+
+def test_resume_passes_over_a_corrupted_checkpoint_for_the_previous_one(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0")
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "straight")))
+    run = tmp_path / "corrupted"
+    train(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), LocalEnv(str(run)))
+    flip_byte(str(run / "checkpoint_00000006" / "__0_0.distcp"))  # same size: only its checksum tells
+    train(tiny_config(tiny_dataset, *common), LocalEnv(str(run)))
+    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    for step in (5, 6, 7, 8):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+    with open(run / "events.jsonl") as f:
+        skipped, resumed_event = [json.loads(line) for line in f]
+    assert skipped["event"] == "checkpoint_skipped" and skipped["uri"] == str(run / "checkpoint_00000006")
+    assert skipped["reason"].startswith("__0_0.distcp has sha256")
+    assert resumed_event["event"] == "resumed" and resumed_event["from_step"] == 4
