@@ -28,7 +28,9 @@ from raylm.config import DataConfig, StorageConfig
 from raylm.data.manifest import SplitInfo, load_manifest
 from raylm.data.prepare import ROW_GROUP_ROWS
 from raylm.data.storage import filesystem_for
-from raylm.data.stream import SHARD_CACHE_BYTES, Datasets, RowSource, TokenStream
+from raylm.data.stream import Datasets, RowSource, TokenStream
+
+SHARD_CACHE_BYTES = DataConfig().shard_cache_mb << 20  # the default cache of a reading process
 
 T = TypeVar("T")
 

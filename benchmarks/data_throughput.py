@@ -19,7 +19,7 @@ shared: read every figure next to its load averages).
              process), over 1 + --warm-epochs epochs.
              COLD: the first epoch, timed from the call, so the window holds the reader's
              start-up and the S3 read of every shard (the reader caches whole shards of up to
-             raylm.data.stream.SHARD_CACHE_BYTES per process). WARM: the later epochs, every
+             data.shard_cache_mb per process). WARM: the later epochs, every
              shard in the reader's cache, no S3 read (SeaweedFS's CPU shows it).
              Baseline: COLD pyarrow with no raylm code, in a new process: a new
              pyarrow.fs.S3FileSystem lists the train shards and reads each whole, one after

@@ -91,6 +91,9 @@ class DataConfig:
     """Check every shard's checksum and row count on the driver before training starts
     (reads the dataset once; turn off for datasets too large to read up front)."""
     prefetch_chunks: int = 4
+    shard_cache_mb: int = 1024
+    """Each reading process keeps whole shards in memory when the split fits in this many MiB
+    (one fetch per shard); a larger split is read by the row groups each batch needs. 0: never cache."""
     skip: list[list[int]] = field(default_factory=list)
     """Global sample ranges [start, end) never fed to the model (rolling past bad data)."""
 
@@ -174,6 +177,9 @@ class TrainConfig:
     peak_tflops: Optional[float] = None
     """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
     tensorboard: bool = True
+    trackers: list[Literal["mlflow", "wandb"]] = field(default_factory=list)
+    """Experiment trackers besides metrics.jsonl and TensorBoard (extra `tracking`); their
+    credentials and endpoints come from the environment only (see raylm/train/trackers.py)."""
     audit_samples: bool = False
     """Add to each step's metrics.jsonl row the sorted global indices of the samples it trained
     on, gathered from every data-parallel rank: the record that proves no sample was lost or
@@ -525,6 +531,8 @@ def validate(cfg: Config) -> None:
     if g.min_history < 2 or g.snapshot_every < 1:
         raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
                           f"{g.min_history} and {g.snapshot_every}")
+    if cfg.data.shard_cache_mb < 0:
+        raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")
     cpus = cfg.parallel.cpus_per_worker
     if cpus != "auto" and cpus <= 0:
         raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")

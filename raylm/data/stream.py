@@ -63,10 +63,6 @@ class BatchSchedule:
         return [self.final] if self.start is None else list(range(self.start, self.final + 1, self.increment))
 
 
-# Whole shards kept per process (the reader actor, or the trainer with the local engine), so a
-# shard is fetched once in one request rather than a small request per row group. Larger datasets
-# fall back to reading only the row groups they need.
-SHARD_CACHE_BYTES = 1 << 30
 _shards: OrderedDict[str, np.ndarray] = OrderedDict()
 
 
@@ -75,11 +71,13 @@ def _tokens(table) -> "np.ndarray":
 
 
 class ShardReader:
-    """Reads rows of Parquet shards by row number: whole shards through a per-process cache
-    when they fit in `SHARD_CACHE_BYTES`, else the row groups that hold the rows."""
+    """Reads rows of Parquet shards by row number: whole shards through a per-process cache of
+    `cache_bytes` (the caller sets it only when the whole split fits), else the row groups
+    that hold the rows. A cache smaller than the split would fetch a whole shard for every
+    chunk of the shuffled order: many times the bytes the rows need."""
 
-    def __init__(self, row_tokens: int, storage_cfg: Optional[StorageConfig]):
-        self.row_tokens, self.storage_cfg = row_tokens, storage_cfg
+    def __init__(self, row_tokens: int, storage_cfg: Optional[StorageConfig], cache_bytes: int):
+        self.row_tokens, self.storage_cfg, self.cache_bytes = row_tokens, storage_cfg, cache_bytes
         self._files: dict[str, pq.ParquetFile] = {}
 
     def _file(self, uri: str) -> pq.ParquetFile:
@@ -89,16 +87,15 @@ class ShardReader:
         return self._files[uri]
 
     def _whole(self, uri: str) -> Optional[np.ndarray]:
+        if not self.cache_bytes:
+            return None
         if uri in _shards:
             _shards.move_to_end(uri)
             return _shards[uri]
-        meta = self._file(uri).metadata
-        if meta.num_rows * self.row_tokens * 4 > SHARD_CACHE_BYTES:
-            return None
         fs, path = storage.filesystem_for(uri, self.storage_cfg)
         rows = _tokens(pq.read_table(path, filesystem=fs, columns=["tokens"])).reshape(-1, self.row_tokens)
         _shards[uri] = rows
-        while sum(r.nbytes for r in _shards.values()) > SHARD_CACHE_BYTES:
+        while sum(r.nbytes for r in _shards.values()) > self.cache_bytes:
             _shards.popitem(last=False)
         return rows
 
@@ -126,8 +123,9 @@ class RowSource:
     """Everything needed to turn global indices into token rows; small and picklable."""
 
     def __init__(self, order: SampleOrder, shard_uris: list[list[str]], row_tokens: int,
-                 storage_cfg: Optional[StorageConfig]):
+                 storage_cfg: Optional[StorageConfig], cache_bytes: int = 0):
         self.order, self.shard_uris, self.row_tokens, self.storage_cfg = order, shard_uris, row_tokens, storage_cfg
+        self.cache_bytes = cache_bytes
         self._reader: Optional[ShardReader] = None
 
     def __getstate__(self) -> dict:
@@ -135,7 +133,7 @@ class RowSource:
 
     def rows(self, indices: list[int]) -> np.ndarray:
         if self._reader is None:
-            self._reader = ShardReader(self.row_tokens, self.storage_cfg)
+            self._reader = ShardReader(self.row_tokens, self.storage_cfg, self.cache_bytes)
         datasets, shards, rows = self.order.locate_many(indices)
         out = np.empty((len(indices), self.row_tokens), dtype=np.int32)
         for d, shard in {(int(d), int(s)) for d, s in zip(datasets, shards)}:
@@ -198,8 +196,10 @@ class Datasets:
             shard_uris.append(m.shard_uris(uri, split))
             orders.append(DatasetOrder(shard_uris[-1], [s.rows for s in m.splits[split].shards], data.seed,
                                        data.chunk_rows, shuffle=shuffle, salt=d))
+        split_bytes = sum(m.splits[split].rows for m in self.manifests) * self.manifest.row_tokens * 4
+        cache = data.shard_cache_mb << 20
         return RowSource(SampleOrder(orders, list(self.weights), data.seed), shard_uris, self.manifest.row_tokens,
-                         storage_cfg)
+                         storage_cfg, cache if split_bytes <= cache else 0)
 
 
 def step_positions(position: int, first_step: int, last_step: int, schedule: BatchSchedule,

@@ -21,8 +21,8 @@ def all_rows(dataset: str) -> list[tuple]:
     return rows
 
 
-def rank_streams(dataset, dp_size, position, first, last, global_batch=6, engine="local", skip=()):
-    data = DataConfig(path=dataset, chunk_rows=8)
+def rank_streams(dataset, dp_size, position, first, last, global_batch=6, engine="local", skip=(), cache_mb=1024):
+    data = DataConfig(path=dataset, chunk_rows=8, shard_cache_mb=cache_mb)
     source = Datasets.load(data, None).open_split("train", data, None)
     return [list(TokenStream(source, global_batch, r, dp_size, list(skip), engine).batches(position, first, last))
             for r in range(dp_size)]
@@ -101,8 +101,8 @@ def test_row_group_reads_give_the_same_batches_as_whole_shards(tiny_dataset, mon
     from raylm.data import stream
 
     whole = rank_streams(tiny_dataset, 2, 0, 0, 6)
-    monkeypatch.setattr(stream, "SHARD_CACHE_BYTES", 0)  # no shard fits: read row groups
     monkeypatch.setattr(stream, "_shards", stream.OrderedDict())
-    by_groups = rank_streams(tiny_dataset, 2, 0, 0, 6)
+    by_groups = rank_streams(tiny_dataset, 2, 0, 0, 6, cache_mb=0)  # no cache: read row groups
+    assert not stream._shards
     for a, b in zip(whole, by_groups):
         assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
