@@ -5,6 +5,7 @@ Pure functions (no Ray): rows are dicts with the columns of trials.csv.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from raylm.config import Config, config_from_dict, config_to_dict
 from raylm.sweep import fit
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
+from raylm.train.spec import absolute, resolve_run
 
 COMPLETED, STOPPED, ERROR = "completed", "stopped_early", "error"
 
@@ -144,11 +146,13 @@ def predicted_lr(laws: Laws, params: float, fallback: float) -> float:
     return fit.eval_power_law(laws.lr_vs_params, params) if laws.lr_vs_params else fallback
 
 
-def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, resolved: Config) -> tuple[Config, dict]:
+def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, resolved: Config,
+              largest_flops: float) -> tuple[Config, dict]:
     """A complete `raylm train` config for target.flops or target.params, and its prediction.
 
     `base` is the user's base run (its parallel layout, checkpointing, data); `resolved` the same
-    resolved against the data (vocabulary, seq_len, absolute paths)."""
+    resolved against the data (vocabulary, seq_len). Raises ValueError when the fit cannot place
+    the target (a size the fit never makes compute-optimal)."""
     seq_len = resolved.train.seq_len
     if sweep.target.flops:
         n_opt, _, _ = fit.compute_optimal(laws.parametric, sweep.target.flops, laws.flops_per_token)
@@ -160,16 +164,19 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     p = base.parallel
     unit = max(1, p.num_workers // (p.tp * p.pp)) * base.train.micro_batch_size  # whole micro-batches per rank
     if laws.batch_vs_flops:
-        batch = max(unit, unit * round(fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token) / unit))
+        batch = fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token)
     else:
         t = resolved.train
         batch = t.global_batch_size if t.global_batch_size is not None else t.global_batch_tokens // seq_len
+    batch = unit * max(1, round(batch / unit))
     steps = steps_for(tokens, batch, seq_len)
     lr = predicted_lr(laws, size.params, base.optim.lr)
     warmup_fraction, min_lr_fraction = schedule_shape(base)
     tree = config_to_dict(base)
     tree["model"] = {**config_to_dict(size.model), "size": None, "vocab_size": base.model.vocab_size}
-    tree["data"] = config_to_dict(resolved)["data"]  # absolute paths: the file runs from anywhere
+    tree["data"]["path"] = absolute(base.data.path)  # the file runs from any directory
+    for component in tree["data"]["mixture"]:
+        component["path"] = absolute(component["path"])
     tree["optim"]["lr"] = lr
     tree["schedule"].update(warmup_steps=round(warmup_fraction * steps), min_lr=lr * min_lr_fraction)
     tree["train"].update(steps=steps, global_batch_size=batch, global_batch_tokens=None, stop_at_step=None,
@@ -178,11 +185,15 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     tree["run"]["name"] = f"{base.run.name}-recommended"
     tree["run"]["storage_path"] = resolved.run.storage_path
     cfg = config_from_dict(tree)
+    # Everything `raylm train` checks before starting (shape, layout, batch split, the data), but
+    # the shard checksums: the sweep has just read the data.
+    resolve_run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, verify=False)))
     trained = steps * batch * seq_len
     info = {"target": {"flops": sweep.target.flops, "params": sweep.target.params},
             "params": size.params, "params_non_embedding": size.params_non_embedding,
             "params_total": size.params_total, "tokens": trained, "flops": trained * size.flops_per_token,
             "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
             "lr": lr, "batch": batch, "steps": steps,
+            "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
             "predicted_loss": laws.predict(size.params, trained)}
     return cfg, info

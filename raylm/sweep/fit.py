@@ -186,8 +186,11 @@ def params_for_tokens_optimal(fit: Parametric, params: float, flops_per_token: C
     def gap(log_c: float) -> float:
         return (np.log(compute_optimal(fit, np.exp(log_c), flops_per_token)[0]) - np.log(params)) ** 2
     f = flops_per_token(params)
-    res = minimize_scalar(gap, bounds=(np.log(f * params), np.log(f * params * 1e5)), method="bounded",
-                          options={"xatol": 1e-7})
+    low, high = np.log(f * params), np.log(f * params * 1e5)
+    res = minimize_scalar(gap, bounds=(low, high), method="bounded", options={"xatol": 1e-7})
+    if res.fun > 1e-4:
+        raise ValueError(f"the fit makes {params:,.0f} parameters compute-optimal at no budget from 1 to 1e5 tokens "
+                         "per parameter; give the target as flops instead")
     return float(np.exp(res.x)) / f
 
 

@@ -264,10 +264,16 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
         rows += check_rows
     write_trials(plan.directory, rows)
     if (sweep.target.flops or sweep.target.params) and laws.parametric is not None:
-        cfg, info = analysis.recommend(sweep, laws, plan.sizes, base, plan.resolved)
-        result["recommended"] = info
-        with open(os.path.join(plan.directory, RECOMMENDED_FILE), "w") as f:
-            f.write(_recommended_yaml(cfg, info, plan.directory))
+        try:
+            cfg, info = analysis.recommend(sweep, laws, plan.sizes, base, plan.resolved,
+                                           max(r["flops"] for r in rows))
+        except ValueError as e:
+            print(f"raylm: no recommended run: {e}", flush=True)
+            result["recommended"] = {"error": str(e)}
+        else:
+            result["recommended"] = info
+            with open(os.path.join(plan.directory, RECOMMENDED_FILE), "w") as f:
+                f.write(_recommended_yaml(cfg, info, plan.directory))
     result["wall_s"] = time.time() - started
     with open(os.path.join(plan.directory, FIT_FILE), "w") as f:
         json.dump(result, f, indent=1)
@@ -294,7 +300,7 @@ def summary(result: dict) -> str:
                      f"[{check['interval'][0]:.4f}, {check['interval'][1]:.4f}], measured {check['measured_loss']:.4f} "
                      f"({100 * check['relative_error']:+.2f}%)")
     rec = result.get("recommended")
-    if rec:
+    if rec and "error" not in rec:
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "
                      f"predicted loss {rec['predicted_loss']['loss']:.4f} -> {result['sweep']}/{RECOMMENDED_FILE}")
     return "\n".join(lines)

@@ -104,7 +104,7 @@ def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_d
 @pytest.mark.slow
 def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_dataset, tmp_path):
     overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=killed-worker",
-                 "sweep.check=false", "sweep.target.params=null", "sweep.ladder.d_model=[16,24]",
+                 "sweep.check=false", "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]",
                  "sweep.ladder.tokens_per_param=[8]", "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0"]
     directory = str(tmp_path / "killed-worker")
     killed = {}

@@ -1,0 +1,81 @@
+"""From a table of trial results to fit.json's fits, and the order trials are handed out (no Ray
+cluster, no training)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from raylm.sweep import analysis
+from raylm.sweep.config import SweepConfig, LadderConfig, LRConfig, SearchConfig
+from raylm.sweep.fit import Parametric
+from raylm.sweep.ladder import Rung, Size
+from raylm.sweep.search import plan_slots
+
+TRUE = Parametric(E=1.0, A=30.0, alpha=0.35, B=60.0, beta=0.3)
+
+
+def best_lr_of(n):
+    return 0.01 * (n / 1e4) ** -0.3
+
+
+def synthetic_rows():
+    """3 learning rates per rung; loss = the true law at the rung's best lr, rising quadratically
+    in log lr away from it; the worst lr of each rung stopped early."""
+    rows = []
+    for size, n in enumerate([1e4, 2e4, 4e4, 8e4, 1.6e5]):
+        for ratio in (10, 20, 40):
+            d = n * ratio
+            for k, lr in enumerate(best_lr_of(n) * np.array([0.5, 1.1, 2.5])):
+                loss = TRUE.loss(n, d) + 0.05 * (math.log(lr) - math.log(best_lr_of(n))) ** 2
+                rows.append({"trial_id": f"t{len(rows)}", "phase": "ladder", "rung": f"s{size}-tpp{ratio}",
+                             "size": size, "budget": f"tokens_per_param={ratio}", "params": n, "tokens": d,
+                             "flops": 6 * n * d, "flops_per_token": 6 * n, "lr": lr, "batch": 8,
+                             "val_loss": float(loss) if k < 2 else float(loss) + 1,
+                             "status": analysis.COMPLETED if k < 2 else analysis.STOPPED})
+    return rows
+
+
+def sizes():
+    return [Size(i, f"ladder.sizes[{i}]", None, int(n), int(n), int(n) + 1000, 6 * n)
+            for i, n in enumerate([1e4, 2e4, 4e4, 8e4, 1.6e5])]
+
+
+def test_analysis_recovers_the_lr_law_and_the_loss_law_from_a_table():
+    sweep = SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]))
+    sweep.fit.bootstrap = 20
+    result, laws = analysis.analyze(synthetic_rows(), sizes(), sweep)
+    assert len(result["rungs"]) == 15 and all(b["trials"] == 2 for b in result["rungs"])
+    # Two completed learning rates per rung, the better one at an edge of what completed.
+    assert len(result["lr"]["at_grid_edge"]) == 15
+    assert result["lr"]["lr_vs_params"]["exponent"] == pytest.approx(-0.3, abs=0.02)
+    p = result["parametric"]
+    assert p["alpha"] == pytest.approx(TRUE.alpha, abs=0.05) and p["beta"] == pytest.approx(TRUE.beta, abs=0.05)
+    assert laws.predict(3.2e5, 6.4e6)["loss"] == pytest.approx(float(TRUE.loss(3.2e5, 6.4e6)), rel=0.02)
+    table = result["compute_optimal"]["table"]
+    assert [t["flops"] for t in table] == sorted(t["flops"] for t in table)
+    assert result["compute_optimal"]["params_vs_flops"]["exponent"] == pytest.approx(
+        TRUE.beta / (TRUE.alpha + TRUE.beta), abs=0.05)  # F(N) = 6N here: the closed form holds
+
+
+def test_too_few_rungs_records_why_there_is_no_fit():
+    rows = [r for r in synthetic_rows() if r["size"] == 0]
+    result, laws = analysis.analyze(rows, sizes()[:1], SweepConfig())
+    assert laws.parametric is None and "at least 5" in result["parametric"]["error"]
+    assert "error" in result["lr"]["lr_vs_params"]
+    assert "compute_optimal" not in result
+
+
+def test_trials_are_handed_out_round_by_round_costliest_rung_first():
+    sweep = SweepConfig(lr=LRConfig(grid=[1.0, 2.0]), search=SearchConfig(algorithm="grid"))
+    size = Size(0, "s", None, 100, 100, 200, 600.0)
+    rungs = [Rung("small", size, "tokens_per_param=1", 100, False, 1.0),
+             Rung("big", size, "tokens_per_param=2", 200, False, 10.0),
+             Rung("held", size, "tokens_per_param=4", 400, True, 1.0)]
+    slots = plan_slots(sweep, rungs, [8], {"small": 1.0, "big": 2.0, "held": 4.0})
+    assert [(s.rung, s.lr) for s in slots] == [("big", 10.0), ("small", 1.0), ("big", 20.0), ("small", 2.0)]
+    sweep.search = SearchConfig(algorithm="random", samples=3, seed=1)
+    sweep.lr = LRConfig(low=1e-3, high=1e-2)
+    drawn = plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})
+    assert len(drawn) == 6 and all(1e-3 <= s.lr / s.lr_scale <= 1e-2 and s.batch in (8, 16) for s in drawn)
+    assert drawn == plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})  # seeded
