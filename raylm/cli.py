@@ -1,4 +1,4 @@
-"""`raylm` subcommands: prepare, tokenizer train, train, generate, data inspect|verify, plan."""
+"""`raylm` subcommands: prepare, tokenizer train, train, sweep, generate, data inspect|verify, plan."""
 
 from __future__ import annotations
 
@@ -60,6 +60,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     if metrics:
         print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
               + (f", val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+
+
+def cmd_sweep(args: argparse.Namespace) -> None:
+    try:
+        from raylm.sweep.run import SweepInterrupted, run_sweep, summary
+    except ModuleNotFoundError as e:
+        if e.name not in ("scipy", "matplotlib", "optuna"):
+            raise
+        print(f"raylm: error: raylm sweep needs the sweep extra (pip install 'raylm[sweep]'): {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        print(summary(run_sweep(args.sweep, args.overrides)))
+    except SweepInterrupted as e:
+        print(f"raylm: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -129,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require a checkpoint to resume from (resuming is automatic when one exists)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("sweep", help="scaling-law sweep on Ray Tune: fits, a checked prediction, a recommended run",
+                       epilog="example: raylm sweep configs/sweep-cpu.yaml run.name=my-sweep sweep.trial.evals=4")
+    p.add_argument("sweep", help="sweep YAML (see configs/sweep-cpu.yaml); running it again resumes it")
+    p.add_argument("overrides", nargs="*", help="section.key=value for the base run (data.path=..., run.name=...), "
+                   "or sweep.section.key=value for the sweep")
+    p.set_defaults(fn=cmd_sweep)
 
     p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory (latest)")
