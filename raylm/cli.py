@@ -1,4 +1,4 @@
-"""`raylm` subcommands: prepare, tokenizer train, train, sweep, generate, data inspect|verify, plan."""
+"""`raylm` subcommands: prepare, tokenizer train, train, sweep, generate, data inspect|verify, plan, report, export, import, eval."""
 
 from __future__ import annotations
 
@@ -108,6 +108,48 @@ def cmd_plan(args: argparse.Namespace) -> None:
                    activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size))
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from raylm.report import write_report
+
+    result = write_report(args.runs, args.output, _storage(args))
+    for label, s in result["runs"].items():
+        goodput = f"{100 * s['goodput']:.1f}%" if s["goodput"] is not None else "n/a"
+        print(f"{label}: step {s['steps']}, loss {s['final loss']}, val_loss {s['final val_loss']}, "
+              f"{s['failures']} failure(s), {s['restarts']} restart(s), goodput {goodput}")
+    print(f"wrote {len(result['files']) - 1} figure(s) and {result['output']}/report.html")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from raylm.export.hf import export_hf
+    from raylm.parallel.plan import parse_memory
+
+    s = export_hf(args.source, args.output, args.dtype, parse_memory(args.max_shard_size), _storage(args),
+                  args.overwrite)
+    print(f"wrote {s['output']}: {s['architecture']}, {s['parameters'] / 1e6:.2f}M parameters ({s['dtype']}) "
+          f"from {s['checkpoint']}; files: {', '.join(s['files'])}")
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from raylm.export.hf import import_hf
+
+    s = import_hf(args.source, args.output, args.seq_len, _storage(args), args.overwrite)
+    for warning in s["warnings"]:
+        print(f"raylm: warning: {warning}", file=sys.stderr)
+    print(f"wrote {s['checkpoint']}: {s['architecture']}, {s['parameters'] / 1e6:.2f}M parameters. To continue "
+          f"pretraining: raylm prepare --tokenizer {args.source} --seq-len {s['seq_len']} --output DATA ...; "
+          f"raylm train {s['config']} data.path=DATA")
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    import json
+
+    from raylm.evaluate import evaluate
+
+    result = evaluate(args.checkpoint, args.data, args.split, args.output, args.workers, args.rows_per_part,
+                      args.batch_rows, _storage(args), args.ray_address, args.cpus_per_worker, args.gpus_per_worker)
+    print(json.dumps(result, indent=2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
     p.set_defaults(fn=cmd_plan)
+    p = sub.add_parser("report", help="figures and a self-contained report.html of one or more runs")
+    p.add_argument("runs", nargs="+", help="run directories (local or s3://); several are overlaid")
+    p.add_argument("--output", help="directory for the PNGs and report.html (default: <first run>/report)")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (Llama or GPT-2)")
+    p.add_argument("source", help="checkpoint directory, or run directory (its newest complete checkpoint)")
+    p.add_argument("--output", required=True, help="model directory to write (local or s3://)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="tensor dtype (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors into shards of this size")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in --output")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_export)
+
+    p = sub.add_parser("import", help="turn a Hugging Face Llama or GPT-2 into a checkpoint to train on")
+    p.add_argument("source", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--output", required=True, help="run directory to create (local or s3://)")
+    p.add_argument("--seq-len", type=int, help="training sequence length the run will use (default: the "
+                   "model's context, at most 2048); prepare the data with it")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoints already in --output")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_import)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits-per-byte over a whole split, on Ray workers")
+    p.add_argument("checkpoint", help="checkpoint directory, or run directory (its newest complete checkpoint)")
+    p.add_argument("--data", required=True, help="prepared dataset (directory or s3://)")
+    p.add_argument("--split", default="val")
+    p.add_argument("--output", help="result JSON (default: eval-<split>.json); parts go to <stem>.parts/, "
+                   "and a rerun reuses them")
+    p.add_argument("--workers", type=int, help="Ray actors, each holding the model (default: as many as the "
+                   "cluster's CPUs allow)")
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (and torch threads) per actor")
+    p.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor (it evaluates on one when given)")
+    p.add_argument("--rows-per-part", type=int, default=256, help="rows per unit of work and of resumption")
+    p.add_argument("--batch-rows", type=int, default=8, help="rows per forward pass")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_eval)
     return parser
 
 
@@ -190,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DatasetError, StorageError, FileNotFoundError) as e:
+    except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
 

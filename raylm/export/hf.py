@@ -7,7 +7,8 @@ Import writes a checkpoint that `raylm train` resumes from for continued pretrai
 model's weights, step 0 at data position 0 (the schedule, warmup included, starts from the
 beginning), and a fresh AdamW state (zero moments, step 0, the default `optim` settings in
 its parameter groups). The run directory gets the config.yaml to train it with; the data must
-be prepared with the same tokenizer (`raylm prepare --tokenizer <HF_DIR>`), which resuming checks.
+be prepared with the same tokenizer and the config's train.seq_len (`raylm prepare --tokenizer <HF_DIR>
+--seq-len <N>`), which resuming checks.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from raylm.tokenizer import TOKENIZER_FILE, tokenizer_from_json
 from raylm.train import checkpoint
 from raylm.train.optim import build_optimizer
 from raylm.train.resume_check import read_saved_config
+from raylm.train.state import TrainState
 
 CONFIG_FILE = "config.json"
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default
+DEFAULT_SEQ_LEN = 2048
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -52,13 +55,13 @@ def _refuse_existing(output: str, names: tuple[str, ...], overwrite: bool,
         raise FileExistsError(f"{output} already holds {', '.join(present[:3])}; pass --overwrite to replace it")
 
 
-def _check_tensors(have: set[str], rules: list[Rule], ignored: set[str], what: str) -> None:
+def _check_tensors(have: set[str], rules: list[Rule], ignored: set[str], what: str, error: type[Exception]) -> None:
     """Every tensor present is used by a rule (or known to carry no weights), every one the rules
     need is present: a model option that changes the tensor set cannot pass silently."""
     wanted = {name for rule in rules for name in rule.raylm}
     missing, unused = sorted(wanted - have), sorted(have - wanted - ignored)
     if missing or unused:
-        raise ValueError(f"{what}: " + "; ".join(
+        raise error(f"{what}: " + "; ".join(
             part for part in (f"missing {', '.join(missing[:5])}" if missing else "",
                               f"no place for {', '.join(unused[:5])}" if unused else "") if part))
 
@@ -80,7 +83,8 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
         tensors = CheckpointTensors(directory)
         rules = adapter.rules(m)
         tied = {"output.weight"} if m.tie_embeddings else set()  # the same tensor as tok_embeddings
-        _check_tensors(set(tensors.names()), rules, tied, f"checkpoint {uri} as {adapter.architecture}")
+        _check_tensors(set(tensors.names()), rules, tied, f"checkpoint {uri} as {adapter.architecture}",
+                       checkpoint.CheckpointError)
         target = DTYPE_NAMES[dtype] if dtype else None
 
         def plan(rule: Rule) -> Planned:
@@ -142,12 +146,13 @@ def _fill_from_hf(model: Transformer, tensors: HFTensors, adapter: Adapter, wher
     if m.tie_embeddings:
         ignored.add("lm_head.weight")  # saved by some versions although tied: it is wte
     needed = {rule.hf for rule in rules}
-    _check_tensors(set(names), [Rule(n, (n,)) for n in needed], ignored, f"{where} as {adapter.architecture}")
+    _check_tensors(set(names), [Rule(n, (n,)) for n in needed], ignored, f"{where} as {adapter.architecture}",
+                   ConfigError)
     params = dict(model.named_parameters())
     for rule in rules:
         for name, value in zip(rule.raylm, rule.from_hf(tensors.read(names[rule.hf]))):
             if value.shape != params[name].shape:
-                raise ValueError(f"{where}: {rule.hf} gives {name} the shape {tuple(value.shape)}, "
+                raise ConfigError(f"{where}: {rule.hf} gives {name} the shape {tuple(value.shape)}, "
                                  f"config.json implies {tuple(params[name].shape)}")
             params[name].copy_(value)
 
@@ -170,10 +175,13 @@ def _fresh_optimizer(model: Transformer, cfg: Config) -> torch.optim.Optimizer:
     return optimizer
 
 
-def import_hf(hf_dir: str, output: str, storage_cfg: Optional[StorageConfig] = None,
+def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_cfg: Optional[StorageConfig] = None,
               overwrite: bool = False) -> dict:
     """Turn the Llama or GPT-2 model directory `hf_dir` (local) into the raylm run directory
-    `output` (local or s3://) holding config.yaml and checkpoint_00000000; returns a summary."""
+    `output` (local or s3://) holding config.yaml and checkpoint_00000000; returns a summary.
+
+    `seq_len` (default: the model's context, at most 2048) is the training sequence length the
+    config fixes, as every checkpoint does: the data must be prepared with it."""
     config_path = os.path.join(hf_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE})")
@@ -190,16 +198,20 @@ def import_hf(hf_dir: str, output: str, storage_cfg: Optional[StorageConfig] = N
     if tokenizer.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size}")
+    seq_len = seq_len or min(model_cfg.max_seq_len, DEFAULT_SEQ_LEN)
+    if not 0 < seq_len <= model_cfg.max_seq_len:
+        raise ConfigError(f"--seq-len {seq_len} must be in [1, {model_cfg.max_seq_len}] (the model's context)")
     _refuse_existing(output, (checkpoint.PREFIX,), overwrite, storage_cfg)
 
     absolute = output if storage.is_s3(output) else os.path.abspath(output)
     parent, name = absolute.rstrip("/").rsplit("/", 1)
     cfg = Config(model=model_cfg)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, storage_path=parent))
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name, storage_path=parent),
+                              train=dataclasses.replace(cfg.train, seq_len=seq_len))
     model = Transformer(model_cfg)
     _fill_from_hf(model, HFTensors(hf_dir), adapter, hf_dir)
     optimizer = _fresh_optimizer(model, cfg)
-    state = {"step": 0, "position": 0, "tokens_seen": 0, "tokenizer_sha256": tokenizer.sha256,
+    state = {**dataclasses.asdict(TrainState()), "tokenizer_sha256": tokenizer.sha256,
              "imported_from": os.path.abspath(hf_dir)}
     files = {RAYLM_CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: tokenizer.to_json()}
     uri = storage.join(absolute, checkpoint.dir_name(0))
@@ -215,5 +227,5 @@ def import_hf(hf_dir: str, output: str, storage_cfg: Optional[StorageConfig] = N
     checkpoint.finalize(uri, entries, storage_cfg)
     storage.write_bytes(storage.join(absolute, RAYLM_CONFIG_FILE), files[RAYLM_CONFIG_FILE].encode(), storage_cfg)
     return {"source": hf_dir, "architecture": adapter.architecture, "checkpoint": uri,
-            "config": storage.join(absolute, RAYLM_CONFIG_FILE), "tokenizer": tokenizer.kind,
+            "config": storage.join(absolute, RAYLM_CONFIG_FILE), "tokenizer": tokenizer.kind, "seq_len": seq_len,
             "parameters": sum(p.numel() for p in model.parameters()), "warnings": inexact}

@@ -111,7 +111,7 @@ def test_import_then_export_gives_identical_tensors(family, overrides, tmp_path,
     source, run, out = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "again")
     hf = _tiny_hf(family, source, **overrides)
     main(["import", source, "--output", run])
-    assert "continue pretraining with `raylm train" in capsys.readouterr().out
+    assert f"raylm train {run}/config.yaml data.path=DATA" in capsys.readouterr().out
     ckpt = os.path.join(run, checkpoint.dir_name(0))
     assert checkpoint.incomplete_reason(ckpt) is None and checkpoint.latest_complete(run) == ckpt
 
@@ -140,10 +140,10 @@ class CheckStart(Hook):
 def test_training_continues_from_an_imported_checkpoint(tiny_dataset, tmp_path):
     source, run = str(tmp_path / "hf"), str(tmp_path / "run")
     _tiny_hf("llama", source)
-    import_hf(source, run)
+    import_hf(source, run, seq_len=32)  # the tiny dataset's
     imported, _, _ = load_for_inference(run)
     cfg = load_config(os.path.join(run, "config.yaml"), [
-        f"data.path={tiny_dataset}", "data.loader=local", "train.seq_len=32", "train.steps=3",
+        f"data.path={tiny_dataset}", "data.loader=local", "train.steps=3",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.tensorboard=false",
         "schedule.warmup_steps=1", "checkpoint.every_steps=3"])
     start = CheckStart()
