@@ -12,25 +12,21 @@ A checkpoint directory, `checkpoint_<step, 8 digits>`, holds
 Reading never runs code from storage: `load` first checks every file against the manifest
 (sizes and checksums), then reads JSON, and DCP's metadata, state and the RNG file through
 `raylm.train.safe_state` (a restricted unpickler, `torch.load(weights_only=True)`).
-Discovery (`latest_usable`) is cheap: every file's size, checksums of the small files it
-parses. Resuming (`open_latest`) also checks the checksums of the checkpoint it hands out, and
-passes over one that fails for the previous one.
+Discovery (`scan`, `latest_complete`) is cheap: every file's size, checksums of the small
+files it parses; choosing the checkpoint to resume from is `raylm.train.resume_check`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import pickle
 import re
-import sys
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -186,7 +182,7 @@ def finalize(uri: str, entries: dict[str, FileEntry], storage_cfg: Optional[Stor
 
 
 # Local directories this process has checked in full, with the size and mtime of each file
-# then: `open_latest` checks the checkpoint it hands out, and `load` need not hash it again.
+# then: resuming checks the checkpoint it hands out, and `load` need not hash it again.
 _SOUND: dict[str, tuple] = {}
 
 
@@ -195,7 +191,7 @@ def _fingerprint(directory: str) -> tuple:
     return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats.items())
 
 
-def _local_problem(directory: str) -> Optional[str]:
+def local_problem(directory: str) -> Optional[str]:
     """`_problem` with every checksum for a local directory (none needed without a manifest,
     a `save` nobody finalized, as in tests that save and load in place: it must be whole)."""
     directory = os.path.abspath(directory)
@@ -212,7 +208,7 @@ def check_sound(directory: str, name: Optional[str] = None) -> None:
     """Raise CheckpointError unless the local checkpoint `directory` (called `name` in the
     message, e.g. the s3:// URI it was copied from) is whole and every file matches its
     manifest's size and sha256."""
-    problem = _local_problem(directory)
+    problem = local_problem(directory)
     if problem:
         raise CheckpointError(f"checkpoint {name or directory} cannot be used: {problem}")
 
@@ -397,7 +393,7 @@ def checkpoint_uris(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -
     return [storage.join(run_uri, n) for n in names]
 
 
-def _scan(run_uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[str], list[tuple[str, str]]]:
+def scan(run_uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[str], list[tuple[str, str]]]:
     """The newest usable checkpoint, and the finished ones newer than it that are not (uri, reason).
     Unfinished saves (no manifest) are passed over silently: they never claimed to be whole."""
     skipped = []
@@ -413,68 +409,7 @@ def _scan(run_uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[
 
 def latest_complete(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[str]:
     """The newest usable checkpoint under a run directory (local or s3://), or None; silent."""
-    return _scan(run_uri, storage_cfg)[0]
-
-
-def _report(run_uri: str, skipped: list[tuple[str, str]], found: bool, allow_none_usable: bool,
-            events_path: Optional[str]) -> None:
-    from raylm.train.metrics import append_event  # noqa: PLC0415 - heavy (model, parallel); rarely needed
-
-    for uri, reason in skipped if events_path else ():
-        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
-        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
-    if not found and skipped and not allow_none_usable:
-        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
-        raise UnusableCheckpointsError(
-            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
-            "Training will not silently start again from step 0: repair or remove them, or set "
-            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
-
-
-def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, allow_none_usable: bool = False,
-                  events_path: Optional[str] = None) -> Optional[str]:
-    """The newest usable checkpoint to resume from by the cheap checks (sizes), or None when
-    the run has none (for the driver: what the workers will try first).
-
-    Finished checkpoints passed over (an unparseable manifest, train state or metadata, a file
-    missing or of the wrong size) are reported when `events_path` (the run's events.jsonl) is
-    given, on stderr and as "checkpoint_skipped" events: pass it from the one process that keeps
-    the run's record. When finished checkpoints exist and none is usable, raises
-    UnusableCheckpointsError naming each, unless `allow_none_usable` (training then starts from
-    step 0 beside them).
-    """
-    latest, skipped = _scan(run_uri, storage_cfg)
-    _report(run_uri, skipped, latest is not None, allow_none_usable, events_path)
-    return latest
-
-
-@contextlib.contextmanager
-def open_latest(run_uri: str, storage_cfg: Optional[StorageConfig] = None,
-                fetch: Callable[[str], ContextManager[str]] = contextlib.nullcontext,
-                agree: Callable[[bool], bool] = lambda ok: ok, allow_none_usable: bool = False,
-                events_path: Optional[str] = None) -> Iterator[Optional[str]]:
-    """The checkpoint to resume from, as a local directory whose every file matches its
-    manifest, checksums included; None when the run has none. As `latest_usable`, and a
-    checkpoint whose files do not match (a corrupted shard of the right size) is passed over
-    for the previous one too. `fetch(uri)` gives a local directory for a checkpoint (a download
-    from s3://; local ones are used in place); `agree(ok)` is one decision for every rank
-    (World.agree(ok, "all")), so that all ranks resume from the same checkpoint.
-    """
-    skipped: list[tuple[str, str]] = []
-    for uri in checkpoint_uris(run_uri, storage_cfg):
-        if not storage.exists(storage.join(uri, MANIFEST), storage_cfg):
-            continue  # an unfinished save
-        problem = incomplete_reason(uri, storage_cfg)
-        if agree(problem is None):
-            with fetch(uri) as directory:
-                problem = _local_problem(directory)
-                if agree(problem is None):
-                    _report(run_uri, skipped, True, allow_none_usable, events_path)
-                    yield directory
-                    return
-        skipped.append((uri, problem or "another rank found it unusable"))
-    _report(run_uri, skipped, False, allow_none_usable, events_path)
-    yield None
+    return scan(run_uri, storage_cfg)[0]
 
 
 # ----------------------------------------------------------------------------- retention

@@ -11,6 +11,7 @@ import torch
 from raylm.parallel.world import World
 from raylm.train import checkpoint
 from raylm.train.metrics import EVENTS_FILE
+from raylm.train.resume_check import open_latest
 
 
 class LocalEnv:
@@ -37,10 +38,9 @@ class LocalEnv:
             yield None
             return
         world = World.current(self.device())
-        with checkpoint.open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
-                                    allow_none_usable=self.allow_none_usable,
-                                    events_path=os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
-                                    ) as directory:
+        events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
+        with open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
+                         allow_none_usable=self.allow_none_usable, events_path=events) as directory:
             yield directory
 
     @contextlib.contextmanager

@@ -1,6 +1,11 @@
-"""What may change when a run resumes from a checkpoint, and what may not.
+"""Resuming: which checkpoint to resume from, and what may change when a run resumes.
 
-DCP loads by name and ignores entries the new model does not ask for, so a model with fewer
+`open_latest` hands out the newest checkpoint whose every file matches its manifest (checksums
+included), passing over corrupt ones by name (stderr and a "checkpoint_skipped" event); when
+finished checkpoints exist and none is usable it refuses rather than start again from step 0.
+`latest_usable` is the same choice by the cheap checks, for the driver.
+
+What may change: DCP loads by name and ignores entries the new model does not ask for, so a model with fewer
 layers, or the same tensors split into other heads, would load silently and train on weights
 that mean something else. The driver compares the checkpoint's saved config with the new one
 before any worker starts, and refuses listing every difference among the keys that fix the
@@ -20,16 +25,19 @@ not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import yaml
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_changes, config_to_dict
 from raylm.data import storage
-from raylm.train.checkpoint import TRAIN_STATE, CheckpointError
+from raylm.train import checkpoint
+from raylm.train.checkpoint import TRAIN_STATE, CheckpointError, UnusableCheckpointsError
 from raylm.train.metrics import EVENTS_FILE, append_event
 
 CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume
@@ -116,3 +124,62 @@ def record_config_change(run_dir: str, step: int, changes: dict[str, list]) -> N
     append_event(os.path.join(run_dir, CONFIG_HISTORY_FILE), row)
     print(f"raylm: resuming at step {step} with changed " +
           ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changes.items()), flush=True)
+
+
+def _report(run_uri: str, skipped: list[tuple[str, str]], found: bool, allow_none_usable: bool,
+            events_path: Optional[str]) -> None:
+    for uri, reason in skipped if events_path else ():
+        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
+        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
+    if not found and skipped and not allow_none_usable:
+        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
+        raise UnusableCheckpointsError(
+            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
+            "Training will not silently start again from step 0: repair or remove them, or set "
+            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
+
+
+def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, allow_none_usable: bool = False,
+                  events_path: Optional[str] = None) -> Optional[str]:
+    """The newest usable checkpoint to resume from by the cheap checks (sizes), or None when
+    the run has none (for the driver: what the workers will try first).
+
+    Finished checkpoints passed over (an unparseable manifest, train state or metadata, a file
+    missing or of the wrong size) are reported when `events_path` (the run's events.jsonl) is
+    given, on stderr and as "checkpoint_skipped" events: pass it from the one process that keeps
+    the run's record. When finished checkpoints exist and none is usable, raises
+    UnusableCheckpointsError naming each, unless `allow_none_usable` (training then starts from
+    step 0 beside them).
+    """
+    latest, skipped = checkpoint.scan(run_uri, storage_cfg)
+    _report(run_uri, skipped, latest is not None, allow_none_usable, events_path)
+    return latest
+
+
+@contextlib.contextmanager
+def open_latest(run_uri: str, storage_cfg: Optional[StorageConfig] = None,
+                fetch: Callable[[str], ContextManager[str]] = contextlib.nullcontext,
+                agree: Callable[[bool], bool] = lambda ok: ok, allow_none_usable: bool = False,
+                events_path: Optional[str] = None) -> Iterator[Optional[str]]:
+    """The checkpoint to resume from, as a local directory whose every file matches its
+    manifest, checksums included; None when the run has none. As `latest_usable`, and a
+    checkpoint whose files do not match (a corrupted shard of the right size) is passed over
+    for the previous one too. `fetch(uri)` gives a local directory for a checkpoint (a download
+    from s3://; local ones are used in place); `agree(ok)` is one decision for every rank
+    (World.agree(ok, "all")), so that all ranks resume from the same checkpoint.
+    """
+    skipped: list[tuple[str, str]] = []
+    for uri in checkpoint.checkpoint_uris(run_uri, storage_cfg):
+        if not storage.exists(storage.join(uri, checkpoint.MANIFEST), storage_cfg):
+            continue  # an unfinished save
+        problem = checkpoint.incomplete_reason(uri, storage_cfg)
+        if agree(problem is None):
+            with fetch(uri) as directory:
+                problem = checkpoint.local_problem(directory)
+                if agree(problem is None):
+                    _report(run_uri, skipped, True, allow_none_usable, events_path)
+                    yield directory
+                    return
+        skipped.append((uri, problem or "another rank found it unusable"))
+    _report(run_uri, skipped, False, allow_none_usable, events_path)
+    yield None

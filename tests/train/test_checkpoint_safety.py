@@ -17,6 +17,7 @@ from raylm.parallel.world import World
 from raylm.train import checkpoint
 from raylm.train.checkpoint import CheckpointError, UnusableCheckpointsError
 from raylm.train.local_env import LocalEnv
+from raylm.train.resume_check import latest_usable
 from tests.support.checkpoints import (TOKENIZER_SHA, build, flip_byte, forge_manifest, make_run, run_cli,
                                        tiny_config)
 
@@ -101,7 +102,7 @@ def test_corrupt_checkpoints_are_skipped_by_name_with_an_event(tmp_path, capsys)
     events = run / "events.jsonl"
 
     # Discovery checks sizes only: the same-size corruption of step 10 passes it.
-    assert checkpoint.latest_usable(str(run), events_path=str(events)) == str(ckpt[10])
+    assert latest_usable(str(run), events_path=str(events)) == str(ckpt[10])
     assert not events.exists()
     # Resuming checks the checksums of what it loads, and falls back past every unusable one.
     with LocalEnv(str(run)).restore_dir() as restored:
@@ -123,7 +124,7 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_restarted_from_step_0
     for step in (2, 4):
         flip_byte(str(run / f"checkpoint_{step:08d}" / "train_state.json"))
     with pytest.raises(UnusableCheckpointsError) as refused:
-        checkpoint.latest_usable(str(run))
+        latest_usable(str(run))
     message = str(refused.value)
     assert message.startswith(f"{run} holds 2 finished checkpoint(s) and none is usable")
     for step in (2, 4):
@@ -132,7 +133,7 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_restarted_from_step_0
         with LocalEnv(str(run)).restore_dir():
             pass
     # Explicitly allowed: a fresh start beside them.
-    assert checkpoint.latest_usable(str(run), allow_none_usable=True) is None
+    assert latest_usable(str(run), allow_none_usable=True) is None
     with LocalEnv(str(run), allow_none_usable=True).restore_dir() as restored:
         assert restored is None
 
@@ -140,6 +141,6 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_restarted_from_step_0
 def test_unfinished_saves_alone_are_no_reason_to_refuse(run):
     for step in (2, 4):
         os.remove(run / f"checkpoint_{step:08d}" / checkpoint.MANIFEST)  # crashed while writing
-    assert checkpoint.latest_usable(str(run)) is None
+    assert latest_usable(str(run)) is None
     with LocalEnv(str(run)).restore_dir() as restored:
         assert restored is None
