@@ -5,11 +5,12 @@ included), passing over corrupt ones by name (stderr and a "checkpoint_skipped" 
 finished checkpoints exist and none is usable it refuses rather than start again from step 0.
 `latest_usable` is the same choice by the cheap checks, for the driver.
 
-What may change: DCP loads by name and ignores entries the new model does not ask for, so a model with fewer
-layers, or the same tensors split into other heads, would load silently and train on weights
-that mean something else. The driver compares the checkpoint's saved config with the new one
-before any worker starts, and refuses listing every difference among the keys that fix the
-meaning of the saved state (resolved configs: vocab_size and seq_len filled from the data):
+What may change: DCP loads by name and ignores entries the new model does not ask for, so a
+model with fewer layers, or the same tensors split into other heads, would load silently and
+train on weights that mean something else. The driver compares the checkpoint's saved config
+with the new one before any worker starts, and refuses listing every difference among the keys
+that fix the meaning of the saved state (resolved configs: vocab_size and seq_len filled from
+the data):
 
 - the model's shape: d_model, n_layers, n_heads, n_kv_heads (unset means n_heads), vocab_size,
   norm, pos_embedding, mlp, ffn_hidden, parallel_block, tie_embeddings, bias; ffn_multiple
