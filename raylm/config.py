@@ -192,6 +192,9 @@ class CheckpointConfig:
     """Save every N steps (and at the last step); 0 saves only at the end."""
     every_minutes: Optional[float] = None
     """Also save when this many minutes have passed since the last save (rank 0's clock)."""
+    on_unusable: Literal["fail", "start_over"] = "fail"
+    """When the run directory holds finished checkpoints and none is usable (corrupt, unparseable,
+    a checksum mismatch): `fail` stops, naming each; `start_over` trains from step 0 beside them."""
     resume: Literal["auto", "never", "required"] = "auto"
     """`auto` resumes from the run's latest complete checkpoint when there is one; `required`
     fails without one; `never` fails if the run directory already holds one (a fresh run).
@@ -291,6 +294,9 @@ class RunConfig:
     """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
     health_check: bool = True
     """Self-test each worker at start (allocation, matmul, all-reduce against known values)."""
+    verbose: bool = False
+    """Show Ray Train's and Ray Data's own progress logs (each report, dataset executions);
+    off, the console holds raylm's progress lines, events and warnings."""
     straggler_factor: float = 3.0
     """Report ranks whose rank-local step time exceeds this × the median rank's; 0 disables."""
 

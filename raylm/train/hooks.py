@@ -15,4 +15,8 @@ class Hook:
 
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None: ...
 
+    def on_step_abandoned(self, run: Run, step: int) -> None:
+        """The step began but never ends: the stability guard rolled the run back in it.
+        Release what on_step_begin took (its metrics are not written)."""
+
     def on_train_end(self, run: Run, metrics: dict) -> None: ...

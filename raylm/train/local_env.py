@@ -21,9 +21,8 @@ class LocalEnv:
     included); rank 0 reports each one passed over (stderr and events.jsonl). Finished
     checkpoints that are all unusable stop the run unless `allow_none_usable`."""
 
-    def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False, allow_none_usable: bool = False):
+    def __init__(self, run_dir: str, resume: bool = True, use_gpu: bool = False):
         self.run_dir, self.resume, self.use_gpu = run_dir, resume, use_gpu
-        self.allow_none_usable = allow_none_usable
         self.checkpoint_root = run_dir
         os.makedirs(run_dir, exist_ok=True)
 
@@ -33,14 +32,14 @@ class LocalEnv:
         return torch.device("cpu")
 
     @contextlib.contextmanager
-    def restore_dir(self) -> Iterator[Optional[str]]:
+    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
         if not self.resume:
             yield None
             return
         world = World.current(self.device())
         events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
         with open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
-                         allow_none_usable=self.allow_none_usable, events_path=events) as directory:
+                         allow_none_usable=allow_none_usable, events_path=events) as directory:
             yield directory
 
     @contextlib.contextmanager

@@ -66,7 +66,7 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
     model = build_model(lambda: Transformer(cfg.model), cfg, world)
     optimizer = build_optimizer(model.parts, cfg.optim)
     state = TrainState()
-    with env.restore_dir() as restore:
+    with env.restore_dir(cfg.checkpoint.on_unusable == "start_over") as restore:
         if restore is not None:
             changes = check_resume(restore, cfg, spec.tokenizer_sha256)
             saved = checkpoint.load(restore, model, optimizer, world, spec.tokenizer_sha256)
@@ -169,6 +169,8 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
         if verdict == "rollback":
             optimizer.zero_grad(set_to_none=True)
+            for hook in hooks:
+                hook.on_step_abandoned(run, step)
             guard.roll_back(step, state, batch.next_position)
             batches.close()
             batches = stream_from(state).batches(state.position, state.step, last, state.tokens_seen // seq_len)

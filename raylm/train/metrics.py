@@ -16,6 +16,7 @@ from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook
 from raylm.train.state import Run
+from raylm.train.trackers import open_trackers
 
 METRICS_FILE = "metrics.jsonl"  # one row per step, written by rank 0 into the run directory
 EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
@@ -82,6 +83,7 @@ class MetricsLogger(Hook):
         self.step_time_ema: Optional[float] = None
         self.file = None
         self.writer = None
+        self.trackers: list = []
         if self.rank0:
             os.makedirs(run_dir, exist_ok=True)
             self.file = open(os.path.join(run_dir, METRICS_FILE), "a", buffering=1)
@@ -89,6 +91,7 @@ class MetricsLogger(Hook):
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.trackers = open_trackers(cfg, run_dir)
 
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
@@ -124,10 +127,13 @@ class MetricsLogger(Hook):
         self.tokens_per_s_ema = ema(self.tokens_per_s_ema, metrics["tokens_per_s"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
         self.file.write(json.dumps(metrics) + "\n")
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.writer is not None:
-            for key, value in metrics.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(f"train/{key}", value, metrics["step"])
+        for tracker in self.trackers:
+            tracker.log(scalars, metrics["step"])
         steps = self.cfg.train.steps
         if metrics["step"] % self.cfg.train.log_every == 0 or metrics["step"] == steps or "val_loss" in metrics:
             eta = format_duration(self.step_time_ema * (steps - metrics["step"]))
@@ -148,3 +154,6 @@ class MetricsLogger(Hook):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

@@ -52,12 +52,15 @@ class NormsProbe(Hook):
             if part.norm is not None:  # its input is the last block's output, the head's input
                 self.handles.append(part.norm.register_forward_hook(self._record("act_norm/final")))
 
-    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
-        if not self.handles:
-            return
+    def on_step_abandoned(self, run: Run, step: int) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
+        if not self.handles:
+            return
+        self.on_step_abandoned(run, step)
         for key, values in self.sums.items():
             metrics[key] = sum(values) / len(values)
         for part in run.model.parts:  # every rank: a sharded norm is a collective

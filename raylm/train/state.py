@@ -43,8 +43,9 @@ class TrainEnv(Protocol):
     def device(self) -> torch.device:
         """The device this rank trains on."""
 
-    def restore_dir(self) -> ContextManager[Optional[str]]:
-        """A local directory holding the checkpoint to resume from, or None."""
+    def restore_dir(self, allow_none_usable: bool = False) -> ContextManager[Optional[str]]:
+        """A local directory holding the newest usable checkpoint to resume from (every rank the
+        same), or None; finished checkpoints all unusable are an error unless allowed."""
 
     def staging_dir(self, step: int) -> ContextManager[str]:
         """A local directory for this rank's part of the checkpoint of `step`."""

@@ -134,7 +134,7 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_restarted_from_step_0
             pass
     # Explicitly allowed: a fresh start beside them.
     assert latest_usable(str(run), allow_none_usable=True) is None
-    with LocalEnv(str(run), allow_none_usable=True).restore_dir() as restored:
+    with LocalEnv(str(run)).restore_dir(allow_none_usable=True) as restored:
         assert restored is None
 
 

@@ -84,25 +84,33 @@ def test_a_poisoned_region_is_rolled_back_and_skipped_like_a_run_told_to_skip_it
     assert state["skip"] == skip and len(state["rollbacks"]) == len(rollbacks)
 
 
-class NanGradientOnce(Hook):
-    """Test-side fault: at `step`, the first time it runs, every gradient becomes NaN."""
+class GradientFault(Hook):
+    """Test-side fault: at each given step (the first time it runs), the gradient flowing back out
+    of the last block is multiplied by `factor`, so every gradient below it turns non-finite
+    while the loss stays finite: a backward hook on the module, which FSDP2 and replicate keep
+    (hooks on their sharded parameters never see the unsharded gradients)."""
 
-    def __init__(self, step: int):
-        self.step, self.done, self.handles = step, False, []
+    def __init__(self, factor: float, *steps: int):
+        self.factor, self.steps, self.handles = factor, set(steps), []
 
     def on_step_begin(self, run, step):
-        if step == self.step and not self.done:
-            self.done = True
-            self.handles = [p.register_hook(lambda g: g * float("nan")) for p in run.model.model.parameters()]
+        if step in self.steps:
+            self.steps.discard(step)
+            for part in run.model.parts:
+                block = part.layers[max(part.layers, key=int)]
+                self.handles.append(block.register_full_backward_hook(
+                    lambda module, grad_in, grad_out: tuple(None if g is None else g * self.factor for g in grad_in)))
 
     def on_step_end(self, run, step, metrics):
         for handle in self.handles:
             handle.remove()
         self.handles = []
 
+    on_step_abandoned = lambda self, run, step: self.on_step_end(run, step, {})  # noqa: E731
+
 
 def _train_with_nan_gradient(dataset: str, run_dir: str, *extra: str) -> dict:
-    return train(tiny_config(dataset, *extra), LocalEnv(run_dir), hooks=(NanGradientOnce(20),))
+    return train(tiny_config(dataset, *extra), LocalEnv(run_dir), hooks=(GradientFault(float("nan"), 20),))
 
 
 def test_a_non_finite_gradient_rolls_back_cuts_the_lr_and_the_run_finishes(tiny_dataset, tmp_path):
@@ -148,26 +156,9 @@ def test_with_the_guard_off_a_nan_stops_with_the_samples_named(tiny_dataset, tmp
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint_")) == ["checkpoint_00000002"]
 
 
-class InfGradientAt(Hook):
-    """Test-side fault: at the given steps (first time each), the gradients overflow."""
-
-    def __init__(self, *steps: int):
-        self.steps, self.handles = set(steps), []
-
-    def on_step_begin(self, run, step):
-        if step in self.steps:
-            self.steps.discard(step)
-            self.handles = [p.register_hook(lambda g: g * float("inf")) for p in run.model.model.parameters()]
-
-    def on_step_end(self, run, step, metrics):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-
-
 def _train_fp16(dataset: str, run_dir: str, overflow_steps: tuple, *extra: str) -> dict:
     return train(tiny_config(dataset, "train.precision=fp16", *extra), LocalEnv(run_dir),
-                 hooks=(InfGradientAt(*overflow_steps),))
+                 hooks=(GradientFault(float("inf"), *overflow_steps),))
 
 
 def test_fp16_loss_scale_grows_and_backs_off_on_overflow(tiny_dataset, tmp_path):
