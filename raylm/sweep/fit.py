@@ -170,7 +170,8 @@ def flops_per_token_law(params: Sequence[float], flops_per_token: Sequence[float
     return lambda n: eval_power_law(law, n)
 
 
-def compute_optimal(fit: Parametric, flops: float, flops_per_token: Callable[[float], float]) -> tuple[float, float, float]:
+def compute_optimal(fit: Parametric, flops: float,
+                    flops_per_token: Callable[[float], float]) -> tuple[float, float, float]:
     """(N*, D*, L*) for compute `flops`: N* minimizes L(N, flops / F(N))."""
     def loss_at(log_n: float) -> float:
         n = np.exp(log_n)

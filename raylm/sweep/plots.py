@@ -54,7 +54,8 @@ def _loss_vs_compute(plt, directory: str, rows: list[dict], result: dict, laws: 
     if check:
         lo, hi = check["interval"]
         c = check["tokens"] * next(r["flops_per_token"] for r in rows if r["phase"] == "check")
-        ax.errorbar([c], [check["predicted_loss"]], yerr=[[check["predicted_loss"] - lo], [hi - check["predicted_loss"]]],
+        predicted = check["predicted_loss"]
+        ax.errorbar([c], [predicted], yerr=[[predicted - lo], [hi - predicted]],
                     fmt="s", color="tab:red", capsize=4, label="held-out: predicted")
         if check.get("measured_loss") is not None:
             ax.scatter([c], [check["measured_loss"]], marker="*", s=120, color="tab:red", label="held-out: measured")

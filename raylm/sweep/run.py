@@ -30,7 +30,7 @@ from raylm.sweep.trial import FINAL_FILE, TrialPlan, trial_dir
 from raylm.train.spec import absolute, resolve_run
 
 SWEEP_FILE, TRIALS_FILE, FIT_FILE, RECOMMENDED_FILE = "sweep.yaml", "trials.csv", "fit.json", "recommended.yaml"
-CHECK_PLAN_FILE = "check_plan.json"
+CHECK_PLAN_FILE, ASHA_STATE_FILE = "check_plan.json", "asha_state.pkl"
 COLUMNS = ("trial_id", "phase", "rung", "size", "budget", "params", "params_non_embedding", "params_total", "tokens",
            "flops_per_token", "flops", "lr", "batch", "steps", "val_loss", "progress", "tokens_trained", "status",
            "wall_s")
@@ -154,8 +154,8 @@ def _rows(plan: Plan, grid, phase: str) -> list[dict]:
         if os.path.exists(final_path):
             with open(final_path) as f:
                 metrics, status = json.load(f), COMPLETED
-        else:
-            status = ERROR if result.error else STOPPED
+        else:  # a trial stopped at its last report (a driver killed in between) has finished all the same
+            status = ERROR if result.error else COMPLETED if metrics.get("progress", 0.0) >= 1.0 else STOPPED
         steps = ladder.steps_for(rung.target_tokens, config["batch"], seq_len)
         tokens = steps * config["batch"] * seq_len
         size = rung.size
@@ -245,8 +245,8 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
     slots = plan_slots(sweep, plan.rungs, plan.batches, cost)
     print(f"raylm: sweep {plan.directory}: {len(plan.sizes)} sizes, {len(plan.rungs)} rungs, {len(slots)} trials, "
           f"{concurrency} at a time, {seq_len}-token sequences", flush=True)
-    scheduler = RungASHA(sweep.early_stopping.grace_fraction, sweep.early_stopping.reduction_factor) \
-        if sweep.early_stopping.asha else None
+    scheduler = RungASHA(sweep.early_stopping.grace_fraction, sweep.early_stopping.reduction_factor,
+                         os.path.join(plan.directory, ASHA_STATE_FILE)) if sweep.early_stopping.asha else None
     grid = _run_phase(plan, "tune-ladder", trials, {"CPU": sweep.trial.cpus, "GPU": sweep.trial.gpus},
                       searcher=RungSearcher(slots, sweep, plan.batches), scheduler=scheduler,
                       num_samples=len(slots), concurrency=int(concurrency))
@@ -296,7 +296,8 @@ def summary(result: dict) -> str:
         lines.append(f"best lr: {law['coef']:.3g} * N^{law['exponent']:.3f}")
     check = result.get("check")
     if check and check.get("measured_loss") is not None:
-        lines.append(f"check: {check['params']:,} parameters, {check['tokens']:,} tokens: predicted {check['predicted_loss']:.4f} "
+        lines.append(f"check: {check['params']:,} parameters, {check['tokens']:,} tokens: "
+                     f"predicted {check['predicted_loss']:.4f} "
                      f"[{check['interval'][0]:.4f}, {check['interval'][1]:.4f}], measured {check['measured_loss']:.4f} "
                      f"({100 * check['relative_error']:+.2f}%)")
     rec = result.get("recommended")

@@ -9,6 +9,7 @@ of a rung when its later candidates run), costliest rungs first within a round.
 
 from __future__ import annotations
 
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Optional
@@ -102,15 +103,31 @@ class RungSearcher(Searcher):
 
 class RungASHA(FIFOScheduler):
     """One ASHA (AsyncHyperBandScheduler) per rung, on validation loss against the fraction of
-    the budget trained. Trials finish their budget (stop_last_trials=False): the last report is
-    the final validation loss."""
+    the budget trained. A trial that has trained its whole budget is never stopped: its last
+    report is its final validation loss.
 
-    def __init__(self, grace_fraction: float, reduction_factor: float):
+    Tune saves its searcher but not its scheduler when the driver dies; the losses ASHA recorded
+    at each milestone are therefore kept in `state_path` after every result, and read back by the
+    restored scheduler, so that a resumed sweep stops hopeless trials as the first run would."""
+
+    def __init__(self, grace_fraction: float, reduction_factor: float, state_path: str):
         super().__init__()
-        self.grace, self.reduction = grace_fraction, reduction_factor
+        self.grace, self.reduction, self.state_path = grace_fraction, reduction_factor, state_path
         self.per_rung: dict[str, AsyncHyperBandScheduler] = {}
+        self.loaded = False
+
+    def _save(self) -> None:
+        tmp = f"{self.state_path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(self.per_rung, f)
+        os.replace(tmp, self.state_path)
 
     def _of(self, trial) -> AsyncHyperBandScheduler:
+        if not self.loaded:
+            self.loaded = True
+            if os.path.exists(self.state_path):
+                with open(self.state_path, "rb") as f:
+                    self.per_rung = pickle.load(f)
         rung = trial.config["rung"]
         if rung not in self.per_rung:
             self.per_rung[rung] = AsyncHyperBandScheduler(
@@ -125,10 +142,15 @@ class RungASHA(FIFOScheduler):
         self._of(trial).on_trial_add(tune_controller, trial)
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
-        return self._of(trial).on_trial_result(tune_controller, trial, result)
+        action = self._of(trial).on_trial_result(tune_controller, trial, result)
+        self._save()
+        if result.get(PROGRESS, 0.0) >= 1.0:  # nothing left to save: let it write its final result
+            return FIFOScheduler.CONTINUE
+        return action
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
+        self._save()
 
     def on_trial_remove(self, tune_controller, trial) -> None:
         self._of(trial).on_trial_remove(tune_controller, trial)

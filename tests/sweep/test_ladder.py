@@ -25,7 +25,7 @@ def test_the_tiny_sweep_resolves_into_rungs_and_trial_configs(tiny_dataset, tmp_
     assert [s.model.n_heads for s in p.sizes] == [2, 3, 4, 6]
     assert [r.name for r in p.rungs] == ["s0-tpp2", "s0-tpp4", "s1-tpp2", "s1-tpp4", "s2-tpp2", "s2-tpp4", "s3-check"]
     check = p.rungs[-1]
-    assert check.held_out and check.target_tokens == 3 * check.size.params  # the median ratio
+    assert check.held_out and check.target_tokens == 2 * check.size.params  # check_tokens_per_param
     cfg = ladder.trial_config(p.sweep, p.resolved, p.rungs[3], 1e-2, 16, "x")
     seq_len = p.resolved.train.seq_len
     assert cfg.train.steps == round(4 * p.sizes[1].params / (16 * seq_len))
@@ -50,13 +50,14 @@ def test_bad_input_is_refused_naming_the_field(tiny_dataset, tmp_path, override,
         plan(tiny_dataset, tmp_path, override)
 
 
-def test_a_size_that_breaks_the_models_shape_rules_names_its_entry(tiny_dataset, tmp_path, monkeypatch):
+def test_a_size_that_breaks_the_models_shape_rules_names_its_entry(tiny_dataset, tmp_path):
+    sizes = ("sizes: [{d_model: 16, n_heads: 2, n_layers: 1}, {d_model: 24, n_heads: 5, n_layers: 2}, "
+             "{d_model: 32, n_heads: 4}, {d_model: 48, n_heads: 6}]")
     sweep_file = tmp_path / "sweep.yaml"
-    sweep_file.write_text(open(TINY_SWEEP).read().replace("d_model: [16, 24, 32, 48]", "sizes: [{d_model: 16, n_heads: 2, n_layers: 1}, "
-                                                     "{d_model: 24, n_heads: 5, n_layers: 2}, {d_model: 32, n_heads: 4},"
-                                                     " {d_model: 48, n_heads: 6}]"))
+    sweep_file.write_text(open(TINY_SWEEP).read().replace("d_model: [16, 24, 32, 48]", sizes))
     (tmp_path / "demo-cpu.yaml").write_text(open(os.path.join(os.path.dirname(TINY_SWEEP), "demo-cpu.yaml")).read())
-    with pytest.raises(ConfigError, match=r"ladder.sizes\[1\].*d_model \(24\) must be divisible by model.n_heads \(5\)"):
+    message = r"ladder.sizes\[1\].*d_model \(24\) must be divisible by model.n_heads \(5\)"
+    with pytest.raises(ConfigError, match=message):
         resolve(str(sweep_file), [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}"])
 
 
