@@ -486,6 +486,17 @@ def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+    """A config tree as dotted key -> leaf value."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, list]:
     """Dotted key -> [old value, new value] for every leaf that differs between two config trees."""
     changes: dict[str, list] = {}

@@ -28,39 +28,12 @@ import torch.nn.functional as F
 from raylm.config import StorageConfig, config_from_dict
 from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_dataset_tokenizer, load_manifest
-from raylm.export.hf_tokenizer import bytes_to_unicode
 from raylm.generate import load_for_inference, resolve_checkpoint
-from raylm.tokenizer import TOKENIZER_FILE, ByteTokenizer, Tokenizer
+from raylm.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths
 from raylm.train import checkpoint
 from raylm.train.resume_check import read_saved_config
 
 # ----------------------------------------------------------------------------- bits per byte
-
-
-def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
-    """UTF-8 bytes each token id stands for, (vocab_size,) int64; 0 for special tokens.
-
-    Byte-level BPE vocabularies spell each token in GPT-2's byte alphabet, one character per
-    byte, so a token's length is exact even when it holds part of a multi-byte character.
-    Other tokenizers are measured by decoding the token alone.
-    """
-    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
-    if isinstance(tokenizer, ByteTokenizer):
-        lengths[:256] = 1
-        return lengths
-    spec = json.loads(tokenizer.to_json())
-    byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
-    alphabet = set(bytes_to_unicode().values())
-    vocab = spec.get("model", {}).get("vocab", {})
-    pieces = vocab.items() if isinstance(vocab, dict) else ((piece, i) for i, (piece, _) in enumerate(vocab))
-    for piece, i in pieces:
-        if byte_level and all(c in alphabet for c in piece):
-            lengths[i] = len(piece)
-        else:
-            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
-    for added in spec.get("added_tokens") or []:
-        lengths[added["id"]] = 0 if added.get("special") else len(added["content"].encode("utf-8"))
-    return lengths
 
 
 def byte_sums(token_nats: torch.Tensor, targets: torch.Tensor,
@@ -70,10 +43,6 @@ def byte_sums(token_nats: torch.Tensor, targets: torch.Tensor,
     training loop can add them up over batches and sync once."""
     n_bytes = token_bytes[targets]
     return (token_nats * (n_bytes > 0)).sum(dtype=torch.float64), n_bytes.sum()
-
-
-def bits_per_byte(nats: float, n_bytes: int) -> float:
-    return nats / (math.log(2) * n_bytes)
 
 
 # ----------------------------------------------------------------------------- parts

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from abc import ABC, abstractmethod
 from functools import cached_property
 from itertools import chain, islice
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import pyarrow.fs as pafs
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -188,3 +190,48 @@ def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
     tokenizer = HFTokenizer(bpe.to_str(), name=output_uri)
     tokenizer.save(output_uri, storage)
     return tokenizer
+
+
+# ----------------------------------------------------------------------------- bits per byte
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (the characters
+    byte-level BPE vocabularies are written in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = dict(zip(printable, map(chr, printable))), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return dict(sorted(chars.items()))
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for, (vocab_size,) int64; 0 for special tokens.
+
+    Byte-level BPE vocabularies spell each token in GPT-2's byte alphabet, one character per
+    byte, so a token's length is exact even when it holds part of a multi-byte character.
+    Other tokenizers are measured by decoding the token alone.
+    """
+    lengths = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    if isinstance(tokenizer, ByteTokenizer):
+        lengths[:256] = 1
+        return lengths
+    spec = json.loads(tokenizer.to_json())
+    byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+    alphabet = set(bytes_to_unicode().values())
+    vocab = spec.get("model", {}).get("vocab", {})
+    pieces = vocab.items() if isinstance(vocab, dict) else ((piece, i) for i, (piece, _) in enumerate(vocab))
+    for piece, i in pieces:
+        if byte_level and all(c in alphabet for c in piece):
+            lengths[i] = len(piece)
+        else:
+            lengths[i] = len(tokenizer.decode([i]).encode("utf-8"))
+    for added in spec.get("added_tokens") or []:
+        lengths[added["id"]] = 0 if added.get("special") else len(added["content"].encode("utf-8"))
+    return lengths
+
+
+def bits_per_byte(nats: float, n_bytes: int) -> float:
+    return nats / (math.log(2) * n_bytes)

@@ -1,7 +1,8 @@
 import pytest
 import yaml
 
-from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, describe_fields, load_config
+from raylm.config import (Config, ConfigError, config_from_dict, config_to_dict, describe_fields, flat_keys,
+                          load_config)
 from raylm.train.spec import check_config
 
 
@@ -73,16 +74,6 @@ def test_help_lists_every_key_with_docs():
     assert "global_batch_tokens" in text
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
 def test_example_configs_load_check_and_keep_every_value():
     import pathlib
 
@@ -94,8 +85,8 @@ def test_example_configs_load_check_and_keep_every_value():
             continue  # not a run config (a sweep config names one as its base)
         cfg = load_config(path)
         check_config(cfg)
-        loaded = _leaves(config_to_dict(cfg))
-        for key, value in _leaves(written).items():
+        loaded = flat_keys(config_to_dict(cfg))
+        for key, value in flat_keys(written).items():
             assert key in loaded, f"{path}: {key} missing from the loaded config"
             expected = float(value) if isinstance(loaded[key], float) and isinstance(value, (int, str)) else value
             assert loaded[key] == expected, f"{path}: {key} is {loaded[key]!r}, the file says {value!r}"

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from raylm.cli import main
 from raylm.data.manifest import load_manifest
 from raylm.data.prepare import prepare_dataset
-from raylm.evaluate import bits_per_byte, evaluate, token_byte_lengths
+from raylm.evaluate import evaluate
+from raylm.tokenizer import bits_per_byte, token_byte_lengths
 from raylm.generate import load_for_inference
 from raylm.tokenizer import ByteTokenizer, train_bpe
 from raylm.train.local_env import LocalEnv

@@ -17,25 +17,13 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.tokenizer import EOT_TOKEN, ByteTokenizer, Tokenizer, tokenizer_from_json
+from raylm.tokenizer import EOT_TOKEN, ByteTokenizer, Tokenizer, bytes_to_unicode, tokenizer_from_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 @lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: each byte as a printable character (the characters
-    byte-level BPE vocabularies are written in)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = dict(zip(printable, map(chr, printable))), 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return dict(sorted(chars.items()))
-
-
 def _byte_vocab() -> dict[str, int]:
     return {char: b for b, char in bytes_to_unicode().items()}
 

@@ -20,7 +20,7 @@ from raylm.data.stream import TokenStream
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
-from raylm.tokenizer import TOKENIZER_FILE
+from raylm.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths, tokenizer_from_json
 from raylm.train import checkpoint
 from raylm.train.checkpointer import Checkpointer
 from raylm.train.guard import Guard, refuse_guard_stopped
@@ -36,7 +36,11 @@ from raylm.train.step import LossScaler, ParallelModel, build_model, needs_loss_
 
 class _EvalSet:
     """Fixed held-out batches: the first `eval_batches` global batches of the val split, in
-    file order, so every evaluation and every world size sees the same tokens."""
+    file order, so every evaluation and every world size sees the same tokens.
+
+    Bits per byte compare runs with different tokenizers: the mean loss in nats over every
+    target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
+    text stands for none; `raylm eval` also leaves its loss out, so it reads slightly lower)."""
 
     def __init__(self, spec: RunSpec, model: ParallelModel):
         cfg = spec.config
@@ -44,6 +48,14 @@ class _EvalSet:
         stream = TokenStream(source, spec.global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
         self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
                         for b in stream.batches(0, 0, cfg.train.eval_batches)]
+        token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))
+        whole = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")  # every rank's rows
+        targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, cfg.train.eval_batches)]
+        n_bytes = sum(int(token_bytes[t].sum()) for t in targets)
+        self.targets_per_byte = sum(t.size for t in targets) / n_bytes if n_bytes else None
+
+    def bits_per_byte(self, loss: float) -> Optional[float]:
+        return bits_per_byte(loss, 1 / self.targets_per_byte) if self.targets_per_byte else None
 
     def loss(self, model: ParallelModel, micro_batch_size: int) -> float:
         model.train(False)
@@ -204,6 +216,7 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
             metrics["samples"] = _samples_of_step(model, batch.indices)
         if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)
+            metrics["val_bpb"] = evals.bits_per_byte(metrics["val_loss"])
             t0 = time.perf_counter()  # evaluation is not step time
         for hook in hooks:
             hook.on_step_end(run, step, metrics)

@@ -14,23 +14,13 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from raylm.config import Config, ConfigError, config_to_dict
+from raylm.config import Config, ConfigError, config_to_dict, flat_keys
 
 
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
 
 
 def _import(module: str):
@@ -56,7 +46,7 @@ class MLflowTracker:
         self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else cfg.run.name)
         if run_id is None:
             id_file.write_text(self.run.info.run_id)
-            mlflow.log_params({k: str(v)[:500] for k, v in _flat(config_to_dict(cfg)).items()})
+            mlflow.log_params({k: str(v)[:500] for k, v in flat_keys(config_to_dict(cfg)).items()})
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(metrics, step=step)

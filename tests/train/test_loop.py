@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 
 import pytest
@@ -36,6 +37,8 @@ def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= rows[0].keys()
     assert "val_loss" in rows[3] and "val_loss" not in rows[2]
     assert final["val_loss"] < 3.0
+    # Byte tokens stand for one byte each, end of text for none: a little above loss / ln 2.
+    assert final["val_loss"] / math.log(2) < final["val_bpb"] < 1.1 * final["val_loss"] / math.log(2)
     assert os.listdir(tmp_path / "checkpoint_00000030")
 
 
