@@ -7,8 +7,9 @@
         cluster.wait_for_alive([0, 1])       # Ray noticed (a few seconds)
         cluster.start_node(2)                # same IP and temp dir; Ray gives it a new node id
 
-Node 0 is the head (GCS; `head_cpus` CPUs, 0 by default so that work lands on worker nodes
-and killing a node kills the work on it). Nodes 1..num_nodes are workers with `cpus_per_node`
+Node 0 is the head (GCS, and the dashboard with the job server on 127.0.0.1 for `ray job
+submit`; `head_cpus` CPUs, 0 by default so that work lands on worker nodes and killing a node
+kills the work on it). Nodes 1..num_nodes are workers with `cpus_per_node`
 CPUs each. Node i has IP 127.0.0.{i+2}, its own temp dir and explicitly chosen free ports;
 everything listens on loopback. Not 127.0.0.1: Ray rewrites that address to the machine's
 external one when a node joins (unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which
@@ -20,6 +21,10 @@ setproctitle, which may wipe their environment and command line, so only the pro
 reaches them; hence a kill freezes the tree (SIGSTOP) before SIGKILL, or the raylet's children
 would be orphaned, and lost, the moment it died. PIDs are kept with their start time: a PID
 reused by an unrelated process is never signalled.
+
+Ray's token authentication is on (raylm.ray_runtime.ensure_auth_token: this user's token file,
+created once): every node gets RAY_AUTH_MODE=token, and a client without the token is refused.
+The nodes run with this Python's bin/ first on PATH, so a job's `python` is this environment's.
 """
 
 from __future__ import annotations
@@ -38,22 +43,21 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from cluster.ports import free_ports
+from raylm.ray_runtime import LOCAL_RAY_ENV, ensure_auth_token
 
 # Dead-node detection in ~3 s instead of Ray's default ~30 s (the GCS pings each raylet every
 # period; `threshold` missed pings mark the node dead). The timeout covers frozen nodes, whose
 # health-check RPCs hang rather than fail.
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
-# Token auth would break every later CLI call or driver; a loopback cluster needs none.
 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: an elastic Train run gives up on a lost node sooner.
-BASE_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
 NODE_MARKER = "RAYLM_LOCAL_CLUSTER_NODE"  # value: the node's temp dir, unique per node
 _PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 # Head-only listeners; the two metric servers are set through the environment (no flag) and
 # would otherwise collide with any other Ray head on this machine.
-_HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")
+_HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")  # set in _command
 _HEAD_PORT_ENV = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
 _START_ATTEMPTS = 3
 
@@ -155,20 +159,22 @@ class LocalCluster:
 
     def __init__(self, num_nodes: int, cpus_per_node: int, head_cpus: int = 0,
                  system_config: Optional[dict] = None, env: Optional[dict[str, str]] = None,
-                 root: Optional[str] = None, object_store_mb: int = 128, start_timeout_s: float = 180.0):
+                 root: Optional[str] = None, object_store_mb: int = 128, start_timeout_s: float = 180.0,
+                 dashboard: bool = True):
         if not 1 <= num_nodes <= 250:
             raise ValueError(f"num_nodes={num_nodes}: need 1..250 worker nodes (IPs 127.0.0.3..)")
         if cpus_per_node < 1 or head_cpus < 0:
             raise ValueError(f"cpus_per_node={cpus_per_node}, head_cpus={head_cpus}: need ≥ 1 and ≥ 0")
         self.system_config = {**FAST_FAILURE_DETECTION, **(system_config or {})}
-        self.env = {**BASE_ENV, **(env or {})}
-        self.object_store_mb, self.start_timeout_s = object_store_mb, start_timeout_s
+        self.env = {**BASE_ENV, **ensure_auth_token(), **(env or {})}
+        self.object_store_mb, self.start_timeout_s, self.dashboard = object_store_mb, start_timeout_s, dashboard
         # Short: Ray's unix sockets live under the temp dir and paths are limited to 107 bytes.
         self.owns_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="raylm-cluster-", dir="/tmp")
         self.nodes = [Node(i, f"127.0.0.{i + 2}", head_cpus if i == 0 else cpus_per_node,
                            os.path.join(self.root, f"node{i}")) for i in range(num_nodes + 1)]
         self.gcs_port: Optional[int] = None
+        self.dashboard_port: Optional[int] = None
         self._gcs_client = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -179,6 +185,13 @@ class LocalCluster:
         if self.gcs_port is None:
             raise LocalClusterError("the cluster is not started: call start() first")
         return f"{self.nodes[0].ip}:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """The dashboard and job server, for `ray job submit --address` and JobSubmissionClient."""
+        if not self.dashboard or self.dashboard_port is None:
+            raise LocalClusterError("the cluster runs no dashboard: start it with dashboard=True")
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     def start(self) -> "LocalCluster":
         """Start the head, then all worker nodes together; returns once Ray sees every node."""
@@ -206,7 +219,7 @@ class LocalCluster:
         kill_process_trees(set().union(*(self._roots(node) for node in self.nodes)))
         for node in self.nodes:
             node.procs = []
-        self.gcs_port, self._gcs_client = None, None
+        self.gcs_port, self.dashboard_port, self._gcs_client = None, None, None
         if self.owns_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -253,13 +266,18 @@ class LocalCluster:
                      lambda: f"alive nodes {self.alive_nodes()}, expected {want}")
 
     def driver_env(self) -> dict[str, str]:
-        """Environment for a driver process: auth off like the nodes, RAY_ADDRESS set."""
-        return {**self.env, "RAY_ADDRESS": self.address}
+        """Environment for a driver process or `ray` CLI: token auth like the nodes, RAY_ADDRESS
+        for drivers and RAY_API_SERVER_ADDRESS for `ray job` commands."""
+        env = {**self.env, "RAY_ADDRESS": self.address}
+        if self.dashboard:
+            env["RAY_API_SERVER_ADDRESS"] = self.dashboard_url
+        return env
 
     # -- state file (for the CLI, where each command is a new process) ----------------------
 
     def save(self, path: str) -> None:
         state = {"root": self.root, "owns_root": self.owns_root, "gcs_port": self.gcs_port,
+                 "dashboard": self.dashboard, "dashboard_port": self.dashboard_port,
                  "system_config": self.system_config, "env": self.env,
                  "object_store_mb": self.object_store_mb, "start_timeout_s": self.start_timeout_s,
                  "nodes": [asdict(n) for n in self.nodes]}
@@ -274,8 +292,10 @@ class LocalCluster:
             state = json.load(f)
         nodes = [Node(**{**n, "procs": [tuple(p) for p in n["procs"]]}) for n in state["nodes"]]
         cluster = cls(len(nodes) - 1, max(1, nodes[1].cpus), nodes[0].cpus, state["system_config"],
-                      state["env"], state["root"], state["object_store_mb"], state["start_timeout_s"])
+                      state["env"], state["root"], state["object_store_mb"], state["start_timeout_s"],
+                      state.get("dashboard", False))  # absent from a state file older than the job server
         cluster.owns_root, cluster.gcs_port, cluster.nodes = state["owns_root"], state["gcs_port"], nodes
+        cluster.dashboard_port = state.get("dashboard_port")
         return cluster
 
     # -- internals --------------------------------------------------------------------------
@@ -304,9 +324,10 @@ class LocalCluster:
         return list(self._gcs_client.get_all_node_info(timeout=10).values())
 
     def _command(self, node: Node) -> tuple[list[str], dict[str, str]]:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(self.env)
+        env = {**os.environ, **self.env}
         env[NODE_MARKER] = node.temp_dir
+        # A job's entrypoint (`python ...`) is looked up on the PATH of the node that runs it.
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", os.defpath)])
         # 0 (as a single-node setup may have left it) makes `ray start` refuse to join a cluster.
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
         ports = free_ports(len(_PORT_FLAGS) + (len(_HEAD_PORT_FLAGS) + len(_HEAD_PORT_ENV)) * node.is_head)
@@ -318,12 +339,17 @@ class LocalCluster:
         args += [f"--{flag}={ports.pop()}" for flag in _PORT_FLAGS]
         if node.is_head:
             self.gcs_port = ports.pop()
-            args += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
-                     f"--dashboard-host={node.ip}", f"--system-config={json.dumps(self.system_config)}"]
-            args += [f"--{flag}={ports.pop()}" for flag in _HEAD_PORT_FLAGS[1:]]
+            self.dashboard_port = ports.pop()
+            args += ["--head", f"--port={self.gcs_port}", f"--include-dashboard={str(self.dashboard).lower()}",
+                     "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+                     f"--ray-client-server-port={ports.pop()}", f"--system-config={json.dumps(self.system_config)}"]
             env.update({name: str(ports.pop()) for name in _HEAD_PORT_ENV})
         else:
             args.append(f"--address={self.address}")
+        # Ray's own processes that look the cluster up (the State API in Train's placement-group
+        # cleaner, the job supervisor) would otherwise search this machine, find every other Ray
+        # on it too, and fail with "Found multiple active Ray instances".
+        env["RAY_ADDRESS"] = self.address
         return args, env
 
     def _spawn(self, node: Node) -> tuple[subprocess.Popen, str]:

@@ -6,6 +6,11 @@
     scripts/local-cluster start-node 2     # the node comes back (same IP and temp dir)
     scripts/local-cluster stop
 
+The head serves Ray's job API on 127.0.0.1 (`ray job submit`, `raylm submit`), and Ray's token
+authentication is on: `start` prints the `export` lines that a driver or `ray` command needs
+(RAY_ADDRESS, RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE=token); the token itself stays in this
+user's token file.
+
 Also `python -m cluster.local_cluster ...` from the repository root. Each command is a new
 process: the cluster's node layout and PIDs live in a state file (--state, or
 $RAYLM_LOCAL_CLUSTER_STATE, default /tmp/raylm-local-cluster.json).
@@ -38,7 +43,8 @@ def _status(cluster: LocalCluster) -> str:
         ids, note = {}, f" (GCS at {cluster.address} unreachable: {type(e).__name__})"
     else:
         note = ""
-    lines = [f"address {cluster.address}{note}", f"{'node':>4}  {'ip':<10} {'cpus':>4}  {'ray':<5}  "
+    server = f"; job server {cluster.dashboard_url}" if cluster.dashboard else ""
+    lines = [f"address {cluster.address}{server}{note}", f"{'node':>4}  {'ip':<10} {'cpus':>4}  {'ray':<5}  "
              f"{'pids':<5} node id"]
     for node in cluster.nodes:
         pids = cluster.processes(node.index)

@@ -1,19 +1,92 @@
-"""The one way raylm gets a Ray: join the cluster Ray's own conventions name, or start a local
-single-node Ray that listens on loopback only."""
+"""The one way raylm gets a Ray, always with Ray's token authentication on.
+
+- Join the cluster that Ray's own conventions name: an explicit address, else RAY_ADDRESS.
+  A Ray job's entrypoint has RAY_ADDRESS set by the job supervisor (Ray documents that
+  `ray.init()` inside a job connects to the job's cluster), so `raylm train` inside
+  `ray job submit`, or with RAY_ADDRESS exported, joins instead of starting a Ray.
+- Otherwise (or with address "local") start a single-node Ray listening on loopback only.
+
+The token: Ray reads it from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else
+~/.ray/auth_token. raylm creates that file once per user, private (0600), and turns token mode
+on in its environment, which every process it starts (Ray's daemons, workers, `ray start`
+nodes, job drivers) inherits; later `raylm` and `ray` commands read the same file.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
 from typing import Optional
 
 # Usage stats would phone home.
-# TODO(issue 14): token authentication stays on; this module will manage the token.
-LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def auth_token_path() -> Path:
+    """Where Ray looks for the token file: RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def ensure_auth_token() -> dict[str, str]:
+    """Turn Ray's token authentication on for this process and the processes it starts, with
+    this user's token; returns the variables that say so (never the token itself).
+
+    An explicit RAY_AUTH_MODE (e.g. "disabled" to reach an old cluster without auth) is the
+    user's choice and is kept. A token given in RAY_AUTH_TOKEN is used as it is. Otherwise the
+    token file is created if missing (0600 in a 0700 directory) and tightened to 0600 if Ray
+    or a user left it readable by others."""
+    if os.environ.get(AUTH_MODE_ENV, "token") != "token":
+        return {AUTH_MODE_ENV: os.environ[AUTH_MODE_ENV]}
+    env = {AUTH_MODE_ENV: "token"}
+    if "RAY_AUTH_TOKEN_PATH" in os.environ:
+        env["RAY_AUTH_TOKEN_PATH"] = os.environ["RAY_AUTH_TOKEN_PATH"]
+    if not os.environ.get("RAY_AUTH_TOKEN"):
+        _create_token_file(auth_token_path())
+    if os.environ.get(AUTH_MODE_ENV) != "token":
+        os.environ[AUTH_MODE_ENV] = "token"
+        _refresh_ray_auth_config()
+    return env
+
+
+def _create_token_file(path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists():
+        if path.stat().st_mode & 0o077 and path.stat().st_uid == os.getuid():
+            path.chmod(0o600)
+        return
+    # Written whole under another name, then linked into place: a concurrent raylm or Ray
+    # process sees no file or the complete token (Ray aborts on an empty one), and of two
+    # racing creators one wins and both use its token.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auth_token-")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` makes: 256 bits
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def _refresh_ray_auth_config() -> None:
+    """Ray caches its settings and token per process when ray._raylet is imported: reload them
+    so that a change of mode made after that import takes effect here too."""
+    if "ray._raylet" not in sys.modules:
+        return
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def use_loopback() -> None:
-    """Make a Ray started from this process bind every server to 127.0.0.1.
+    """Make a Ray started from this process bind every server to 127.0.0.1, with token auth.
 
     Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, to decide whether the node
     advertises a routable address; the environment covers the processes Ray spawns, and the
@@ -21,23 +94,41 @@ def use_loopback() -> None:
     """
     import ray._private.ray_constants as ray_constants
 
+    ensure_auth_token()
     for key, value in {**LOCAL_RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
         os.environ.setdefault(key, value)
     ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
 
 
+def in_ray_job() -> bool:
+    """Whether this process is a Ray job's entrypoint (the job supervisor gives it its job config)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def joins_cluster(address: Optional[str] = None) -> bool:
+    """Whether `start_ray(address)` joins a running cluster rather than starting one."""
+    if address == "local":
+        return False
+    return address is not None or bool(os.environ.get("RAY_ADDRESS"))
+
+
 def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, worker_threads: int = 1) -> None:
-    """Join the Ray at `address`, or start a local one (loopback only) with `num_cpus` logical
-    CPUs whose workers run `worker_threads` OpenMP threads. None or "local" starts one."""
+    """Join the Ray at `address` (None: RAY_ADDRESS when set, as inside a Ray job), or start a
+    local one (loopback only) with `num_cpus` logical CPUs whose workers run `worker_threads`
+    OpenMP threads; "local" always starts one. A joined cluster's size is its own: `num_cpus`
+    and `worker_threads` apply only to a Ray started here."""
     import ray
 
     if ray.is_initialized():
         return
-    if address not in (None, "local"):
-        ray.init(address=address)
+    ensure_auth_token()
+    if joins_cluster(address):
+        ray.init(address=address)  # None: Ray reads RAY_ADDRESS
         return
     use_loopback()
-    ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=True, dashboard_host="127.0.0.1",
+    # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
+    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=True,
+             dashboard_host="127.0.0.1",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(worker_threads))}})
 
 

@@ -1,13 +1,15 @@
-"""Session fixtures: one local Ray, and small corpora prepared by the real `prepare_dataset`."""
+"""Session fixtures: Ray's token authentication for every Ray of the session, one local Ray,
+and small corpora prepared by the real `prepare_dataset`."""
 
 from __future__ import annotations
 
 import os
 import random
+from typing import Iterator
 
 import pytest
 
-from raylm.ray_runtime import use_loopback
+from raylm.ray_runtime import ensure_auth_token, use_loopback
 
 WORDS = ("the king queen castle river stone light dark bread wine horse sword crown field "
          "winter summer old young gold silver song night morning sea ship").split()
@@ -25,6 +27,22 @@ def write_corpus(directory, documents: int = 120, seed: int = 0) -> str:
     return str(directory)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ray_auth_token(tmp_path_factory) -> Iterator[str]:
+    """Every Ray the tests start or join (ray_session, local clusters, drivers and jobs in
+    subprocesses, which inherit the environment) runs with token authentication, and with a
+    token of this session's own that raylm creates: a developer's ~/.ray/auth_token, or a
+    RAY_AUTH_MODE=disabled in their shell, plays no part. Returns the token file's path."""
+    patch = pytest.MonkeyPatch()
+    path = str(tmp_path_factory.mktemp("ray-auth") / "auth_token")
+    patch.setenv("RAY_AUTH_TOKEN_PATH", path)
+    patch.delenv("RAY_AUTH_TOKEN", raising=False)
+    patch.delenv("RAY_AUTH_MODE", raising=False)
+    ensure_auth_token()
+    yield path
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def ray_session(request):
     import ray
@@ -37,7 +55,8 @@ def ray_session(request):
         pass
 
     use_loopback()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
     yield ray
     ray.shutdown()

@@ -1,0 +1,59 @@
+"""raylm's Ray token: created once per user, private, never handed around in the clear; and
+when raylm joins a cluster rather than starting one. (Auth against real Rays: the local
+cluster's tests refuse a client without the token; every Ray of the suite runs with it.)"""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from raylm.ray_runtime import ensure_auth_token, joins_cluster
+
+
+@pytest.fixture
+def token_path(tmp_path, monkeypatch):
+    path = tmp_path / "home" / ".ray" / "auth_token"
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    return path
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_token_is_created_once_private_and_never_returned(token_path):
+    env = ensure_auth_token()
+    token = token_path.read_text()
+    assert len(token) == 64 and int(token, 16)  # 256 random bits, as `ray get-auth-token --generate`
+    assert (mode(token_path), mode(token_path.parent)) == (0o600, 0o700)
+    assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    ensure_auth_token()
+    assert token_path.read_text() == token  # once per user: later calls reuse it
+    assert [p.name for p in token_path.parent.iterdir()] == ["auth_token"]  # no temporary file left
+
+
+def test_a_token_file_readable_by_others_is_made_private(token_path):
+    token_path.parent.mkdir(parents=True)
+    token_path.write_text("a" * 64)
+    token_path.chmod(0o644)  # as a default umask leaves a file Ray wrote itself
+    ensure_auth_token()
+    assert mode(token_path) == 0o600 and token_path.read_text() == "a" * 64
+
+
+def test_explicit_settings_are_the_users(token_path, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "b" * 64)
+    assert ensure_auth_token()["RAY_AUTH_MODE"] == "token"
+    assert not token_path.exists()  # the token in the environment is used as it is
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # e.g. to reach an old cluster without auth
+    assert ensure_auth_token() == {"RAY_AUTH_MODE": "disabled"}
+
+
+def test_joins_the_cluster_rays_conventions_name(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not joins_cluster(None) and not joins_cluster("local")
+    assert joins_cluster("auto") and joins_cluster("127.0.0.2:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:6379")  # exported, or set for a job's entry point
+    assert joins_cluster(None) and not joins_cluster("local")
