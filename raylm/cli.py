@@ -1,4 +1,4 @@
-"""`raylm` subcommands: prepare, tokenizer train, train, sweep, generate, data inspect|verify, plan, report, export, import, eval."""
+"""`raylm` subcommands: prepare, tokenizer train, train, sweep, submit, generate, data inspect|verify, plan, report, export, import, eval."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Optional
 from raylm.config import ConfigError, StorageConfig, describe_fields, load_config
 from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
+from raylm.ray_runtime import in_ray_job
+from raylm.submit import SubmitError, check_job_config
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -26,7 +28,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from raylm.data.prepare import prepare_dataset
     from raylm.ray_runtime import start_ray
 
-    start_ray(args.ray_address)
+    if args.ray_address:  # else prepare_dataset gets a Ray (RAY_ADDRESS's, or a local one) once its inputs check out
+        start_ray(args.ray_address)
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
                                storage=_storage(args), max_documents=args.max_documents,
@@ -56,6 +59,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.resume:
         overrides.append("checkpoint.resume=required")
     cfg = load_config(args.config, overrides)
+    if in_ray_job():
+        check_job_config(cfg)
     metrics = launch(cfg)
     if metrics:
         print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
@@ -75,6 +80,19 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     except SweepInterrupted as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def cmd_submit(args: argparse.Namespace) -> None:
+    from raylm.submit import submit
+
+    sys.exit(submit(args.config, args.overrides, args.address, wait=not args.no_wait, env=dict(args.env)))
+
+
+def _name_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE")
+    return name, value
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -194,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "or sweep.section.key=value for the sweep")
     p.set_defaults(fn=cmd_sweep)
 
+    p = sub.add_parser("submit", help="run `raylm train` as a Ray job on a cluster and follow it",
+                       epilog="the same job as: ray job submit --runtime-env jobs/runtime_env.yaml "
+                       "-- python jobs/pretrain.py CONFIG OVERRIDES")
+    p.add_argument("config", help="YAML config inside this checkout (uploaded with it)")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=100")
+    p.add_argument("--address", help="the cluster's job server, e.g. http://127.0.0.1:8265 "
+                   "(default: $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS)")
+    p.add_argument("--no-wait", action="store_true", help="submit and return; do not follow the job")
+    p.add_argument("--env", action="append", default=[], type=_name_value, metavar="NAME=VALUE",
+                   help="extra environment variable for the job, e.g. AWS_ENDPOINT_URL_S3 (never credentials)")
+    p.set_defaults(fn=cmd_submit)
+
     p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory (latest)")
     p.add_argument("--prompt", default="\n")
@@ -271,7 +301,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError) as e:
+    except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
 

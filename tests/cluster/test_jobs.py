@@ -1,0 +1,211 @@
+"""Ray jobs on the local multi-node cluster: a head with its dashboard and job server on
+127.0.0.1 and two worker nodes, token authentication on, entry points from jobs/ submitted as
+the README shows (`ray job submit` and `raylm submit`) from the repository root.
+
+One cluster serves the module, and one dataset that a jobs/prepare.py job makes on it; the
+reference run (a `ray job submit` to SUCCEEDED) is also what the stopped-and-resubmitted run is
+compared with. Runs read with `data.loader=local`: Ray Data's start-up would dominate these
+short jobs.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.local import LocalCluster
+from raylm.submit import load_runtime_env
+from raylm.train.checkpoint import latest_complete
+from raylm.train.metrics import read_jsonl
+from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.fixtures import write_corpus
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+RAYLM = [sys.executable, "-m", "raylm.cli"]
+# The stopped run is stopped at its first checkpoint: the steps after it leave time for the stop
+# to land before the run could end (workers outlive their stopped driver by a few seconds).
+STEPS, CHECKPOINT_EVERY = 30, 3
+SAME_WORLD_RTOL = 1e-6  # the same world size repeats the same arithmetic: fp32 noise only
+
+
+@pytest.fixture(scope="module")
+def cluster() -> LocalCluster:
+    # 2 CPUs a node: the two 1-CPU training workers, on one node or one on each, and the prepare
+    # job's Ray Data tasks.
+    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(cluster.dashboard_url)
+
+
+def run(cluster: LocalCluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A command from the repository root with the driver environment the cluster script prints."""
+    return subprocess.run(list(args), cwd=REPO, env={**os.environ, **cluster.driver_env()},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ray_job_submit(cluster: LocalCluster, submission_id: str, *entrypoint: str, wait: bool = True):
+    return run(cluster, RAY, "job", "submit", "--address", cluster.dashboard_url, "--runtime-env",
+               "jobs/runtime_env.yaml", "--working-dir", ".", "--submission-id", submission_id,
+               *(() if wait else ("--no-wait",)), "--", "python", *entrypoint)
+
+
+def wait_for_status(jobs, job_id: str, timeout_s: float = 300) -> str:
+    """The job's terminal status, polled from the job server (the truth; log following may end early)."""
+    deadline = time.monotonic() + timeout_s
+    while not (status := jobs.get_job_status(job_id)).is_terminal():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job_id} still {status.value} after {timeout_s:.0f} s:\n"
+                                 f"{jobs.get_job_logs(job_id)[-3000:]}")
+        time.sleep(0.5)
+    return status.value
+
+
+def submit(jobs, job_id: str, *entrypoint: str) -> None:
+    """Through the job API, which `ray job submit` calls, with the same runtime env."""
+    jobs.submit_job(entrypoint=shlex.join(["python", *entrypoint]), submission_id=job_id,
+                    runtime_env=load_runtime_env(REPO))
+
+
+def one_file_corpus(directory: Path, documents: int) -> Path:
+    """One text file, one document per line (for `--lines-as-documents`): one Ray Data read."""
+    docs = write_corpus(directory / "docs", documents=documents, seed=3)
+    text = directory / "corpus.txt"
+    text.write_text("\n".join(" ".join(p.read_text().split()) for p in sorted(Path(docs).iterdir())))
+    return text
+
+
+@pytest.fixture(scope="module")
+def dataset(cluster, jobs, tmp_path_factory) -> str:
+    """Prepared on the cluster by jobs/prepare.py: its Ray Data pipeline joins the job's Ray."""
+    root = tmp_path_factory.mktemp("jobs-data")
+    submit(jobs, "raylm-prepare-1", "jobs/prepare.py", "--input", str(one_file_corpus(root, 150)),
+           "--output", str(root / "prepared"), "--seq-len", "32", "--lines-as-documents")
+    status, logs = wait_for_status(jobs, "raylm-prepare-1"), jobs.get_job_logs("raylm-prepare-1")
+    assert status == "SUCCEEDED" and f"wrote {root / 'prepared'}/manifest.json" in logs, logs[-3000:]
+    return str(root / "prepared")
+
+
+def train_args(dataset: str, storage: Path, name: str, *extra: str) -> list[str]:
+    """The README's demo config, made tiny, with the absolute paths a job needs."""
+    return ["configs/demo-cpu.yaml", f"data.path={dataset}", f"run.storage_path={storage}", f"run.name={name}",
+            "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+            "model.max_seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=4",
+            f"train.steps={STEPS}", "train.eval_every=0", "train.tensorboard=false", "train.log_every=5",
+            f"checkpoint.every_steps={CHECKPOINT_EVERY}", "schedule.warmup_steps=2", "parallel.num_workers=2",
+            "data.loader=local", "run.health_check=false", "run.max_failures=0", *extra]
+
+
+def rows_by_step(run_dir: Path) -> dict[int, dict]:
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, STEPS + 1)), f"metrics.jsonl steps: {steps}"
+    return {r["step"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, jobs, dataset, tmp_path_factory) -> dict:
+    """`ray job submit ... -- python jobs/pretrain.py CONFIG OVERRIDES`, followed to its end."""
+    storage = tmp_path_factory.mktemp("jobs-runs")
+    out = ray_job_submit(cluster, "raylm-reference-1", "jobs/pretrain.py",
+                         *train_args(dataset, storage, "reference"))
+    return {"out": out, "status": wait_for_status(jobs, "raylm-reference-1"), "run_dir": storage / "reference"}
+
+
+def test_ray_job_submit_trains_to_the_end_with_metrics_and_checkpoints_in_storage(reference):
+    out, run_dir = reference["out"], reference["run_dir"]
+    assert (reference["status"], out.returncode) == ("SUCCEEDED", 0), out.stdout[-3000:] + out.stderr[-2000:]
+    assert f"done: step {STEPS}" in out.stdout  # the driver's last line, followed by `ray job submit`
+    rows = rows_by_step(run_dir)
+    assert rows[STEPS]["loss"] < rows[1]["loss"] - 1.0
+    assert {f"checkpoint_{s:08d}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)} <= set(
+        os.listdir(run_dir))
+    assert latest_complete(str(run_dir)).endswith(f"checkpoint_{STEPS:08d}")
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run(
+        cluster, jobs, dataset, reference, tmp_path):
+    args = train_args(dataset, tmp_path, "stopped")
+    run_dir = tmp_path / "stopped"
+    first = run(cluster, *RAYLM, "submit", *args, "--no-wait")
+    assert first.returncode == 0 and "raylm: submitted raylm-stopped-1" in first.stdout, first.stderr
+    # A second job for the same run while the first is active would write the same directory.
+    again = run(cluster, *RAYLM, "submit", *args, "--no-wait")
+    assert again.returncode == 2 and "run 'stopped' already has job raylm-stopped-1" in again.stderr, again.stderr
+
+    deadline = time.monotonic() + 240
+    while latest_complete(str(run_dir)) is None:
+        assert jobs.get_job_status("raylm-stopped-1").value in ("PENDING", "RUNNING"), \
+            jobs.get_job_logs("raylm-stopped-1")[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint within 240 s"
+        time.sleep(0.1)
+    assert jobs.stop_job("raylm-stopped-1")  # what `ray job stop` calls, without its start-up time
+    assert wait_for_status(jobs, "raylm-stopped-1") == "STOPPED"
+    stopped_at = read_jsonl(str(run_dir / "metrics.jsonl"))[-1]["step"]
+    assert stopped_at < STEPS, "the job finished before it was stopped: nothing left to resume"
+
+    # The same submission again: the next attempt's id, the same run directory.
+    resumed = run(cluster, *RAYLM, "submit", *args)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    assert "raylm: submitted raylm-stopped-2" in resumed.stdout
+    assert "raylm: job raylm-stopped-2 SUCCEEDED" in resumed.stdout
+    assert f"done: step {STEPS}" in resumed.stdout  # the job's logs were followed to the end
+    (event,) = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == "resumed"]
+    assert event["from_step"] % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= event["from_step"] <= stopped_at
+    rows, expected = rows_by_step(run_dir), rows_by_step(reference["run_dir"])
+    mismatched = [(s, rows[s]["loss"], expected[s]["loss"]) for s in rows
+                  if rows[s]["loss"] != pytest.approx(expected[s]["loss"], rel=SAME_WORLD_RTOL)]
+    assert not mismatched, f"(step, resumed, uninterrupted): {mismatched[:5]}"
+
+
+def test_bad_input_fails_the_job_before_any_worker_starts_with_the_message_in_its_logs(
+        cluster, jobs, dataset, tmp_path):
+    """All submitted at once (their start-ups overlap); the logs read as `ray job logs` reads them."""
+    storage, missing = tmp_path / "runs", tmp_path / "missing"
+    storage.mkdir()
+    pretrain = ["jobs/pretrain.py", "configs/demo-cpu.yaml", f"data.path={dataset}"]
+    failing = {  # submission id: (entry point and arguments, what the job's logs must say)
+        "raylm-unknown-key-1": ([*pretrain, f"run.storage_path={storage}", "train.stepz=5"],
+                                "raylm: error: unknown key train.stepz"),
+        "raylm-no-dataset-1": ([*pretrain, f"run.storage_path={storage}", f"data.path={missing}"],
+                               f"raylm: error: {missing} is not a prepared dataset"),
+        "raylm-relative-1": (pretrain,  # the demo config's run.storage_path: runs
+                             "raylm: error: run.storage_path='runs' is a relative path"),
+        "raylm-prepare-missing-1": (["jobs/prepare.py", "--input", str(missing), "--output", str(storage / "data")],
+                                    f"raylm: error: input {missing} does not exist"),
+    }
+    for job_id, (entrypoint, _) in failing.items():
+        submit(jobs, job_id, *entrypoint)
+    for job_id, (_, message) in failing.items():
+        assert wait_for_status(jobs, job_id, timeout_s=180) == "FAILED"
+        logs = jobs.get_job_logs(job_id)
+        assert message in logs, f"{job_id}: {jobs.get_job_info(job_id).message}\n{logs[-3000:]}"
+        # Failed on the driver: no traceback, no Ray Train workers, no Ray Data pipeline.
+        assert not [w for w in ("Traceback", "training worker group", "Running Dataset") if w in logs], logs[-3000:]
+    assert os.listdir(storage) == []  # no run directory, no dataset: nothing started
+
+
+def test_raylm_submit_refuses_bad_input_before_submitting(cluster, jobs, dataset, tmp_path):
+    unreachable = run(cluster, *RAYLM, "submit", *train_args(dataset, tmp_path, "nowhere"),
+                      "--address", "http://127.0.0.1:9")
+    assert unreachable.returncode == 2
+    assert "raylm: error: cannot reach the Ray job server at http://127.0.0.1:9" in unreachable.stderr
+    unknown = run(cluster, *RAYLM, "submit", *train_args(dataset, tmp_path, "misspelt", "optim.lrr=1"))
+    assert unknown.returncode == 2 and "raylm: error: unknown key optim.lrr" in unknown.stderr, unknown.stderr
+    assert "Traceback" not in unreachable.stderr + unknown.stderr
+    submitted = [j.submission_id or "" for j in jobs.list_jobs()]
+    assert not [i for i in submitted if i.startswith(("raylm-nowhere-", "raylm-misspelt-"))]
