@@ -19,7 +19,7 @@ from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
 from raylm.train.spec import absolute, resolve_run
 
-COMPLETED, STOPPED, ERROR = "completed", "stopped_early", "error"
+COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", "error"
 
 
 def rung_bests(rows: list[dict]) -> list[dict]:

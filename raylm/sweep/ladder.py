@@ -150,6 +150,10 @@ def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch:
     tree["checkpoint"].update(every_steps=eval_every, every_minutes=None, keep_last=1, keep_every=None,
                               resume="auto")
     tree["run"]["name"] = run_name
+    if "guard" in tree:
+        # A trial's loss must show what its learning rate does: no skipped data, no rollbacks
+        # (a diverging trial ends as diverged), and no norm metrics nobody reads.
+        tree["guard"].update(enabled=False, norms_every=0)
     return config_from_dict(tree)
 
 

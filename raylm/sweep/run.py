@@ -24,7 +24,7 @@ from raylm.data import storage
 from raylm.errors import ConfigError
 from raylm.ray_runtime import start_ray
 from raylm.sweep import analysis, ladder
-from raylm.sweep.analysis import COMPLETED, ERROR, STOPPED
+from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
 from raylm.sweep.config import SweepConfig, load_sweep, sweep_to_dict
 from raylm.sweep.trial import FINAL_FILE, TrialPlan, trial_dir
 from raylm.train.spec import absolute, resolve_run
@@ -135,16 +135,17 @@ def _run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict
                                         num_samples=num_samples, max_concurrent_trials=concurrency),
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures)))
-    grid = tuner.fit()
-    if grid.num_terminated + grid.num_errors < len(grid):  # Tune returns early on Ctrl-C or SIGTERM
-        raise SweepInterrupted(f"the sweep was interrupted during {experiment}; run the same command again to "
-                               "resume it (finished trials are kept)")
-    return grid
+    return tuner.fit()
 
 
-def _rows(plan: Plan, grid, phase: str) -> list[dict]:
-    """trials.csv rows of one experiment's results."""
+def _rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
+    """trials.csv rows of one experiment's results. Tune returns early when interrupted (Ctrl-C,
+    SIGTERM): a trial neither finished, failed nor stopped by ASHA, or a trial not yet created,
+    means the phase did not end, and the sweep stops there (the same command resumes it)."""
+    from raylm.sweep.search import stopped_by_asha
+
     seq_len = plan.resolved.train.seq_len
+    stopped = stopped_by_asha(os.path.join(plan.directory, ASHA_STATE_FILE))
     rows = []
     for result in grid:
         config, metrics = result.config, dict(result.metrics or {})
@@ -153,9 +154,17 @@ def _rows(plan: Plan, grid, phase: str) -> list[dict]:
         final_path = os.path.join(trial_dir(os.path.join(plan.directory, "trials"), trial_id), FINAL_FILE)
         if os.path.exists(final_path):
             with open(final_path) as f:
-                metrics, status = json.load(f), COMPLETED
-        else:  # a trial stopped at its last report (a driver killed in between) has finished all the same
-            status = ERROR if result.error else COMPLETED if metrics.get("progress", 0.0) >= 1.0 else STOPPED
+                metrics = json.load(f)
+            status = DIVERGED if metrics.get("diverged") else COMPLETED
+        elif result.error:
+            status = ERROR
+        elif trial_id in stopped:
+            status = STOPPED
+        elif metrics.get("progress", 0.0) >= 1.0:  # stopped at its last report, before final.json: finished
+            status = COMPLETED
+        else:
+            raise SweepInterrupted(f"the sweep was interrupted ({trial_id} of {phase} did not finish); run the "
+                                   "same command again to resume it (finished trials are kept)")
         steps = ladder.steps_for(rung.target_tokens, config["batch"], seq_len)
         tokens = steps * config["batch"] * seq_len
         size = rung.size
@@ -166,6 +175,9 @@ def _rows(plan: Plan, grid, phase: str) -> list[dict]:
                      "steps": steps, "val_loss": metrics.get("val_loss", math.nan),
                      "progress": metrics.get("progress", 0.0), "tokens_trained": metrics.get("tokens", 0),
                      "status": status, "wall_s": metrics.get("wall_s", metrics.get("time_total_s", math.nan))})
+    if len(rows) < expected:
+        raise SweepInterrupted(f"the sweep was interrupted ({len(rows)} of {expected} trials of {phase} created); "
+                               "run the same command again to resume it (finished trials are kept)")
     return sorted(rows, key=lambda r: (r["phase"] != "ladder", r["params"], r["tokens"], r["lr"]))
 
 
@@ -192,7 +204,7 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
     resources = {"CPU": cpus, "GPU": plan.sweep.trial.gpus}
     grid = _run_phase(plan, "tune-check", dataclasses.replace(trials, threads=_threads(cpus)), resources,
                       param_space={"rung": rung.name, "lr": check["lr"], "batch": check["batch"]})
-    rows = _rows(plan, grid, "check")
+    rows = _rows(plan, grid, "check", expected=1)
     measured = rows[0]["val_loss"] if rows[0]["status"] == COMPLETED else None
     check["measured_loss"] = measured
     if measured is not None:
@@ -250,7 +262,7 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
     grid = _run_phase(plan, "tune-ladder", trials, {"CPU": sweep.trial.cpus, "GPU": sweep.trial.gpus},
                       searcher=RungSearcher(slots, sweep, plan.batches), scheduler=scheduler,
                       num_samples=len(slots), concurrency=int(concurrency))
-    rows = _rows(plan, grid, "ladder")
+    rows = _rows(plan, grid, "ladder", expected=len(slots))
     if not any(r["status"] == COMPLETED for r in rows):
         errors = [str(r.error) for r in grid if r.error]
         raise RuntimeError(f"no trial of the sweep completed; first error: {errors[0] if errors else 'none reported'}")

@@ -114,12 +114,13 @@ class RungASHA(FIFOScheduler):
         super().__init__()
         self.grace, self.reduction, self.state_path = grace_fraction, reduction_factor, state_path
         self.per_rung: dict[str, AsyncHyperBandScheduler] = {}
+        self.stopped: set[str] = set()  # trial ids ASHA stopped: the sweep tells them from interrupted ones
         self.loaded = False
 
     def _save(self) -> None:
         tmp = f"{self.state_path}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(self.per_rung, f)
+            pickle.dump({"per_rung": self.per_rung, "stopped": self.stopped}, f)
         os.replace(tmp, self.state_path)
 
     def _of(self, trial) -> AsyncHyperBandScheduler:
@@ -127,7 +128,8 @@ class RungASHA(FIFOScheduler):
             self.loaded = True
             if os.path.exists(self.state_path):
                 with open(self.state_path, "rb") as f:
-                    self.per_rung = pickle.load(f)
+                    state = pickle.load(f)
+                self.per_rung, self.stopped = state["per_rung"], state["stopped"]
         rung = trial.config["rung"]
         if rung not in self.per_rung:
             self.per_rung[rung] = AsyncHyperBandScheduler(
@@ -143,9 +145,11 @@ class RungASHA(FIFOScheduler):
 
     def on_trial_result(self, tune_controller, trial, result: dict) -> str:
         action = self._of(trial).on_trial_result(tune_controller, trial, result)
-        self._save()
         if result.get(PROGRESS, 0.0) >= 1.0:  # nothing left to save: let it write its final result
-            return FIFOScheduler.CONTINUE
+            action = FIFOScheduler.CONTINUE
+        if action == FIFOScheduler.STOP:
+            self.stopped.add(trial.trial_id)
+        self._save()
         return action
 
     def on_trial_complete(self, tune_controller, trial, result: dict) -> None:
@@ -156,6 +160,13 @@ class RungASHA(FIFOScheduler):
         self._of(trial).on_trial_remove(tune_controller, trial)
 
     def debug_string(self) -> str:
-        stopped = sum(s._num_stopped for s in self.per_rung.values())
-        return f"ASHA per rung ({len(self.per_rung)} rungs): {stopped} trials stopped early"
+        return f"ASHA per rung ({len(self.per_rung)} rungs): {len(self.stopped)} trials stopped early"
+
+
+def stopped_by_asha(state_path: str) -> set[str]:
+    """The trial ids a RungASHA with this state file stopped."""
+    if not os.path.exists(state_path):
+        return set()
+    with open(state_path, "rb") as f:
+        return pickle.load(f)["stopped"]
 

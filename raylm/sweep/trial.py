@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import warnings
@@ -60,11 +61,12 @@ def trial_dir(trials_dir: str, trial_id: str) -> str:
     return os.path.join(trials_dir, trial_id)
 
 
-def _last_eval(run_dir: str) -> dict:
-    """The newest metrics row with a validation loss (the loop evaluates at the last step)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return next(r for r in reversed(rows) if "val_loss" in r)
+def _metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _write_json(path: str, value: dict) -> None:
@@ -98,10 +100,18 @@ def run_trial(config: dict, plan: TrialPlan) -> None:
     rung = plan.rungs[config["rung"]]
     cfg = trial_config(plan.sweep, spec.config, rung, config["lr"], config["batch"],
                        run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}")
-    train(dataclasses.replace(spec, config=cfg), LocalEnv(run_dir, use_gpu=plan.use_gpu),
-          (TuneReporter(cfg.train.steps),))
-    last = _last_eval(run_dir)
-    final = {"val_loss": last["val_loss"], "loss": last["loss"], "step": last["step"], "tokens": last["tokens"],
-             PROGRESS: last["step"] / cfg.train.steps, "wall_s": time.time() - started}
+    try:
+        train(dataclasses.replace(spec, config=cfg), LocalEnv(run_dir, use_gpu=plan.use_gpu),
+              (TuneReporter(cfg.train.steps),))
+    except FloatingPointError as e:  # a learning rate too high: an outcome of the search, not a failure to retry
+        print(f"raylm: trial diverged: {e}", flush=True)
+        rows = _metrics(run_dir)
+        step = rows[-1]["step"] if rows else 0
+        final = {"val_loss": math.inf, "diverged": True, "step": step, "tokens": step * cfg.train.global_batch_size
+                 * spec.seq_len, PROGRESS: step / cfg.train.steps, "wall_s": time.time() - started}
+    else:
+        last = next(r for r in reversed(_metrics(run_dir)) if "val_loss" in r)  # the loop evaluates at the end
+        final = {"val_loss": last["val_loss"], "loss": last["loss"], "step": last["step"], "tokens": last["tokens"],
+                 PROGRESS: last["step"] / cfg.train.steps, "wall_s": time.time() - started}
     _write_json(final_path, final)
     tune.report(final)
