@@ -12,6 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +71,41 @@ def test_driver_sees_every_node_and_tasks_land_where_pinned(local_cluster: Local
         assert placed["pid"] in local_cluster.processes(index)
 
 
+# A bare GCS client: what any process on this machine could open against the cluster's port.
+GCS_PROBE = """
+import sys
+from ray._raylet import GcsClient
+GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)
+print("admitted")
+"""
+
+
+@pytest.mark.slow
+def test_a_client_without_the_clusters_token_is_refused(local_cluster: LocalCluster, ray_auth_token: str):
+    assert os.stat(ray_auth_token).st_mode & 0o777 == 0o600  # raylm made it, private
+    token = Path(ray_auth_token).read_text()
+
+    def job_api(headers: dict) -> int:
+        request = urllib.request.Request(f"{local_cluster.dashboard_url}/api/jobs/", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert job_api({}) == 401
+    assert job_api({"Authorization": "Bearer " + "0" * 64}) == 403
+    assert job_api({"Authorization": f"Bearer {token}"}) == 200
+    for without in ({"RAY_AUTH_TOKEN": "0" * 64}, {"RAY_AUTH_MODE": "disabled"}):
+        out = subprocess.run([sys.executable, "-c", GCS_PROBE, local_cluster.address], capture_output=True,
+                             text=True, env={**os.environ, **local_cluster.driver_env(), **without}, timeout=60)
+        assert out.returncode != 0 and "admitted" not in out.stdout, (without, out.stdout, out.stderr[-2000:])
+        assert "InvalidAuthToken" in out.stderr or "Unauthenticated" in out.stderr, out.stderr[-2000:]
+    with_token = subprocess.run([sys.executable, "-c", GCS_PROBE, local_cluster.address], capture_output=True,
+                                text=True, env={**os.environ, **local_cluster.driver_env()}, timeout=60)
+    assert with_token.stdout.strip() == "admitted", with_token.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_killed_node_is_declared_dead_and_rejoins(local_cluster: LocalCluster):
     old_id = local_cluster.node_ids()[2]
@@ -119,11 +157,15 @@ def test_kill_process_trees_kills_descendants_and_spares_a_reused_pid(tmp_path):
 
 def test_state_file_round_trip_and_argument_errors(tmp_path):
     cluster = LocalCluster(3, 4, head_cpus=1, env={"X": "1"}, root=str(tmp_path))
-    cluster.gcs_port = 12345
+    cluster.gcs_port, cluster.dashboard_port = 12345, 23456
     cluster.nodes[2].procs = [(111, 222)]
     cluster.save(str(tmp_path / "state.json"))
     loaded = LocalCluster.load(str(tmp_path / "state.json"))
     assert loaded.address == "127.0.0.2:12345"
+    assert loaded.driver_env()["RAY_API_SERVER_ADDRESS"] == "http://127.0.0.1:23456"
+    assert loaded.env["RAY_AUTH_MODE"] == "token"
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text()
+    assert token not in (tmp_path / "state.json").read_text()  # the state names the mode, never the token
     assert [(n.ip, n.cpus) for n in loaded.nodes] == [("127.0.0.2", 1), ("127.0.0.3", 4),
                                                       ("127.0.0.4", 4), ("127.0.0.5", 4)]
     assert loaded.nodes[2].procs == [(111, 222)] and loaded.env["X"] == "1"
