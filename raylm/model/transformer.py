@@ -17,12 +17,19 @@ contract that those plans rely on:
 A pipeline stage deletes what it does not own (`tok_embeddings = None`, `del layers["3"]`,
 `norm = None`, `output = None`); `forward` then takes and/or returns hidden states.
 The loss is computed outside, so loss-parallel can wrap it.
+
+Initialisation is a rule per parameter name (`param_init`), and its random values are a pure
+function of (seed, name, rows): a model built on the meta device, split and sharded, then
+materialised shard by shard (`raylm.parallel.init`) starts from the same weights as
+`Transformer(cfg)` built whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -101,10 +108,47 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def _init_linear(linear: nn.Linear, std: float) -> None:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
+# Random initial values come in blocks of whole rows (dim 0) of about this many values, each
+# block from its own generator: a rank draws only the blocks its shard's rows fall in.
+_BLOCK_NUMEL = 1 << 20
+
+
+def _stream_seed(seed: int, key: str, block: int) -> int:
+    """A generator seed for block `block` of parameter `key` (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}/{key}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one parameter starts: normal(0, std) drawn from the stream named `key`, or a constant."""
+
+    kind: Literal["normal", "zeros", "ones"]
+    key: str
+    std: float = 0.0
+
+    def draw(self, shape: tuple[int, ...], seed: int, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows `rows` (indices into dim 0; all by default) of the initial value, fp32 on CPU.
+
+        Each block of rows (about `_BLOCK_NUMEL` values) is drawn whole from a generator seeded by
+        (seed, key, block index), so a row's values depend neither on which other rows are asked for nor on
+        the order parameters are visited: a shard equals the same slice of the whole tensor.
+        """
+        n = shape[0]
+        rows = torch.arange(n) if rows is None else rows
+        out_shape = (len(rows), *shape[1:])
+        if self.kind != "normal":
+            return torch.zeros(out_shape) if self.kind == "zeros" else torch.ones(out_shape)
+        per_block = max(1, _BLOCK_NUMEL // max(1, math.prod(shape[1:])))
+        out = torch.empty(out_shape)
+        blocks = rows // per_block
+        for b in torch.unique(blocks).tolist():
+            start = b * per_block
+            values = torch.empty((min(per_block, n - start), *shape[1:]))
+            values.normal_(0.0, self.std, generator=torch.Generator().manual_seed(_stream_seed(seed, self.key, b)))
+            take = (blocks == b).nonzero().squeeze(1)
+            out[take] = values[rows[take] - start]
+        return out
 
 
 class Attention(nn.Module):
@@ -139,11 +183,6 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.wo(y)
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            _init_linear(linear, std)
-        _init_linear(self.wo, out_std)
-
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); GELU/ReLU: w2(act(w1 x))."""
@@ -161,12 +200,6 @@ class FeedForward(nn.Module):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, d)
         act = F.gelu if self.activation == "gelu" else F.relu
         return self.w2(act(self.w1(x)))  # (B, T, d)
-
-    def init_weights(self, std: float, out_std: float) -> None:
-        _init_linear(self.w1, std)
-        if self.w3 is not None:
-            _init_linear(self.w3, std)
-        _init_linear(self.w2, out_std)
 
 
 class TransformerBlock(nn.Module):
@@ -188,24 +221,20 @@ class TransformerBlock(nn.Module):
         x = x + self.dropout(self.attention(h, rope))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            if norm is not None:
-                norm.reset_parameters()  # weight 1, bias 0
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
-
 
 class Transformer(nn.Module):
     """Decoder-only language model: tokens (B, T) -> logits (B, T, vocab)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, seed: Optional[int] = None):
+        """Built whole and initialised from `seed` (see `init_weights`); built inside
+        `with torch.device("meta")`, only shapes: materialise with `to_empty` + `init_weights`,
+        or shard by shard with `raylm.parallel.init.materialize`."""
         super().__init__()
         check_model_config(cfg)
         self.cfg = cfg
         d = cfg.d_model
         # Every weight is set again by init_weights(); fork the CPU RNG so the modules' default
-        # initialisation does not consume it, and a seeded build equals meta + to_empty + init_weights.
+        # initialisation leaves the caller's random stream as it was.
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, d)
             learned = cfg.pos_embedding == "learned"
@@ -216,36 +245,58 @@ class Transformer(nn.Module):
             self.output = nn.Linear(d, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Not saved in checkpoints: a pure function of the config, rebuilt by init_weights().
+        # Not saved in checkpoints: a pure function of the config, rebuilt by reset_buffers().
         self.register_buffer("rope_cache", None, persistent=False)
-        self.init_weights()
+        if self.tok_embeddings.weight.is_meta:
+            self.reset_buffers()  # a meta table, so that to_empty() gives it its place
+        else:
+            self.init_weights(seed)
 
-    def init_weights(self, buffer_device: Optional[Union[torch.device, str]] = None) -> None:
-        """(Re)initialise every parameter and buffer this model (or pipeline stage) holds.
+    def param_init(self, name: str) -> ParamInit:
+        """The rule for parameter `name`, a name of the whole model (pipeline stages, FSDP2 and
+        tensor parallelism keep them).
 
         GPT-2/Megatron: normal(0, init_std) for linears and embeddings; the projections that
         write into the residual stream (attention.wo, feed_forward.w2) get init_std / sqrt(2 n_layers)
-        so the residual's variance does not grow with depth; biases 0, norm weights 1.
-        Materialise a meta-device model with `model.to_empty(device=...)` then this; the RoPE
-        buffer is rebuilt on `buffer_device`, else where it lives now.
+        so the residual's variance does not grow with depth; biases 0, norm weights 1. A tied
+        head draws its embedding's values.
         """
         cfg = self.cfg
+        module, _, leaf = name.rpartition(".")
+        owner = module.rpartition(".")[2]
+        if leaf == "bias":
+            return ParamInit("zeros", name)
+        if owner in ("attention_norm", "ffn_norm", "norm"):
+            return ParamInit("ones", name)
+        if owner in ("wo", "w2"):
+            return ParamInit("normal", name, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        if owner == "output" and cfg.tie_embeddings:
+            return ParamInit("normal", "tok_embeddings.weight", cfg.init_std)
+        if owner in ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "pos_embeddings", "output"):
+            return ParamInit("normal", name, cfg.init_std)
+        raise ValueError(f"Transformer.param_init has no rule for parameter {name!r}")
+
+    def reset_buffers(self, device: Optional[Union[torch.device, str]] = None) -> None:
+        """Rebuild what is not a trained tensor: the RoPE table, on `device` (else where it lives
+        now), and the head's tie to the embedding, which `to_empty()` from meta undoes."""
+        cfg = self.cfg
         if cfg.pos_embedding == "rope":
-            device = buffer_device or (self.rope_cache.device if self.rope_cache is not None else None)
+            device = device or (self.rope_cache.device if self.rope_cache is not None else None)
             self.rope_cache = rope_cache(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta, device)
         tied = cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None
         if tied and self.output.weight is not self.tok_embeddings.weight:
-            self.output.weight = self.tok_embeddings.weight  # to_empty() from meta unties them
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        for embedding in (self.tok_embeddings, self.pos_embeddings):
-            if embedding is not None:
-                nn.init.normal_(embedding.weight, mean=0.0, std=std)
-        for layer in self.layers.values():
-            layer.init_weights(std, out_std)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not tied:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None, buffer_device: Optional[Union[torch.device, str]] = None) -> None:
+        """(Re)initialise every parameter (by `param_init`, from `seed`) and buffer this model or
+        pipeline stage holds. `seed` defaults to `torch.initial_seed()`, the last
+        `torch.manual_seed`. The RoPE buffer is rebuilt on `buffer_device`, else where it lives now.
+        """
+        self.reset_buffers(buffer_device)
+        seed = torch.initial_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            param.copy_(self.param_init(name).draw(tuple(param.shape), seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) ids -> logits (B, T, vocab).

@@ -1,6 +1,10 @@
 """Parallelize a plain model from outside, torchtitan's order: pipeline split, then per part
 tensor parallel, activation checkpointing, compile, and data parallel (FSDP2 `fully_shard` or
 FSDP2-based `replicate`) last. The model knows nothing of it.
+
+All of it happens on the meta device: no rank ever holds the whole model. Each part is then
+materialised with only this rank's shards and initialised by the model's own rule
+(`raylm.parallel.init`), to the same weights at every layout for the same `train.seed`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from raylm.config import Config, ConfigError
 from raylm.parallel import pipeline
 from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision
+from raylm.parallel.init import materialize
 from raylm.parallel.mesh import ParallelMesh, build_mesh, num_stages
 from raylm.parallel.tensor import apply_tp
 from raylm.parallel.world import World
@@ -48,12 +53,9 @@ def describe_layout(cfg: Config, mesh: ParallelMesh) -> dict:
     return layout
 
 
-def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch.device) -> None:
-    """Apply TP, activation checkpointing, compile and data parallelism to one part, in place."""
+def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh) -> None:
+    """Apply TP, activation checkpointing, compile and data parallelism to one (meta) part, in place."""
     parallel = cfg.parallel
-    # Simplest path to weights identical to a single process: built on CPU with the seed, then
-    # moved and sharded (the full part passes through each device once).
-    part.to(device)
     if mesh.tp is not None:
         apply_tp(part, mesh.tp, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
     apply_ac(part, parallel.activation_checkpointing, parallel.ac_every)
@@ -67,18 +69,26 @@ def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh, device: torch
         apply_replicate(part, mesh.dp, mp_policy=policy)
 
 
+def _materialize(part: nn.Module, cfg: Config, world: World) -> None:
+    """This rank's shards of `part`, initialised from the run's seed; offloaded shards live on the host."""
+    device = torch.device("cpu") if cfg.parallel.cpu_offload else world.device
+    materialize(part, device, cfg.train.seed, buffer_device=world.device)
+
+
 def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> Parallelized:
-    """Build the model with the run's seed (identical on every rank) and apply the configured layout."""
+    """Build the model on the meta device (`model_factory` is called under `torch.device("meta")`),
+    apply the configured layout, then materialise and initialise this rank's shards."""
     parallel = cfg.parallel
     mesh = build_mesh(parallel, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
     if parallel.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
         raise ConfigError(f"parallel.param_dtype={parallel.param_dtype} is applied by FSDP2, which needs "
                           "torch.distributed and sharding != none or more than one data-parallel rank; "
                           "in a single process use train.precision=bf16 (autocast)")
-    torch.manual_seed(cfg.train.seed)
-    model = model_factory()
+    with torch.device("meta"):
+        model = model_factory()
     if mesh.pp is None:
-        apply_layout(model, cfg, mesh, world.device)
+        apply_layout(model, cfg, mesh)
+        _materialize(model, cfg, world)
         built = Parallelized([model], mesh)
     else:
         groups = pipeline.layer_split(model, parallel)
@@ -86,7 +96,8 @@ def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: Worl
         stages = []
         for sid in pipeline.stage_ids(mesh.pp.get_local_rank(), parallel):
             part = pipeline.stage_module(model, groups[sid], first=sid == 0, last=sid == last)
-            apply_layout(part, cfg, mesh, world.device)
+            apply_layout(part, cfg, mesh)
+            _materialize(part, cfg, world)
             stages.append(PipelineStage(part, sid, last + 1, world.device, group=mesh.pp.get_group()))
         del model
         built = Parallelized([s.submod for s in stages], mesh, stages, [len(g) for g in groups])

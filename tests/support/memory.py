@@ -1,0 +1,72 @@
+"""A rank's peak memory while it builds its share of the model, or loads a checkpoint into it
+(Linux), for the start-up test and `benchmarks/startup_memory.py`.
+
+Peak resident memory, not tracemalloc (blind to torch's allocations) or ru_maxrss (a lifetime
+peak that cannot be reset): Linux resets the process's peak (VmHWM) when "5" is written to
+/proc/self/clear_refs, so the growth of the peak over the resident memory just before is what
+the build itself took at its worst moment. glibc returns large freed blocks to the system at
+once, so transient tensors count while they live.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from torch.distributed.tensor import DTensor
+
+from raylm.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from raylm.model.transformer import Transformer
+from raylm.parallel.world import World
+from raylm.train import checkpoint
+from raylm.train.optim import build_optimizer
+from raylm.train.step import build_model
+from tests.support.checkpoints import TOKENIZER_SHA, save_checkpoint, train_steps
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _config(model_cfg: ModelConfig, sharding: str) -> Config:
+    return Config(model=model_cfg, train=TrainConfig(micro_batch_size=1), parallel=ParallelConfig(sharding=sharding))
+
+
+def startup_peak(model_cfg: ModelConfig, sharding: str, whole: bool = False) -> dict[str, float]:
+    """Runs on each rank: build this rank's share of the model under data-parallel `sharding`
+    (or, with `whole`, a plain `Transformer` built whole, as every rank did before meta-device
+    start-up). Returns the growth of peak resident memory while building (MiB), the bytes of the
+    parameters this rank then holds (MiB) and the seconds it took."""
+    cfg = _config(model_cfg, sharding)
+    _reset_peak()
+    before = _status_mib("VmRSS")
+    start = time.perf_counter()
+    if whole:
+        params = list(Transformer(model_cfg).parameters())
+    else:
+        params = list(build_model(lambda: Transformer(cfg.model), cfg, World.current()).model.parameters())
+    seconds = time.perf_counter() - start
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in params)
+    return {"peak_mib": _status_mib("VmHWM") - before, "held_mib": held / 2**20, "seconds": seconds}
+
+
+def load_peak(model_cfg: ModelConfig, sharding: str, run_dir: str) -> dict[str, float]:
+    """Runs on each rank: build, take one step (the optimizer state exists), save a checkpoint
+    into `run_dir`, then load it back as a resume does; returns the growth of peak resident
+    memory during the load alone (MiB): DCP reads into this rank's shards in place."""
+    cfg = _config(model_cfg, sharding)
+    world = World.current()
+    model = build_model(lambda: Transformer(cfg.model), cfg, world)
+    optimizer = build_optimizer(model.parts, cfg.optim)
+    train_steps(model, optimizer, range(1), vocab=model_cfg.vocab_size)
+    path = save_checkpoint(run_dir, cfg, 1, model, optimizer)
+    _reset_peak()
+    before = _status_mib("VmRSS")
+    checkpoint.load(path, model, optimizer, world, TOKENIZER_SHA)
+    return {"load_peak_mib": _status_mib("VmHWM") - before}
