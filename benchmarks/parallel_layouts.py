@@ -8,7 +8,7 @@ thread, so with more ranks than cores the figures measure oversubscription as mu
 layout. Per layout: the median step time after the first two steps, tokens/s, the model-state
 bytes one rank holds after a step (its local shards of parameters, gradients and AdamW state:
 what the sharding stages divide) and a rank's peak resident memory (ru_maxrss: the torch
-runtime's ~0.3 GiB, the full model each rank builds before sharding, and activations).
+runtime's ~0.3 GiB, and activations; each rank builds only its shards, on the meta device first).
 """
 
 from __future__ import annotations
