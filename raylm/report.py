@@ -66,7 +66,8 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
     metrics_uri = storage.join(uri, METRICS_FILE)
     if not storage.exists(metrics_uri, storage_cfg):
         raise FileNotFoundError(f"{uri} is not a run directory: no {METRICS_FILE}")
-    rows = sorted(read_jsonl(metrics_uri, storage_cfg), key=lambda r: r["step"])
+    # A step trained again after a guard rollback is written again: its last row is the one kept.
+    rows = sorted({row["step"]: row for row in read_jsonl(metrics_uri, storage_cfg)}.values(), key=lambda r: r["step"])
     events = read_jsonl(storage.join(uri, EVENTS_FILE), storage_cfg)
     config_uri = storage.join(uri, CONFIG_FILE)
     if not storage.exists(config_uri, storage_cfg):  # runs outside `raylm train`: the newest checkpoint's
@@ -91,9 +92,9 @@ def summarize(run: RunRecord) -> dict:
 
     Productive time is the step time of the committed steps. Time lost to a failure is the gap
     from the failure to the resume that followed it, plus the steps trained again (the resume's
-    `steps_lost`, at the median step time). Wall time comes from timestamps (metrics rows'
-    `time`, when the loop writes it, and events); without them goodput is over the time accounted
-    for: steps, checkpoint stalls and failures.
+    `steps_lost`, at the median step time); a guard rollback loses the steps it trains again.
+    Wall time comes from timestamps (metrics rows' `time`, when the loop writes it, and events);
+    without them goodput is over the time accounted for: steps, checkpoint stalls and losses.
     """
     rows, events = run.rows, run.events
     step_times = [r["step_time"] for r in rows if "step_time" in r]
@@ -109,10 +110,12 @@ def summarize(run: RunRecord) -> dict:
                 lost += event["time"] - failure_time
             lost += event.get("steps_lost", 0) * median_step
             failure_time = None
+    rollbacks = [e for e in events if e.get("event") == "rollback"]
+    lost_to_rollbacks = sum(max(0, e.get("step", 0) - e.get("to_step", 0)) for e in rollbacks) * median_step
     val = [r for r in rows if "val_loss" in r]
     times = [r["time"] for r in rows if "time" in r] + [e["time"] for e in events if "time" in e]
     wall = (max(times) - min(times) + (step_times[0] if step_times else 0.0)) if rows and "time" in rows[0] else None
-    accounted = wall if wall is not None else productive + stalls + lost
+    accounted = wall if wall is not None else productive + stalls + lost + lost_to_rollbacks
     return {
         "steps": rows[-1]["step"] if rows else 0,
         "tokens": rows[-1].get("tokens") if rows else None,
@@ -122,12 +125,15 @@ def summarize(run: RunRecord) -> dict:
         "failures": sum(e.get("event") == "failure" for e in events),
         "restarts": sum(e.get("event") == "resumed" for e in events),
         "resizes": sum("resize" in e or e.get("event") == "resize" for e in events),
+        "skipped steps": sum(e.get("event") == "spike_skipped" for e in events),
+        "rollbacks": len(rollbacks),
         "productive time (s)": productive,
         "checkpoint stalls (s)": stalls,
         "time lost to failures (s)": lost,
+        "time lost to rollbacks (s)": lost_to_rollbacks,
         "wall time (s)": wall,
         "goodput": productive / accounted if accounted else None,
-        "goodput basis": "wall time" if wall is not None else "steps + checkpoint stalls + failures",
+        "goodput basis": "wall time" if wall is not None else "steps + checkpoint stalls + time lost",
     }
 
 

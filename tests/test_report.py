@@ -13,6 +13,7 @@ from raylm.train.hooks import Hook
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
 from tests.support.distributed import run_distributed
+from tests.train.test_guard import GUARD, GradientFault
 from tests.train.test_loop import tiny_config
 
 COMMON = ("train.steps=8", "checkpoint.every_steps=3", "train.eval_every=4")
@@ -68,6 +69,7 @@ def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_r
     assert "norms.png" not in written["files"]  # no activation norms in these runs: no empty figure
 
     summary = written["runs"]["restarted"]
+    assert summary["rollbacks"] == 0
     assert summary["steps"] == 8 and summary["failures"] == 1 and summary["restarts"] == 1
     assert summary["resizes"] == 1
     assert summary["time lost to failures (s)"] > 0
@@ -81,6 +83,25 @@ def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_r
     assert "resumed" in page and "(resize 1→2)" in page
     assert "checkpoint_00000003" in page  # where the restart resumed from
     assert "restarted" in page and "straight" in page and "global_batch_size: 8" in page
+
+
+@pytest.mark.slow
+def test_report_marks_the_guards_rollback(tiny_dataset, tmp_path, capsys):
+    """A non-finite gradient at step 12: the stability guard rolls back and cuts the LR; the
+    report counts the rollback, marks it and lists its events."""
+    run = str(tmp_path / "guarded")
+    train(tiny_config(tiny_dataset, "train.steps=16", *GUARD, "guard.lr_factor=0.5"), LocalEnv(run),
+          hooks=(GradientFault(float("nan"), 12),))
+    main(["report", run])
+    assert "guarded: step 16" in capsys.readouterr().out
+    out = os.path.join(run, "report")
+    for name in ("loss.png", "lr.png"):
+        _png_ok(os.path.join(out, name))
+    with open(os.path.join(out, "report.html")) as f:
+        page = f.read()
+    for kind in ("rollback", "data_skipped", "lr_scaled"):
+        assert f"<td class=ev-{kind}>{kind}</td>" in page
+    assert "non-finite" in page and "&quot;lr_scale&quot;: 0.5" in page
 
 
 def test_report_cli_names_a_directory_without_metrics(tmp_path, capsys):
