@@ -189,6 +189,7 @@ def figures(runs: list[RunRecord]) -> dict[str, tuple[str, bytes]]:
     have = {key for run in runs for row in run.rows for key in row}
     norms = sorted(k for k in have if NORM_KEY.match(k))
     specs = [("loss.png", "Loss and validation loss", [("loss", ["loss", "val_loss"])], False),
+             ("bits_per_byte.png", "Validation bits per byte", [("bits/byte", ["val_bpb"])], False),
              ("lr.png", "Learning rate", [("lr", ["lr"])], False),
              ("grad_norm.png", "Gradient norm (before clipping)", [("grad norm", ["grad_norm"])], True),
              ("throughput.png", "Throughput and MFU", [("tokens/s", ["tokens_per_s"]), ("MFU", ["mfu"])], False),
