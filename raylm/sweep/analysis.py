@@ -24,16 +24,21 @@ COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", 
 
 def rung_bests(rows: list[dict]) -> list[dict]:
     """Per rung, the best completed trial: its loss, and the best learning rate refined between
-    the tried values (at its best batch size when batch sizes were swept)."""
+    the completed values (at its best batch size when batch sizes were swept). It is at the grid's
+    edge when no value tried beyond it, completed or stopped early as worse, brackets it."""
     by_rung: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        if row["status"] == COMPLETED:
-            by_rung[row["rung"]].append(row)
+        by_rung[row["rung"]].append(row)
     out = []
-    for rung, trials in by_rung.items():
+    for rung, tried in by_rung.items():
+        trials = [r for r in tried if r["status"] == COMPLETED]
+        if not trials:
+            continue
         best = min(trials, key=lambda r: r["val_loss"])
         same_batch = [r for r in trials if r["batch"] == best["batch"]]
-        lr, _, at_edge = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
+        lr, _, _ = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
+        lrs = {r["lr"] for r in tried if r["batch"] == best["batch"] and r["status"] != ERROR}
+        at_edge = len(lrs) > 1 and best["lr"] in (min(lrs), max(lrs))
         out.append({"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
                     "tokens": best["tokens"], "flops": best["flops"], "loss": best["val_loss"], "lr": lr,
                     "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)})
@@ -197,3 +202,22 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
             "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
             "predicted_loss": laws.predict(size.params, trained)}
     return cfg, info
+
+
+def warnings(result: dict) -> list[str]:
+    """What in fit.json a reader should not trust, said plainly."""
+    out = []
+    p = result.get("parametric", {})
+    for name, more in (("alpha", "sizes"), ("beta", "token budgets")):
+        if name in p and not 0.05 <= p[name] <= 1.5:
+            out.append(f"parametric fit: {name} = {p[name]:.3g} lies outside [0.05, 1.5]: the ladder does not "
+                       f"determine it; add {more}")
+    edge = result.get("lr", {}).get("at_grid_edge", [])
+    if edge:
+        out.append(f"the best learning rate lies at the edge of the values tried in {', '.join(edge)}: widen the "
+                   "learning-rate grid or range there")
+    rec = result.get("recommended", {})
+    if rec.get("extrapolation", 0) > 100:
+        out.append(f"the recommended run has {rec['extrapolation']:.3g}x the compute of the largest trial: a long "
+                   "extrapolation; check.relative_error measures a far shorter one")
+    return out

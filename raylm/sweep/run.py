@@ -286,6 +286,7 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
             result["recommended"] = info
             with open(os.path.join(plan.directory, RECOMMENDED_FILE), "w") as f:
                 f.write(_recommended_yaml(cfg, info, plan.directory))
+    result["warnings"] = analysis.warnings(result)
     result["wall_s"] = time.time() - started
     with open(os.path.join(plan.directory, FIT_FILE), "w") as f:
         json.dump(result, f, indent=1)
@@ -316,4 +317,5 @@ def summary(result: dict) -> str:
     if rec and "error" not in rec:
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "
                      f"predicted loss {rec['predicted_loss']['loss']:.4f} -> {result['sweep']}/{RECOMMENDED_FILE}")
+    lines += [f"warning: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)

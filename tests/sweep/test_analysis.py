@@ -46,8 +46,13 @@ def test_analysis_recovers_the_lr_law_and_the_loss_law_from_a_table():
     sweep.fit.bootstrap = 20
     result, laws = analysis.analyze(synthetic_rows(), sizes(), sweep)
     assert len(result["rungs"]) == 15 and all(b["trials"] == 2 for b in result["rungs"])
-    # Two completed learning rates per rung, the better one at an edge of what completed.
-    assert len(result["lr"]["at_grid_edge"]) == 15
+    # The best completed learning rate is bracketed: by a completed one below, a stopped one above.
+    assert result["lr"]["at_grid_edge"] == []
+    rows = synthetic_rows()
+    lowest = {r["rung"]: min(x["lr"] for x in rows if x["rung"] == r["rung"]) for r in rows}
+    no_low = [r for r in rows if r["lr"] != lowest[r["rung"]]]
+    edge, _ = analysis.analyze(no_low, sizes(), sweep)
+    assert len(edge["lr"]["at_grid_edge"]) == 15 and "edge of the values tried" in analysis.warnings(edge)[0]
     assert result["lr"]["lr_vs_params"]["exponent"] == pytest.approx(-0.3, abs=0.02)
     p = result["parametric"]
     assert p["alpha"] == pytest.approx(TRUE.alpha, abs=0.05) and p["beta"] == pytest.approx(TRUE.beta, abs=0.05)
