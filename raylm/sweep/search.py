@@ -68,8 +68,9 @@ class RungSearcher(Searcher):
             space = {"lr_mult": tune.loguniform(sweep.lr.low, sweep.lr.high)}
             if len(batches) > 1:
                 space["batch"] = tune.choice(batches)
-            self.studies = {s.rung: OptunaSearch(space, metric=METRIC, mode=MODE, seed=sweep.search.seed)
-                            for s in slots}
+            rungs = list(dict.fromkeys(s.rung for s in slots))  # each its own study and seed
+            self.studies = {rung: OptunaSearch(space, metric=METRIC, mode=MODE, seed=sweep.search.seed + i)
+                            for i, rung in enumerate(rungs)}
         self.batch = batches[0]
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:

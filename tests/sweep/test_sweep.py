@@ -140,3 +140,20 @@ def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_da
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line)["step"] for line in f]
     assert steps == list(range(1, max(steps) + 1))  # every step once: the lost ones were redone, not repeated
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_bayesian_search_runs_an_optuna_study_per_rung(ray_session, tiny_dataset, tmp_path):
+    overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=bayes",
+                 "sweep.check=false", "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]",
+                 "sweep.ladder.tokens_per_param=[4]", "sweep.search.algorithm=bayes", "sweep.lr.low=1e-3",
+                 "sweep.lr.high=3e-2", "sweep.search.samples=3", "sweep.fit.bootstrap=0"]
+    run_sweep(TINY_SWEEP, overrides)
+    rows = read_trials(str(tmp_path / "bayes"))
+    assert sorted(r["rung"] for r in rows) == ["s0-tpp4"] * 3 + ["s1-tpp4"] * 3
+    assert all(1e-3 <= float(r["lr"]) <= 3e-2 for r in rows)  # lr.scale_exponent 0: the range as given
+    for rung in ("s0-tpp4", "s1-tpp4"):
+        assert len({r["lr"] for r in rows if r["rung"] == rung}) == 3
+    assert {r["lr"] for r in rows if r["rung"] == "s0-tpp4"} != {r["lr"] for r in rows if r["rung"] == "s1-tpp4"}
+    assert glob.glob(str(tmp_path / "bayes" / "tune-ladder" / "searcher-state-*.pkl"))  # Tune saved the studies
