@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from raylm.config import Config, config_from_dict, config_to_dict
+from raylm.config import Config, ParallelConfig, config_from_dict, config_to_dict
 from raylm.sweep import fit
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
@@ -166,13 +166,18 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     size = shape_for_params(n_opt, sweep, sizes, resolved)
     tokens = (sweep.target.flops / size.flops_per_token if sweep.target.flops
               else fit.params_for_tokens_optimal(laws.parametric, size.params, laws.flops_per_token))
-    p = base.parallel
-    unit = max(1, p.num_workers // (p.tp * p.pp)) * base.train.micro_batch_size  # whole micro-batches per rank
     if laws.batch_vs_flops:
         batch = fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token)
     else:
         t = resolved.train
         batch = t.global_batch_size if t.global_batch_size is not None else t.global_batch_tokens // seq_len
+    if sweep.target.gpus:  # at least one micro-batch per GPU; the layout may then need a larger batch
+        parallel = _cluster_layout(sweep, size, max(batch, sweep.target.gpus * base.train.micro_batch_size) * seq_len,
+                                   seq_len, base)
+    else:
+        parallel = base.parallel
+    dp = parallel.num_workers // (parallel.tp * parallel.pp)
+    unit = max(1, dp) * base.train.micro_batch_size  # whole micro-batches on every data-parallel rank
     batch = unit * max(1, round(batch / unit))
     steps = steps_for(tokens, batch, seq_len)
     lr = predicted_lr(laws, size.params, base.optim.lr)
@@ -189,6 +194,7 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     tree["checkpoint"]["every_steps"] = min(base.checkpoint.every_steps, steps)
     tree["run"]["name"] = f"{base.run.name}-recommended"
     tree["run"]["storage_path"] = resolved.run.storage_path
+    tree["parallel"] = config_to_dict(parallel)
     cfg = config_from_dict(tree)
     # Everything `raylm train` checks before starting (shape, layout, batch split, the data), but
     # the shard checksums: the sweep has just read the data.
@@ -202,6 +208,21 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
             "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
             "predicted_loss": laws.predict(size.params, trained)}
     return cfg, info
+
+
+def _cluster_layout(sweep: SweepConfig, size: Size, batch_tokens: int, seq_len: int, base: Config):
+    """`raylm plan`'s best feasible layout of the recommended model on target.gpus GPUs."""
+    from raylm.parallel.plan import parallel_settings, parse_memory, plan
+
+    t = sweep.target
+    rows = plan(size.model, t.gpus, t.gpus_per_node, parse_memory(t.gpu_memory), seq_len=seq_len,
+                global_batch_tokens=batch_tokens, micro_batch_size=base.train.micro_batch_size,
+                activation_checkpointing="auto")
+    feasible = [r for r in rows if r.feasible]
+    if not feasible:
+        raise ValueError(f"no parallel layout of the recommended model fits target.gpus={t.gpus} of "
+                         f"{t.gpu_memory}: {rows[0].reason}")
+    return ParallelConfig(**{**config_to_dict(base.parallel), **parallel_settings(feasible[0].layout)})
 
 
 def warnings(result: dict) -> list[str]:

@@ -111,6 +111,11 @@ class TargetConfig:
     """Compute budget of the recommended run (FLOPs); it gets the compute-optimal N and D."""
     params: Optional[float] = None
     """Or: the recommended run's parameter count; it gets the compute-optimal tokens for it."""
+    gpus: Optional[int] = None
+    """A GPU cluster for the recommended run: its `parallel:` block is `raylm plan`'s best layout
+    for this many GPUs (None: the base run's parallel block)."""
+    gpus_per_node: int = 8
+    gpu_memory: str = "80GB"
 
 
 @dataclass

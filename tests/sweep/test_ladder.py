@@ -9,8 +9,9 @@ import pytest
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
-from raylm.sweep import ladder
-from raylm.sweep.run import resolve
+from raylm.sweep import analysis, ladder
+from raylm.sweep.fit import Parametric
+from raylm.sweep.run import _recommended_yaml, resolve
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
 
@@ -83,3 +84,18 @@ def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
         load_config(None, ["ladder.d_model=[16]"])  # a sweep key without `sweep.` goes to the run config
     with pytest.raises(ConfigError, match=r"unknown key trial.evalz \(did you mean 'evals'\?\)"):
         plan(tiny_dataset, tmp_path, "sweep.trial.evalz=3")
+
+
+def test_the_recommended_run_on_a_gpu_cluster_takes_raylm_plans_layout(tiny_dataset, tmp_path):
+    p = plan(tiny_dataset, tmp_path, "sweep.target.flops=1e18", "sweep.target.gpus=16")
+    laws = analysis.Laws(Parametric(E=1.0, A=30.0, alpha=0.35, B=60.0, beta=0.3), [],
+                         {"coef": 0.05, "exponent": -0.2}, None, lambda n: 6 * n, 0.95)
+    cfg, info = analysis.recommend(p.sweep, laws, p.sizes, p.base, p.resolved, largest_flops=1e12)
+    par = cfg.parallel
+    assert par.use_gpu and par.num_workers == 16
+    assert info["batch"] % (16 // (par.tp * par.pp) * cfg.train.micro_batch_size) == 0
+    assert cfg.optim.lr == pytest.approx(0.05 * info["params"] ** -0.2)
+    assert info["flops"] == pytest.approx(1e18, rel=0.01) and info["extrapolation"] > 1e5
+    path = tmp_path / "recommended.yaml"
+    path.write_text(_recommended_yaml(cfg, info, str(tmp_path)))
+    assert load_config(path) == cfg  # the file is the config, whole
