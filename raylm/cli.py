@@ -58,6 +58,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.config, overrides = None, [args.config, *overrides]  # no config file: defaults + overrides
     if args.resume:
         overrides.append("checkpoint.resume=required")
+    if args.verbose:
+        overrides.append("run.verbose=true")
     cfg = load_config(args.config, overrides)
     if in_ray_job():
         check_job_config(cfg)
@@ -99,7 +101,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from raylm.generate import generate_text
 
     print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                                      args.top_k, args.seed))
+                                      args.top_k, args.seed, _storage(args)))
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> None:
+    from raylm.train.checkpoint import verify
+
+    lines = verify(args.uri, _storage(args))
+    for _, line in lines:
+        print(line)
+    if not all(ok for ok, _ in lines):
+        sys.exit(1)
 
 
 def cmd_data(args: argparse.Namespace) -> None:
@@ -169,6 +181,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raylm.parallel.plan import CHECKPOINTING_CHOICES
+
     parser = argparse.ArgumentParser(prog="raylm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -203,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint to resume from (resuming is automatic when one exists)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show Ray Train's and Ray Data's own logs (each report, dataset plans)")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("sweep", help="scaling-law sweep on Ray Tune: fits, a checked prediction, a recommended run",
@@ -225,13 +241,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory or run directory (latest)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run directory (its latest), local or s3://")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--seed", type=int)
+    _add_storage_args(p)
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("checkpoint", help="verify checkpoints against their manifests")
+    p.add_argument("action", choices=["verify"])
+    p.add_argument("uri", help="checkpoint or run directory (every checkpoint), local or s3://")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_checkpoint)
 
     p = sub.add_parser("data", help="inspect or verify a prepared dataset")
     p.add_argument("action", choices=["inspect", "verify"])
@@ -250,11 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="mixed", choices=["mixed", "amp", "bf16", "fp32", "fp16"],
                    help="mixed: bf16 compute + fp32 master and Adam (16 bytes/param); amp: fp32 weights "
                    "under bf16 autocast (train.precision=bf16); bf16: pure bf16 (8 bytes/param)")
-    p.add_argument("--activation-checkpointing", default="none", choices=["none", "full", "every_k", "auto"],
+    p.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING_CHOICES,
                    help="auto: the least recomputation that fits")
     p.add_argument("--vocab-size", type=int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
     p.set_defaults(fn=cmd_plan)
+
     p = sub.add_parser("report", help="figures and a self-contained report.html of one or more runs")
     p.add_argument("runs", nargs="+", help="run directories (local or s3://); several are overlaid")
     p.add_argument("--output", help="directory for the PNGs and report.html (default: <first run>/report)")
@@ -304,6 +328,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (ValueError, RuntimeError) as e:
+        # torch-importing modules: only where a command loaded them
+        from raylm.train.checkpoint import CheckpointError
+        from raylm.train.guard import GuardStopped
+
+        if not isinstance(e, (CheckpointError, GuardStopped)):
+            raise
+        print(f"raylm: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
