@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import os
 import tempfile
 import time
-from typing import Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 
@@ -19,7 +20,10 @@ from raylm.data.storage import redact
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
+from raylm.train.guard import refuse_guard_stopped
 from raylm.train.loop import train
+from raylm.parallel.world import World
+from raylm.train.resume_check import check_resume, latest_usable, open_latest
 from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, append_event, read_jsonl
 from raylm.train.spec import RunSpec, absolute, resolve_run
 
@@ -58,15 +62,17 @@ class RayTrainEnv:
         return ray.train.torch.get_device()
 
     @contextlib.contextmanager
-    def restore_dir(self) -> Iterator[Optional[str]]:
+    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
         import ray.train
 
-        latest = checkpoint.latest_complete(self.checkpoint_root, self.cfg.storage)
-        if latest is None:
-            yield None
-            return
-        fs, path = storage.filesystem_for(latest, self.cfg.storage)
-        with ray.train.Checkpoint(path, filesystem=fs).as_directory() as directory:  # a download from S3
+        def fetch(uri: str) -> ContextManager[str]:  # a download from S3; local ones in place
+            fs, path = storage.filesystem_for(uri, self.cfg.storage)
+            return ray.train.Checkpoint(path, filesystem=fs).as_directory()
+
+        world = World.current(self.device())
+        events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
+        with open_latest(self.checkpoint_root, self.cfg.storage, fetch, lambda ok: world.agree(ok, "all"),
+                         allow_none_usable, events) as directory:
             yield directory
 
     @contextlib.contextmanager
@@ -80,8 +86,10 @@ class RayTrainEnv:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=checkpoint.dir_name(step))
         if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
-            with open(os.path.join(self.run_dir, METRICS_FILE), "rb") as f:
-                storage.write_bytes(storage.join(self.checkpoint_root, METRICS_FILE), f.read(), self.cfg.storage)
+            for name in (METRICS_FILE, EVENTS_FILE):  # the local mirror's records, beside the checkpoints
+                if os.path.exists(os.path.join(self.run_dir, name)):
+                    with open(os.path.join(self.run_dir, name), "rb") as f:
+                        storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
         return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
 
     def report(self, metrics: dict) -> None:
@@ -95,6 +103,8 @@ def _train_fn_per_worker(loop_config: dict) -> None:
 
     spec = RunSpec.from_dict(loop_config["run"])
     cfg = spec.config
+    if not cfg.run.verbose:  # each dataset execution's plan and timing: Ray Data's bookkeeping
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
     env = RayTrainEnv(cfg)
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
@@ -117,7 +127,7 @@ class RecoveryLog(UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
         # checkpoint on storage, which can be newer than the last one Ray's controller polled.
-        restart_from = checkpoint.latest_complete(self.run_uri, self.storage_cfg)
+        restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
         event = {"event": "failure", "time": time.time(),
                  "cause": {str(rank): redact(f"{type(e).__name__}: {e}")[:1000]
                            for rank, e in worker_exceptions.items()},
@@ -149,14 +159,18 @@ def launch(cfg: Config) -> dict:
     spec = resolve_run(with_cpus_per_worker(cfg), announce=True)
     cfg = spec.config
     uri = run_uri(cfg)
-    restore = checkpoint.latest_complete(uri, cfg.storage)
+    restore = latest_usable(uri, cfg.storage, cfg.checkpoint.on_unusable == "start_over")
     if cfg.checkpoint.resume == "required" and restore is None:
         raise FileNotFoundError(f"checkpoint.resume=required but {uri} holds no complete checkpoint")
-    if cfg.checkpoint.resume == "never" and restore is not None:
-        raise ConfigError(f"checkpoint.resume=never but {uri} already holds checkpoints (latest {restore}); "
-                          "choose another run.name or remove them")
+    if cfg.checkpoint.resume == "never" and (existing := checkpoint.checkpoint_uris(uri, cfg.storage)):
+        raise ConfigError(f"checkpoint.resume=never but {uri} already holds checkpoints ({len(existing)}, the newest "
+                          f"{existing[0]}); choose another run.name or remove them")
     if restore:
         print(f"raylm: resuming from {restore}", flush=True)
+        # Before any worker starts, so a refusal is one clear error, not max_failures retries.
+        check_resume(restore, cfg, spec.tokenizer_sha256, cfg.storage)
+    if cfg.guard.enabled:
+        refuse_guard_stopped(uri, cfg)
     parallel = cfg.parallel
     threads = max(1, int(parallel.cpus_per_worker))
     start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
@@ -179,7 +193,8 @@ def launch(cfg: Config) -> dict:
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                                              "OMP_NUM_THREADS": str(threads)}},
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None)),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
     trainer.fit()
     return last_metrics(local_run_dir(cfg))
