@@ -19,7 +19,7 @@ from typing import Optional
 
 import yaml
 
-from raylm.config import Config, ParallelConfig, config_to_dict
+from raylm.config import Config, ParallelConfig, _build, config_to_dict
 from raylm.data import storage
 from raylm.errors import ConfigError
 from raylm.ray_runtime import start_ray
@@ -83,6 +83,14 @@ def resolve(path: str, overrides: list[str]) -> Plan:
     return Plan(sweep, base, spec, sizes, rungs, batches, directory)
 
 
+def _effective(cls: type, tree) -> Optional[dict]:
+    """A recorded config as it reads today: keys added to raylm since take their defaults."""
+    try:
+        return dataclasses.asdict(_build(cls, tree))
+    except (ConfigError, TypeError):
+        return None
+
+
 def _check_same_sweep(plan: Plan, path: str) -> None:
     """A sweep directory belongs to one sweep: resuming it with other settings would mix results."""
     record = {"sweep": sweep_to_dict(plan.sweep), "base": config_to_dict(plan.base)}
@@ -91,8 +99,9 @@ def _check_same_sweep(plan: Plan, path: str) -> None:
     if os.path.exists(target):
         with open(target) as f:
             previous = yaml.safe_load(f)
-        if previous != record:
-            changed = sorted(k for k in ("sweep", "base") if previous.get(k) != record[k])
+        changed = [key for key, cls in (("sweep", SweepConfig), ("base", Config))
+                   if _effective(cls, previous.get(key)) != record[key]]
+        if changed:
             raise ConfigError(f"{plan.directory} holds a sweep started with different settings ({', '.join(changed)} "
                               f"differ from {path} and the overrides; see {target}): resume it with the same "
                               "command, or choose another run.name")
