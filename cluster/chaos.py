@@ -82,14 +82,23 @@ class TrainDriver:
         return [e for e in read_jsonl(str(self.run_dir / EVENTS_FILE)) if e["event"] == kind]
 
 
-def train_worker(cluster: LocalCluster, node: int) -> Proc:
-    """(pid, start time) of a Ray Train worker process on `node`, for `kill_process_trees`."""
+def train_workers(cluster: LocalCluster, node: int) -> list[Proc]:
+    """(pid, start time) of each Ray Train worker process on `node`, for `kill_process_trees`."""
     cluster.processes(node)  # refreshes the node's (pid, start time) list read below
+    found = []
     for pid, start in cluster.nodes[node].procs:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if f.read().startswith(b"ray::RayTrainWorker"):
-                    return pid, start
+                    found.append((pid, start))
         except OSError:  # gone meanwhile
             continue
-    raise ChaosError(f"no Ray Train worker process on node {node}")
+    return found
+
+
+def train_worker(cluster: LocalCluster, node: int) -> Proc:
+    """(pid, start time) of a Ray Train worker process on `node`."""
+    found = train_workers(cluster, node)
+    if not found:
+        raise ChaosError(f"no Ray Train worker process on node {node}")
+    return found[0]

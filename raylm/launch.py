@@ -18,6 +18,7 @@ from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config
 from raylm.data import storage
 from raylm.data.storage import redact
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
+from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.guard import refuse_guard_stopped
@@ -113,7 +114,8 @@ def _train_fn_per_worker(loop_config: dict) -> None:
     if cfg.run.health_check:
         self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
     hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
-    train(spec, env, hooks)
+    watchdog = progress_watchdog(cfg)  # last: a hang in another hook counts against the step
+    train(spec, env, (*hooks, watchdog) if watchdog else hooks)
 
 
 class RecoveryLog(UserCallback):

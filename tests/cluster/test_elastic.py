@@ -1,0 +1,92 @@
+"""Elastic runs on the README's cluster shape: `scripts/local-cluster start --nodes 2
+--cpus-per-node 2` (a head with 0 CPUs, two 2-CPU nodes), the demo config with
+`parallel.min_workers=1`, two 1-CPU workers reading through Ray Data.
+
+Found by trying it as a new user would: a node lost while Ray had packed both workers on it,
+Ray Train restarted both on the other node, whose 2 CPUs then left none for the Ray Data reader
+actors (0.25 CPU each): the run made no step for 13 minutes. Here the run is driven, as `ray job
+submit` would start it, for each placement of the two workers before the node loss:
+
+- both on the node that is lost: both restart on the other node, filling it;
+- one on each node (2 CPUs per worker, so each fills a node): the run shrinks to one worker,
+  a resize, on a node it fills;
+- both on the node that survives: the lost node held nothing of the run, which goes on.
+
+Each time the run must keep making steps and finish, with what happened in events.jsonl.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.chaos import TrainDriver, train_workers
+from cluster.local import LocalCluster
+from tests.support.clusters import local_cluster as local_cluster_body
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, CHECKPOINT_EVERY = 120, 10
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dataset) -> LocalCluster:
+    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+
+
+def demo_args(dataset: str, storage: Path, name: str, *extra: str) -> list[str]:
+    """The README's demo config on the tiny dataset, made small, elastic down to one worker."""
+    return [str(REPO / "configs/demo-cpu.yaml"), f"data.path={dataset}", f"run.storage_path={storage}",
+            f"run.name={name}", "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+            "model.max_seq_len=32", f"train.steps={STEPS}", "train.eval_every=0", "train.tensorboard=false",
+            f"checkpoint.every_steps={CHECKPOINT_EVERY}", "schedule.warmup_steps=2", "parallel.min_workers=1",
+            "parallel.resize_check_s=2", "run.max_failures=3", "run.health_check=false", *extra]
+
+
+def workers_per_node(cluster: LocalCluster) -> dict[int, int]:
+    return {node: len(train_workers(cluster, node)) for node in (1, 2)}
+
+
+@pytest.mark.parametrize("placement", ["both_on_lost_node", "one_on_each_node", "both_on_surviving_node"])
+def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset, tmp_path, placement):
+    for node in (1, 2):  # the previous case lost a node: bring it back
+        if not cluster.processes(node):
+            cluster.start_node(node)
+    extra = ["parallel.cpus_per_worker=2"] if placement == "one_on_each_node" else []
+    driver = TrainDriver(cluster, tmp_path / "run", demo_args(tiny_dataset, tmp_path, "run", *extra))
+    try:
+        driver.wait_for("the first checkpoint", lambda: driver.last_step() > CHECKPOINT_EVERY, timeout_s=300)
+        placed = workers_per_node(cluster)
+        if placement == "one_on_each_node":
+            assert placed == {1: 1, 2: 1}, placed
+            lost = 2
+        else:
+            assert sorted(placed.values()) == [0, 2], placed  # Ray packed both on one node
+            busy = 1 if placed[1] else 2
+            lost = busy if placement == "both_on_lost_node" else 3 - busy
+        survivor = 3 - lost
+        lost_at = driver.last_step()
+        cluster.kill_node(lost)
+        driver.finish(timeout_s=300)  # a run that stops making steps never gets here
+    finally:
+        driver.stop()
+
+    steps = [row["step"] for row in driver.metrics()]
+    assert lost_at < STEPS and steps[-1] == STEPS, "the run finished before the node was lost"
+    failures, resumed = driver.events("failure"), driver.events("resumed")
+    print(f"{placement}: lost node {lost} at step {lost_at}; failures {[f['cause'] for f in failures]}; "
+          f"resumed {resumed}")
+    if placement == "both_on_surviving_node":
+        assert not failures and not resumed, "losing a node that ran nothing of the run restarted it"
+        assert sorted(set(steps)) == list(range(1, STEPS + 1))
+        return
+    assert failures, "the node loss was not recorded as a failure"
+    (restart,) = resumed
+    # Both workers back on the surviving node's 2 CPUs, or the one 2-CPU worker left: a resize.
+    assert restart["world_size"] == (2 if placement == "both_on_lost_node" else 1)
+    assert restart["from_step"] <= lost_at < STEPS
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    assert [s for s in steps if s > restart["from_step"]], "no step after the restart"
+    assert survivor in cluster.alive_nodes()
