@@ -2,26 +2,32 @@
 127.0.0.1 and two worker nodes, token authentication on, entry points from jobs/ submitted as
 the README shows (`ray job submit` and `raylm submit`) from the repository root.
 
-One cluster serves the module, and one dataset that a jobs/prepare.py job makes on it; the
-reference run (a `ray job submit` to SUCCEEDED) is also what the stopped-and-resubmitted run is
-compared with. Runs read with `data.loader=local`: Ray Data's start-up would dominate these
-short jobs.
+One cluster serves the module, and one dataset that a jobs/prepare.py job makes on it. The
+reference run (a `ray job submit` to SUCCEEDED) keeps its checkpoints and metrics on S3
+(SeaweedFS), with credentials from the nodes' environment as on a real cluster; it is also what
+the stopped-and-resubmitted run, on local storage, is compared with. Runs read with
+`data.loader=local`: Ray Data's start-up would dominate these short jobs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from cluster.local import LocalCluster
-from raylm.submit import load_runtime_env
-from raylm.train.checkpoint import latest_complete
+from raylm.config import StorageConfig
+from raylm.data import storage as store
+from raylm.submit import SubmitError, load_runtime_env, next_submission_id
+from raylm.train.checkpoint import checkpoint_uris, latest_complete
 from raylm.train.metrics import read_jsonl
 from tests.support.clusters import local_cluster as local_cluster_body
 from tests.support.fixtures import write_corpus
@@ -38,7 +44,9 @@ SAME_WORLD_RTOL = 1e-6  # the same world size repeats the same arithmetic: fp32 
 
 
 @pytest.fixture(scope="module")
-def cluster() -> LocalCluster:
+def cluster(s3_server) -> LocalCluster:
+    # Started after the S3 server: the nodes inherit its AWS_* credentials from the environment,
+    # as a real cluster's nodes get theirs from an instance role; no job carries a secret.
     # 2 CPUs a node: the two 1-CPU training workers, on one node or one on each, and the prepare
     # job's Ray Data tasks.
     yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
@@ -99,7 +107,7 @@ def dataset(cluster, jobs, tmp_path_factory) -> str:
     return str(root / "prepared")
 
 
-def train_args(dataset: str, storage: Path, name: str, *extra: str) -> list[str]:
+def train_args(dataset: str, storage: str, name: str, *extra: str) -> list[str]:
     """The README's demo config, made tiny, with the absolute paths a job needs."""
     return ["configs/demo-cpu.yaml", f"data.path={dataset}", f"run.storage_path={storage}", f"run.name={name}",
             "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
@@ -109,43 +117,51 @@ def train_args(dataset: str, storage: Path, name: str, *extra: str) -> list[str]
             "data.loader=local", "run.health_check=false", "run.max_failures=0", *extra]
 
 
-def rows_by_step(run_dir: Path) -> dict[int, dict]:
-    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+def rows_by_step(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict[int, dict]:
+    rows = read_jsonl(store.join(run_uri, "metrics.jsonl"), storage_cfg)
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, STEPS + 1)), f"metrics.jsonl steps: {steps}"
     return {r["step"]: r for r in rows}
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, jobs, dataset, tmp_path_factory) -> dict:
-    """`ray job submit ... -- python jobs/pretrain.py CONFIG OVERRIDES`, followed to its end."""
-    storage = tmp_path_factory.mktemp("jobs-runs")
-    out = ray_job_submit(cluster, "raylm-reference-1", "jobs/pretrain.py",
-                         *train_args(dataset, storage, "reference"))
-    return {"out": out, "status": wait_for_status(jobs, "raylm-reference-1"), "run_dir": storage / "reference"}
+def reference(cluster, jobs, dataset, s3_server) -> dict:
+    """`ray job submit ... -- python jobs/pretrain.py CONFIG OVERRIDES`, followed to its end,
+    with the run on S3."""
+    bucket = f"s3://raylm-jobs-{uuid.uuid4().hex[:8]}"
+    store.ensure_bucket(bucket, s3_server.storage)
+    out = ray_job_submit(cluster, "raylm-reference-1", "jobs/pretrain.py", *train_args(
+        dataset, bucket, "reference", f"storage.endpoint_url={s3_server.endpoint_url}"))
+    return {"out": out, "status": wait_for_status(jobs, "raylm-reference-1"), "run_uri": f"{bucket}/reference",
+            "storage": s3_server.storage}
 
 
-def test_ray_job_submit_trains_to_the_end_with_metrics_and_checkpoints_in_storage(reference):
-    out, run_dir = reference["out"], reference["run_dir"]
+def test_ray_job_submit_trains_to_the_end_with_metrics_and_checkpoints_in_storage(reference, jobs, s3_server):
+    out, run_uri, storage_cfg = reference["out"], reference["run_uri"], reference["storage"]
     assert (reference["status"], out.returncode) == ("SUCCEEDED", 0), out.stdout[-3000:] + out.stderr[-2000:]
     assert f"done: step {STEPS}" in out.stdout  # the driver's last line, followed by `ray job submit`
-    rows = rows_by_step(run_dir)
+    rows = rows_by_step(run_uri, storage_cfg)
     assert rows[STEPS]["loss"] < rows[1]["loss"] - 1.0
-    assert {f"checkpoint_{s:08d}" for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)} <= set(
-        os.listdir(run_dir))
-    assert latest_complete(str(run_dir)).endswith(f"checkpoint_{STEPS:08d}")
-    assert (run_dir / "config.yaml").exists()
+    assert {store.join(run_uri, f"checkpoint_{s:08d}") for s in range(CHECKPOINT_EVERY, STEPS + 1, CHECKPOINT_EVERY)
+            } <= set(checkpoint_uris(run_uri, storage_cfg))
+    assert latest_complete(run_uri, storage_cfg).endswith(f"checkpoint_{STEPS:08d}")
+    assert store.exists(store.join(run_uri, "config.yaml"), storage_cfg)
+    # The credentials came from the nodes: nothing the job server keeps or shows holds the secret.
+    info = jobs.get_job_info("raylm-reference-1")
+    shown = json.dumps([info.runtime_env, info.metadata, info.entrypoint]) + jobs.get_job_logs("raylm-reference-1")
+    assert s3_server.env["AWS_SECRET_ACCESS_KEY"] not in shown
 
 
 def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run(
         cluster, jobs, dataset, reference, tmp_path):
-    args = train_args(dataset, tmp_path, "stopped")
+    args = train_args(dataset, str(tmp_path), "stopped")
     run_dir = tmp_path / "stopped"
     first = run(cluster, *RAYLM, "submit", *args, "--no-wait")
     assert first.returncode == 0 and "raylm: submitted raylm-stopped-1" in first.stdout, first.stderr
-    # A second job for the same run while the first is active would write the same directory.
-    again = run(cluster, *RAYLM, "submit", *args, "--no-wait")
-    assert again.returncode == 2 and "run 'stopped' already has job raylm-stopped-1" in again.stderr, again.stderr
+    # A second job for the same run while the first is active would write the same directory:
+    # `raylm submit` refuses it (SubmitError: exit 2, as the unreachable address below shows).
+    with pytest.raises(SubmitError, match="run 'stopped' already has job raylm-stopped-1"):
+        next_submission_id("stopped", jobs.list_jobs())
 
     deadline = time.monotonic() + 240
     while latest_complete(str(run_dir)) is None:
@@ -166,7 +182,7 @@ def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run
     assert f"done: step {STEPS}" in resumed.stdout  # the job's logs were followed to the end
     (event,) = [e for e in read_jsonl(str(run_dir / "events.jsonl")) if e["event"] == "resumed"]
     assert event["from_step"] % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= event["from_step"] <= stopped_at
-    rows, expected = rows_by_step(run_dir), rows_by_step(reference["run_dir"])
+    rows, expected = rows_by_step(str(run_dir)), rows_by_step(reference["run_uri"], reference["storage"])
     mismatched = [(s, rows[s]["loss"], expected[s]["loss"]) for s in rows
                   if rows[s]["loss"] != pytest.approx(expected[s]["loss"], rel=SAME_WORLD_RTOL)]
     assert not mismatched, f"(step, resumed, uninterrupted): {mismatched[:5]}"
@@ -200,11 +216,11 @@ def test_bad_input_fails_the_job_before_any_worker_starts_with_the_message_in_it
 
 
 def test_raylm_submit_refuses_bad_input_before_submitting(cluster, jobs, dataset, tmp_path):
-    unreachable = run(cluster, *RAYLM, "submit", *train_args(dataset, tmp_path, "nowhere"),
+    unreachable = run(cluster, *RAYLM, "submit", *train_args(dataset, str(tmp_path), "nowhere"),
                       "--address", "http://127.0.0.1:9")
     assert unreachable.returncode == 2
     assert "raylm: error: cannot reach the Ray job server at http://127.0.0.1:9" in unreachable.stderr
-    unknown = run(cluster, *RAYLM, "submit", *train_args(dataset, tmp_path, "misspelt", "optim.lrr=1"))
+    unknown = run(cluster, *RAYLM, "submit", *train_args(dataset, str(tmp_path), "misspelt", "optim.lrr=1"))
     assert unknown.returncode == 2 and "raylm: error: unknown key optim.lrr" in unknown.stderr, unknown.stderr
     assert "Traceback" not in unreachable.stderr + unknown.stderr
     submitted = [j.submission_id or "" for j in jobs.list_jobs()]
