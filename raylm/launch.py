@@ -104,8 +104,9 @@ def _train_fn_per_worker(loop_config: dict) -> None:
 
     spec = RunSpec.from_dict(loop_config["run"])
     cfg = spec.config
-    if not cfg.run.verbose:  # each dataset execution's plan and timing: Ray Data's bookkeeping
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if not cfg.run.verbose:  # each report and each dataset execution: Ray's own bookkeeping
+        for name in ("ray.train", "ray.data"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     env = RayTrainEnv(cfg)
     context = ray.get_runtime_context()
     node_id = context.get_node_id()
