@@ -426,10 +426,6 @@ def list_files(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
     return sorted(info.path[start:] for info in infos if info.type == pafs.FileType.File)
 
 
-def make_dirs(uri: str, storage: Optional[StorageConfig] = None) -> None:
-    _retrying(uri, storage, "mkdir", lambda fs, path: fs.create_dir(path, recursive=True))
-
-
 def delete_dir(uri: str, storage: Optional[StorageConfig] = None) -> None:
     """Delete `uri` and everything below it; nothing there already is fine."""
     def op(fs: pafs.FileSystem, path: str) -> None:
