@@ -12,6 +12,14 @@ from raylm.sweep import fit
 from raylm.sweep.analysis import COMPLETED, STOPPED, Laws
 
 
+def _save(plt, fig, directory: str, name: str) -> str:
+    fig.tight_layout()
+    path = os.path.join(directory, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _pyplot():
     import matplotlib
 
@@ -62,11 +70,7 @@ def _loss_vs_compute(plt, directory: str, rows: list[dict], result: dict, laws: 
     ax.set(xscale="log", yscale="log", xlabel="compute C (FLOPs, the model's real FLOPs per token)",
            ylabel="final validation loss", title="Loss against compute")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(directory, "loss_vs_compute.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, directory, "loss_vs_compute.png")
 
 
 def _lr_curves(plt, directory: str, rows: list[dict]) -> str:
@@ -86,11 +90,7 @@ def _lr_curves(plt, directory: str, rows: list[dict]) -> str:
         ax.set(xscale="log", xlabel="learning rate", title=f"N={trials[0]['params']:,}")
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("val loss (x: stopped early, at stop)")
-    fig.tight_layout()
-    path = os.path.join(directory, "lr_curves.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, directory, "lr_curves.png")
 
 
 def _residuals(plt, directory: str, residuals: list[dict]) -> str:
@@ -102,8 +102,4 @@ def _residuals(plt, directory: str, residuals: list[dict]) -> str:
         ax.set(xscale="log", xlabel=label)
     axes[0].set_ylabel("(measured - fitted) / fitted, %")
     fig.suptitle("Parametric fit residuals")
-    fig.tight_layout()
-    path = os.path.join(directory, "residuals.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, directory, "residuals.png")
