@@ -237,6 +237,10 @@ def warnings(result: dict) -> list[str]:
     if edge:
         out.append(f"the best learning rate lies at the edge of the values tried in {', '.join(edge)}: widen the "
                    "learning-rate grid or range there")
+    table = result.get("compute_optimal", {}).get("table", [])
+    if any(t["params"] < 1.01 * fit.SMALLEST_PARAMS for t in table):
+        out.append("the fit puts the compute-optimal N at the smallest size searched: in it, more tokens always "
+                   "beat more parameters (beta is small against alpha); N*(C) and the recommendation mean nothing")
     rec = result.get("recommended", {})
     if rec.get("extrapolation", 0) > 100:
         out.append(f"the recommended run has {rec['extrapolation']:.3g}x the compute of the largest trial: a long "

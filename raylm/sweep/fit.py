@@ -21,6 +21,7 @@ import numpy as np
 from scipy.optimize import minimize, minimize_scalar
 
 NAMES = ("E", "A", "alpha", "B", "beta")
+SMALLEST_PARAMS = 1e2  # compute_optimal searches N from here to 1e13
 # Hoffmann et al.'s initialization grid (appendix D.2), on theta = (log A, log B, log E, alpha, beta).
 INIT_GRID = {"a": np.arange(0, 30, 5.0), "b": np.arange(0, 30, 5.0), "e": np.arange(-1, 1.5, 0.5),
              "alpha": np.arange(0, 2.5, 0.5), "beta": np.arange(0, 2.5, 0.5)}
@@ -176,7 +177,7 @@ def compute_optimal(fit: Parametric, flops: float,
     def loss_at(log_n: float) -> float:
         n = np.exp(log_n)
         return float(fit.loss(n, flops / flops_per_token(n)))
-    res = minimize_scalar(loss_at, bounds=(np.log(1e2), np.log(1e13)), method="bounded",
+    res = minimize_scalar(loss_at, bounds=(np.log(SMALLEST_PARAMS), np.log(1e13)), method="bounded",
                           options={"xatol": 1e-6})
     n = float(np.exp(res.x))
     return n, flops / flops_per_token(n), float(res.fun)
