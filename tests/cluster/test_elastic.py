@@ -28,7 +28,7 @@ from tests.support.clusters import local_cluster as local_cluster_body
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, CHECKPOINT_EVERY = 120, 10
+STEPS, CHECKPOINT_EVERY = 60, 10
 
 
 @pytest.fixture(scope="module")
