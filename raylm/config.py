@@ -294,6 +294,14 @@ class RunConfig:
     """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
     health_check: bool = True
     """Self-test each worker at start (allocation, matmul, all-reduce against known values)."""
+    watchdog_startup_s: float = 600.0
+    """Seconds a (re)started worker may take to its first step; also what the first checkpoint or
+    evaluation may add."""
+    watchdog_factor: float = 20.0
+    """Fail a worker that makes no step within this × the median step time (at least
+    watchdog_min_s), naming what is pending; 0 disables the watchdog."""
+    watchdog_min_s: float = 120.0
+    """The shortest limit between steps."""
     verbose: bool = False
     """Show Ray Train's and Ray Data's own progress logs (each report, dataset executions);
     off, the console holds raylm's progress lines, events and warnings."""
@@ -550,6 +558,9 @@ def validate(cfg: Config) -> None:
                           f"{g.min_history} and {g.snapshot_every}")
     if cfg.data.shard_cache_mb < 0:
         raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")
+    r = cfg.run
+    if min(r.watchdog_startup_s, r.watchdog_factor, r.watchdog_min_s) < 0:
+        raise ConfigError("run.watchdog_startup_s, run.watchdog_factor and run.watchdog_min_s must be >= 0")
     cpus = cfg.parallel.cpus_per_worker
     if cpus != "auto" and cpus <= 0:
         raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")

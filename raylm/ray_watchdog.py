@@ -18,14 +18,14 @@ STATE_TIMEOUT_S = 10
 def progress_watchdog(cfg: Config) -> Optional[ProgressWatchdog]:
     """The watchdog of one Ray Train worker per run.watchdog_* (None when watchdog_factor is 0)."""
     run = cfg.run
-    factor = getattr(run, "watchdog_factor", 20.0)
+    factor = run.watchdog_factor
     if not factor:
         return None
     import ray
 
     job_id = ray.get_runtime_context().get_job_id()
-    return ProgressWatchdog(startup_s=getattr(run, "watchdog_startup_s", 600.0), factor=factor,
-                            min_s=getattr(run, "watchdog_min_s", 120.0),
+    return ProgressWatchdog(startup_s=run.watchdog_startup_s, factor=factor,
+                            min_s=run.watchdog_min_s,
                             describe=lambda: describe_pending(job_id), fail=fail_worker_group)
 
 
