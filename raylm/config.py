@@ -393,7 +393,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return _build(tp, value, key)
+        return build_dataclass(tp, value, key)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -422,7 +422,7 @@ def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
                        f"valid keys in {where}: {', '.join(names)}")
 
 
-def _build(cls: type, values: dict, prefix: str = "") -> Any:
+def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
     if cls is ModelConfig and values.get("size"):  # named sizes are defaults under explicit keys
         values = {**preset(values["size"]), **values}
     hints = _hints(cls)
@@ -455,11 +455,11 @@ def parse_overrides(overrides: list[str]) -> dict:
     return tree
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_trees(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_trees(out[key], value)
         else:
             out[key] = value
     return out
@@ -478,14 +478,14 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
         tree = loaded or {}
-    tree = _merge(tree, parse_overrides(overrides or []))
-    cfg = _build(Config, tree)
+    tree = merge_trees(tree, parse_overrides(overrides or []))
+    cfg = build_dataclass(Config, tree)
     validate(cfg)
     return cfg
 
 
 def config_from_dict(tree: dict) -> Config:
-    cfg = _build(Config, tree)
+    cfg = build_dataclass(Config, tree)
     validate(cfg)
     return cfg
 

@@ -18,7 +18,7 @@ import yaml
 
 # The generic YAML -> dataclass builder of raylm.config: the same key checks and messages
 # ("unknown key ladder.sizez (did you mean 'sizes'?)") for the sweep file as for run configs.
-from raylm.config import Config, _build, _merge, load_config, parse_overrides
+from raylm.config import Config, build_dataclass, merge_trees, load_config, parse_overrides
 from raylm.errors import ConfigError
 
 SWEEP_PREFIX = "sweep."
@@ -154,7 +154,7 @@ def load_sweep(path: str | Path, overrides: Optional[list[str]] = None) -> tuple
     if not isinstance(tree, dict):
         raise ConfigError(f"sweep file {path} must hold a mapping of sweep keys")
     sweep_overrides, base_overrides = split_overrides(list(overrides or []))
-    sweep: SweepConfig = _build(SweepConfig, _merge(tree, parse_overrides(sweep_overrides)))
+    sweep: SweepConfig = build_dataclass(SweepConfig, merge_trees(tree, parse_overrides(sweep_overrides)))
     if not sweep.base:
         raise ConfigError(f"{path}: `base` must name the base run config (a raylm train YAML)")
     base_path = Path(path).parent / sweep.base

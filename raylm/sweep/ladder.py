@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional
 
-from raylm.config import Config, ModelConfig, _build, config_from_dict, config_to_dict
+from raylm.config import Config, ModelConfig, build_dataclass, config_from_dict, config_to_dict
 from raylm.errors import ConfigError
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import check_model_config
@@ -52,7 +52,7 @@ def _model_for(base: ModelConfig, keys: dict, where: str) -> ModelConfig:
     else:
         tree = {**{k: v for k, v in dataclasses.asdict(base).items() if k != "size"}, **keys}
     try:
-        model = _build(ModelConfig, tree, where)
+        model = build_dataclass(ModelConfig, tree, where)
         check_model_config(model)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None

@@ -19,7 +19,7 @@ from typing import Optional
 
 import yaml
 
-from raylm.config import Config, ParallelConfig, _build, config_to_dict
+from raylm.config import Config, ParallelConfig, build_dataclass, config_to_dict
 from raylm.data import storage
 from raylm.errors import ConfigError
 from raylm.ray_runtime import start_ray
@@ -86,7 +86,7 @@ def resolve(path: str, overrides: list[str]) -> Plan:
 def _effective(cls: type, tree) -> Optional[dict]:
     """A recorded config as it reads today: keys added to raylm since take their defaults."""
     try:
-        return dataclasses.asdict(_build(cls, tree))
+        return dataclasses.asdict(build_dataclass(cls, tree))
     except (ConfigError, TypeError):
         return None
 
