@@ -13,8 +13,9 @@ rolling mean and deviation of recent healthy steps:
   neither Ray's restarts nor a plain resume replay the divergence; a resume with changed
   settings (LR, skip ranges, clipping, schedule, guard) clears it.
 
-Skip ranges, the LR scale and the rollback steps are run state: checkpoints carry them, so they
-survive restarts, resizes and resumes. Every action is an event in events.jsonl.
+Skip ranges, the LR scale, the rollback steps and the rolling history are run state: checkpoints
+carry them, so they survive restarts, resizes and resumes, and a resumed run takes the decisions
+the uninterrupted one would have taken. Every action is an event in events.jsonl.
 """
 
 from __future__ import annotations
@@ -106,8 +107,18 @@ class Guard:
         self.trigger: dict = {}  # why the last verdict was not "ok"
 
     def start(self, state: TrainState) -> None:
-        """Keep the starting point as the first snapshot."""
+        """Take up the history a resumed run saved, and keep the starting point as the first snapshot."""
+        saved = state.guard
+        self.losses.extend(saved.get("losses", []))
+        self.norms.extend(saved.get("norms", []))
+        self.outliers.extend(saved.get("outliers", []))
+        self.skipped = saved.get("skipped", 0)
         self.snapshot = Snapshot.take(state, self.params, self.optimizer)
+
+    def save_history(self, state: TrainState) -> None:
+        """Put the rolling history into `state`, for a checkpoint."""
+        state.guard = {"losses": list(self.losses), "norms": list(self.norms), "outliers": list(self.outliers),
+                       "skipped": self.skipped}
 
     def judge(self, step: int, loss: float, grad_norm: float) -> str:
         """"ok", "skip" or "rollback" for a step whose loss and gradient norm are given."""

@@ -224,6 +224,8 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
 
         if checkpointer.due(state.step, last):
             save_start = time.perf_counter()
+            if guard is not None:
+                guard.save_history(state)
             checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": tokenizer_sha256},
                               metrics)
             t0 = time.perf_counter()

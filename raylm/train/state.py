@@ -26,6 +26,10 @@ class TrainState:
     lr_scale: float = 1.0  # the guard's cuts of the scheduled LR
     rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale (None: no scaling)
+    # The guard's rolling history (recent healthy losses and grad norms, recent outlier steps,
+    # steps skipped): without it a resumed run would judge its next steps against nothing and
+    # take other decisions than the uninterrupted run.
+    guard: dict = field(default_factory=dict)
 
     @classmethod
     def from_saved(cls, saved: dict) -> "TrainState":

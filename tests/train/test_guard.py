@@ -54,6 +54,15 @@ def test_a_batch_of_random_bytes_is_skipped(tiny_dataset, tmp_path):
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
     assert rows[30]["skipped_steps"] == 0 and rows[31]["skipped_steps"] == 1 and rows[40]["skipped_steps"] == 1
     assert rows[32]["loss"] < rows[31]["loss"] + 1.0  # the spike's update never happened
+    # Stopped at step 25 and resumed, the run judges step 30 against the history its checkpoint
+    # carried (5 steps of its own would be too few to judge): the same skip, the same losses.
+    resumed = str(tmp_path / "resumed")
+    common = ("train.steps=40", *GUARD, "checkpoint.every_steps=25")
+    run_distributed(_train_ranks, 2, data, resumed, *common, "train.stop_at_step=25")
+    run_distributed(_train_ranks, 2, data, resumed, *common)
+    assert [e["step"] for e in _events(resumed, "spike_skipped")] == [30]
+    assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
+    assert {r["step"]: r["skipped_steps"] for r in read_jsonl(os.path.join(resumed, "metrics.jsonl"))}[40] == 1
 
 
 def test_a_poisoned_region_is_rolled_back_and_skipped_like_a_run_told_to_skip_it(tiny_dataset, tmp_path):
