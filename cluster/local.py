@@ -112,6 +112,14 @@ def _with_descendants(roots: Iterable[Proc], table: dict[int, tuple[int, int, st
     return {p for p in found if table[p[0]][2] not in "ZX"}
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its live descendants."""
+    table = _process_table()
+    if pid not in table:
+        return []
+    return sorted(p for p, _ in _with_descendants([(pid, table[pid][1])], table))
+
+
 def _signal(proc: Proc, sig: int) -> None:
     if _alive(proc):  # checked just before: never signal a PID that now names another process
         with contextlib.suppress(ProcessLookupError):

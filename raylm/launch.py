@@ -17,6 +17,7 @@ from ray.train import UserCallback
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
 from raylm.data import storage
 from raylm.data.storage import redact
+from raylm.ray_process_group import NodeBoundTorchConfig
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
@@ -184,6 +185,7 @@ def launch(cfg: Config) -> dict:
     trainer = TorchTrainer(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
+        torch_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(parallel.min_workers, parallel.num_workers) if parallel.min_workers else parallel.num_workers,
             use_gpu=parallel.use_gpu, resources_per_worker={"CPU": parallel.cpus_per_worker},

@@ -1,0 +1,46 @@
+"""Loopback means loopback: every listening socket of every process a local `raylm train`
+starts (Ray's servers, the dashboard, Ray Train's workers with the process group's store and
+gloo) binds a loopback address."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cluster.local import process_tree
+from tests.support.sockets import listeners
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
+    metrics = tmp_path / "sockets" / "metrics.jsonl"
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+         "run.name=sockets", "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+         "model.max_seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=40",
+         "train.eval_every=0", "schedule.warmup_steps=2", "checkpoint.every_steps=20", "parallel.num_workers=2", "parallel.cpus_per_worker=1",
+         "run.max_failures=0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: set = set()
+    try:
+        # From start-up (the store exists only while the process group forms and trains) to exit.
+        while driver.poll() is None:
+            seen |= listeners(process_tree(driver.pid))
+            time.sleep(0.2)
+        out = driver.stdout.read().decode(errors="replace")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, out[-3000:]
+    assert metrics.exists() and len(metrics.read_text().splitlines()) == 40
+    # The survey saw the run's servers: the GCS, the raylet, and the training workers' own.
+    names = {listener.process for listener in seen}
+    assert {"gcs_server", "raylet"} <= names, names
+    assert any(name.startswith("ray::RayTrainWo") for name in names), names
+    exposed = sorted(f"{s.process} (pid {s.pid}) on {s.address}:{s.port}" for s in seen if not s.loopback)
+    assert not exposed, "listening beyond loopback:\n  " + "\n  ".join(exposed)
