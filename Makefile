@@ -23,4 +23,4 @@ demo: $(VENV)/.installed
 	$(RAYLM) generate --checkpoint runs/demo --prompt "def " --max-new-tokens 300 --seed 0
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -ra
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -ra --durations=40
