@@ -10,10 +10,15 @@
 Node 0 is the head (GCS, and the dashboard with the job server on 127.0.0.1 for `ray job
 submit`; `head_cpus` CPUs, 0 by default so that work lands on worker nodes and killing a node
 kills the work on it). Nodes 1..num_nodes are workers with `cpus_per_node`
-CPUs each. Node i has IP 127.0.0.{i+2}, its own temp dir and explicitly chosen free ports;
-everything listens on loopback. Not 127.0.0.1: Ray rewrites that address to the machine's
-external one when a node joins (unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which
-`ray start` refuses to join a cluster at all); 127.0.0.2.. are taken as they are.
+CPUs each. Node i has IP 127.0.0.{i+2}, its own temp dir and explicitly chosen free ports.
+Not 127.0.0.1: Ray rewrites that address to the machine's external one when a node joins
+(unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which `ray start` refuses to join a cluster at
+all); 127.0.0.2.. are taken as they are. Every address the cluster advertises and dials is on
+loopback, and the dashboard and job server bind 127.0.0.1; but Ray 2.60 binds its gRPC servers
+(GCS, raylets, workers, agents) to all interfaces for any node IP other than 127.0.0.1 itself
+(seen with `ss -ltnp`), so on a machine with other interfaces this development cluster's ports
+are reachable from them, guarded by the auth token only. A single-node
+`raylm train` binds everything to 127.0.0.1 (tests/test_launch_sockets.py).
 
 A node's processes: those carrying its marker variable (set for its `ray start`, inherited by
 the daemons it leaves) and their descendants. Agents and workers rename themselves with
