@@ -170,16 +170,63 @@ def _train_fp16(dataset: str, run_dir: str, overflow_steps: tuple, *extra: str) 
                  hooks=(GradientFault(float("inf"), *overflow_steps),))
 
 
-def test_fp16_loss_scale_grows_and_backs_off_on_overflow(tiny_dataset, tmp_path):
-    run = str(tmp_path / "run")
-    run_distributed(_train_fp16, 2, tiny_dataset, run, (10,), "train.steps=14", *GUARD,
-                    "train.loss_scale_initial=1024", "train.loss_scale_growth_interval=3")
+# fp16 under each layout that torch runs on CPU/gloo; the vocabulary padded so that TP splits it
+# (the same padding everywhere: the same initial weights under every layout).
+FP16_RUN = ("train.steps=14", *GUARD, "train.loss_scale_initial=1024", "train.loss_scale_growth_interval=3",
+            "model.vocab_multiple=64")
+FP16_LAYOUTS = {"dp": ("parallel.sharding=none",), "fsdp": ("parallel.sharding=full",),
+                "fsdp_fp16_params": ("parallel.sharding=full", "parallel.param_dtype=fp16"),
+                "tp": ("parallel.tp=2",)}
+# Doubles after every 3 clean steps; the overflow at step index 10 (row 11) halves it.
+FP16_SCALES = [1024, 1024, 2048, 2048, 2048, 4096, 4096, 4096, 8192, 8192, 4096, 4096, 4096, 8192]
+# Against plain DP, all under fp16 autocast. Each layout rounds to fp16 in other places (a
+# row-parallel matmul sums fp16 partial products across ranks; FSDP2's fp16 parameters round the
+# weights themselves), and training amplifies the difference: measured over these 14 steps, the
+# losses differ by at most 6e-4 (fsdp), 5e-3 (fp16 parameters) and 5e-3 (tp), the size of fp16
+# itself here (DP fp16 against DP fp32: 2e-3 by step 10); the same layouts in fp32 agree to 3e-6.
+# Step 1 (the same weights, no update yet) agrees to 5e-7, and the gradient norms of the first
+# three steps to 3e-4: a scale left in (or divided out twice) would move them by the scale
+# itself (1024 and up), which the losses alone, under Adam and clipping, would hardly show.
+FP16_LOSS_RTOL, FP16_FIRST_LOSS_RTOL, FP16_EARLY_GRAD_NORM_RTOL = 1e-2, 1e-5, 1e-3
+
+
+def _train_fp16_layouts(dataset: str, root: str) -> None:
+    for name, layout in FP16_LAYOUTS.items():
+        _train_fp16(dataset, os.path.join(root, name), (10,), *FP16_RUN, *layout)
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(tiny_dataset, tmp_path_factory) -> dict[str, str]:
+    """Every fp16 layout's run directory, trained one after another in one spawned group of two
+    ranks, with an overflow injected at step index 10."""
+    root = str(tmp_path_factory.mktemp("fp16"))
+    run_distributed(_train_fp16_layouts, 2, tiny_dataset, root)
+    return {name: os.path.join(root, name) for name in FP16_LAYOUTS}
+
+
+def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_runs):
+    run = fp16_runs["dp"]
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
-    scales = [rows[s]["loss_scale"] for s in range(1, 15)]
-    # Doubles after every 3 clean steps; the overflow at step index 10 (row 11) halves it.
-    assert scales == [1024, 1024, 2048, 2048, 2048, 4096, 4096, 4096, 8192, 8192, 4096, 4096, 4096, 8192]
+    assert [rows[s]["loss_scale"] for s in range(1, 15)] == FP16_SCALES
     assert _events(run, "rollback") == [] and _events(run, "spike_skipped") == []
     assert all(torch.isfinite(torch.tensor(rows[s]["loss"])) for s in rows)
+
+
+@pytest.mark.parametrize("layout", [name for name in FP16_LAYOUTS if name != "dp"])
+def test_fp16_on_sharded_and_tensor_parallel_layouts_scales_as_plain_dp(fp16_runs, layout):
+    """The scale lives on the global gradient norm, which every rank of every layout sees whole:
+    the same growth and back-off as plain DP, no rank skipping alone, and DP's losses."""
+    run = fp16_runs[layout]
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    assert [rows[s]["loss_scale"] for s in range(1, 15)] == FP16_SCALES
+    assert _events(run, "rollback") == [] and _events(run, "spike_skipped") == []
+    want = {r["step"]: r for r in read_jsonl(os.path.join(fp16_runs["dp"], "metrics.jsonl"))}
+    assert sorted(rows) == sorted(want) == list(range(1, 15))
+    assert rows[1]["loss"] == pytest.approx(want[1]["loss"], rel=FP16_FIRST_LOSS_RTOL)
+    for step in (1, 2, 3):
+        assert rows[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=FP16_EARLY_GRAD_NORM_RTOL), step
+    for step in rows:
+        assert rows[step]["loss"] == pytest.approx(want[step]["loss"], rel=FP16_LOSS_RTOL), step
 
 
 def test_fp16_loss_scale_floor_is_a_divergence_the_guard_rolls_back(tiny_dataset, tmp_path):
