@@ -1,272 +1,263 @@
-"""The reference reproduction: nanoGPT's CPU run on character-level Shakespeare, on raylm.
+"""raylm against nanoGPT on nanoGPT's own CPU run: character-level Shakespeare, as a user runs both.
 
-    .venv/bin/python benchmarks/nanogpt_shakespeare.py
+    .venv/bin/python benchmarks/nanogpt_shakespeare.py [--iters 2000] [--rounds 2]
 
-1. Prepares tinyshakespeare with the byte tokenizer (seq_len 64, last 10% val) unless done.
-2. Reproduction: `launch` of configs/nanogpt-shakespeare-char-cpu.yaml on one Ray Train worker
-   with both cores; prints the final val loss (nanoGPT: 1.88, target <= 1.92), the wall time and
-   the steady tokens/s. It also scores the final checkpoint on the whole val split, since the
-   run's own eval covers only its first `train.eval_batches` batches.
-3. Ratio: steady tokens/s of one raylm worker against a nanoGPT-style plain PyTorch loop over
-   the same model (same seed, same init), the same batches (the exact rows raylm's stream gives,
-   preloaded) and the same thread count. Alternates plain and raylm runs, so a change in the
-   machine's load shows up as a gap between the plain runs around a raylm run rather than
-   silently in the ratio. Each run's rate is given three ways: from its median step, from its
-   mean (every stall counts) and from its 10th-percentile step ("fast": a shared VM can switch
-   between a fast and a slow state mid-run, and the fast steps of both sides compare alike).
+A: the reference, benchmarks/_nanogpt_reference.py: nanoGPT's model.py and train.py rewritten
+   independently (LayerNorm, learned positions, GELU MLP, SDPA causal attention, tied embeddings,
+   AdamW, clipping, nanoGPT's evaluation and checkpoints), on nanoGPT's character-level data, in
+   its own process with 2 threads (OMP_NUM_THREADS=2; nanoGPT takes torch's default, the cores).
+B: `raylm train configs/nanogpt-shakespeare-char-cpu.yaml` in its own process, starting its own
+   Ray, on the same text prepared with `raylm prepare --tokenizer byte --seq-len 64`; the shipped
+   config runs one worker with cpus_per_worker auto: 2 threads on this machine's 2 cores.
+
+Runs alternate A B A B (`--rounds`), so that a change in the shared VM's load lands on both sides.
+Each run is timed from the command's start to its exit. Reported: the median steady step (after
+the first 10% of steps) and its ratio, the whole-run wall time and its ratio, each side's time
+from the command to its first step done and from its last step to exit, the final val loss of
+each (its own evaluation, and the whole val split scored from its final weights), and the load.
+Then the demo (configs/demo-cpu.yaml) on 1 and on 2 workers (`--demo-steps`, 0 skips it): what
+data parallelism costs on this CPU. `--iters 300 --rounds 1 --demo-steps 0` tries a round in
+a few minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
-import ray
 import torch
 import torch.nn.functional as F
 
-from raylm.train.metrics import read_jsonl
-from _common import Throughput, load_average, print_table, steady_throughput
-from raylm.config import Config, global_batch_sequences, load_config
-from raylm.data.manifest import MANIFEST_FILE
-from raylm.data.prepare import prepare_dataset
-from raylm.data.stream import TokenStream
-from raylm.launch import launch, local_run_dir, run_uri
-from raylm.train.spec import resolve_run
-from raylm.ray_runtime import local_num_cpus, start_ray
+from _common import load_average, print_table
+import _nanogpt_reference as reference
+from raylm.config import load_config
+from raylm.launch import run_uri
 from raylm.model.transformer import Transformer
 from raylm.train import checkpoint
-from raylm.train.optim import lr_at
+from raylm.train.metrics import read_jsonl
+from raylm.train.spec import resolve_run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"
-NANOGPT_VAL_LOSS = 1.88  # nanoGPT README, this run on a CPU ("about 3 minutes")
-TARGET_VAL_LOSS = 1.92
+DEMO_CONFIG = REPO / "configs" / "demo-cpu.yaml"
+RAYLM = str(REPO / ".venv" / "bin" / "raylm")
+THREADS = 2
 SEQ_LEN = 64
-RATIO_DRIFT = 0.10  # plain runs around a raylm run that differ more: the load changed meanwhile
-CPUS = 2  # this machine's cores: the one worker gets both, and so does the plain loop
+NANOGPT_README_VAL_LOSS = 1.88
+GOALS = {"step": 0.95, "wall": 1.2, "val_loss": 1.90, "first_step_s": 10.0, "exit_s": 5.0}
+# Lines of raylm's console whose first appearance marks a start-up phase.
+PHASES = {"config resolved": "raylm: parallel.cpus_per_worker", "model built (worker)": "[raylm.parallel] layout",
+          "training starts": " parameters, "}
 
 
-def build_config(args: argparse.Namespace, name: str, *extra: str) -> Config:
-    """The config file with this benchmark's paths and run name; `resolve` it (vocabulary and
-    seq_len from the data) once the data is prepared."""
-    return load_config(CONFIG, [
-        f"data.path={args.workdir / 'data' / f'shakespeare-byte-{SEQ_LEN}'}",
-        f"run.storage_path={args.workdir}", f"run.name={name}",
-        f"parallel.cpus_per_worker={CPUS}", *args.override, *extra])
+@dataclass
+class Run:
+    who: str  # "reference" or "raylm"
+    wall_s: float  # command start to exit
+    step_times: list[float]
+    first_step_s: float  # command start to the end of the first step
+    exit_s: float  # end of the last step to exit
+    val_loss: float  # the run's own last evaluation
+    whole_val_loss: float
+    load: str  # at the end of the run
+    phases: dict[str, float] = field(default_factory=dict)  # raylm: seconds from the command
+
+    @property
+    def median_step(self) -> float:
+        return statistics.median(self.step_times[len(self.step_times) // 10:])
 
 
-def start_ray_patiently(cfg: Config, attempts: int = 3) -> None:
-    """`start_ray`, retried: Ray waits a fixed 30 s for its raylet to register, which a shared
-    machine under heavy load (load average 20-60 seen here) sometimes exceeds."""
-    for attempt in range(1, attempts + 1):
-        try:
-            p = cfg.parallel
-            return start_ray(cfg.run.ray_address, local_num_cpus(p.num_workers, p.cpus_per_worker),
-                             max(1, int(p.cpus_per_worker)))
-        except Exception as e:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == attempts:
-                raise
-            print(f"Ray did not start in time (attempt {attempt}/{attempts}, load {load_average()}); retrying",
-                  flush=True)
+class TimedProcess:
+    """A command whose output lines are kept with their times (seconds since its start)."""
+
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str]):
+        self.lines: list[tuple[float, str]] = []
+        self.start_wall = time.time()
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.log = log
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.perf_counter() - self.start, line.rstrip("\n")))
+
+    def wait(self) -> tuple[float, float]:
+        """(wall seconds, wall-clock time at exit); raises if the command failed."""
+        rc = self.proc.wait()
+        end, end_wall = time.perf_counter(), time.time()
+        self.reader.join()
+        self.log.write_text("".join(f"{t:8.2f} {line}\n" for t, line in self.lines))
+        if rc != 0:
+            tail = "\n".join(line for _, line in self.lines[-30:])
+            raise RuntimeError(f"{self.proc.args[:3]} exited with {rc}; log {self.log}:\n{tail}")
+        return end - self.start, end_wall
+
+    def first(self, marker: str) -> Optional[float]:
+        return next((t for t, line in self.lines if marker in line), None)
 
 
-def ensure_data(args: argparse.Namespace, cfg: Config) -> None:
-    if (Path(cfg.data.path) / MANIFEST_FILE).exists():
-        print(f"data: {cfg.data.path} already prepared")
+def child_env(threads: Optional[int]) -> dict[str, str]:
+    """This environment, with OMP_NUM_THREADS set to `threads`, or unset (a user's shell)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def prepare_char_data(text_path: Path, out: Path) -> None:
+    """nanoGPT's data/shakespeare_char/prepare.py: characters as ids, first 90% train."""
+    if (out / "meta.json").exists():
         return
-    start = time.perf_counter()
-    prepare_dataset([str(args.input)], cfg.data.path, tokenizer="byte", seq_len=SEQ_LEN, val_fraction=0.1)
-    print(f"data: prepared {cfg.data.path} in {time.perf_counter() - start:.1f} s")
+    text = text_path.read_text()
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    n = int(len(ids) * 0.9)
+    out.mkdir(parents=True, exist_ok=True)
+    ids[:n].tofile(out / "train.bin")
+    ids[n:].tofile(out / "val.bin")
+    (out / "meta.json").write_text(json.dumps({"vocab_size": len(chars), "itos": chars}))
 
 
-def train_step_times(cfg: Config) -> tuple[list[dict], list[float]]:
-    rows = read_jsonl(os.path.join(local_run_dir(cfg), "metrics.jsonl"))
-    return rows, [r["step_time"] for r in rows]
-
-
-def tokens_per_step(cfg: Config) -> int:
-    return global_batch_sequences(cfg, SEQ_LEN) * SEQ_LEN
+def prepare_raylm_data(args: argparse.Namespace, out: Path, *inputs: str, seq_len: int) -> None:
+    if (out / "manifest.json").exists():
+        return
+    subprocess.run([RAYLM, "prepare", *(["--input", *inputs] if inputs else []), "--output", str(out),
+                    "--tokenizer", "byte", "--seq-len", str(seq_len)], cwd=REPO, check=True,
+                   env=child_env(None))
 
 
 @torch.no_grad()
-def whole_val_loss(cfg: Config) -> float:
-    """Mean loss per target token over every row of the val split, from the run's last checkpoint
-    (the last step always saves): the quantity nanoGPT's estimate_loss samples with random val
-    windows."""
-    directory = checkpoint.latest_complete(run_uri(cfg), cfg.storage)
+def reference_whole_val(data: Path, weights: Path) -> float:
+    """Mean loss per target over the val split in windows of 64 inputs, as raylm's rows."""
+    meta = json.loads((data / "meta.json").read_text())
+    model = reference.GPT(meta["vocab_size"])
+    model.load_state_dict(torch.load(weights))
+    model.eval()
+    val = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16).astype(np.int64))
+    rows = val[:len(val) // (SEQ_LEN + 1) * (SEQ_LEN + 1)].view(-1, SEQ_LEN + 1)
+    total = sum(float(model(r[:, :-1].contiguous(), r[:, 1:].contiguous())[1]) * r[:, 1:].numel()
+                for r in rows.split(64))
+    return total / rows[:, 1:].numel()
+
+
+@torch.no_grad()
+def raylm_whole_val(cfg) -> float:
+    """Mean loss per target over every row of the val split, from the run's last checkpoint."""
     spec = resolve_run(cfg)
     model = Transformer(spec.config.model)
-    checkpoint.load_model_weights(directory, model)
+    checkpoint.load_model_weights(checkpoint.latest_complete(run_uri(cfg), cfg.storage), model)
     model.eval()
     source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
     n = source.order.datasets[0].num_samples
     total, count = 0.0, 0
     for start in range(0, n, 64):
         rows = torch.from_numpy(source.rows(list(range(start, min(n, start + 64)))).astype(np.int64))
-        logits = model(rows[:, :-1])  # (B, T, vocab)
-        total += float(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum"))
+        total += float(F.cross_entropy(model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten(), reduction="sum"))
         count += rows[:, 1:].numel()
     return total / count
 
 
-def reproduce(args: argparse.Namespace, cfg: Config) -> dict:
-    print(f"\n== reproduction: {cfg.train.stop_at_step or cfg.train.steps} steps, run {run_uri(cfg)} (load {load_average()})", flush=True)
-    start = time.perf_counter()
-    launch(cfg)
-    wall = time.perf_counter() - start
-    rows, times = train_step_times(cfg)
-    vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    return {"wall_s": wall, "train_s": sum(times), "val_loss": vals[-1][1], "val_curve": vals,
-            "whole_val_loss": whole_val_loss(cfg), "throughput": steady_throughput(times, tokens_per_step(cfg)),
-            "mfu": statistics.median(r["mfu"] for r in rows[len(rows) // 10:]), "load": load_average()}
+def run_reference(args: argparse.Namespace, k: int) -> Run:
+    out = args.workdir / f"reference-{args.stamp}-{k}" / "result.json"
+    out.parent.mkdir(parents=True)
+    print(f"== round {k + 1}: reference, {args.iters} iterations (load {load_average()})", flush=True)
+    proc = TimedProcess([sys.executable, str(REPO / "benchmarks" / "_nanogpt_reference.py"), "--data",
+                         str(args.char_data), "--out", str(out), "--iters", str(args.iters)],
+                        out.parent / "console.log", child_env(THREADS))
+    wall, end_wall = proc.wait()
+    r = json.loads(out.read_text())
+    assert r["threads"] == THREADS, r["threads"]
+    return Run("reference", wall, r["step_times"], r["first_step_end"] - proc.start_wall, end_wall - r["last_step_end"],
+               r["evals"][-1]["val"], reference_whole_val(args.char_data, out.parent / "final.pt"), load_average())
 
 
-def same_batches(cfg: Config, steps: int) -> torch.Tensor:
-    """(steps, batch, seq_len + 1) int64: the rows raylm's stream feeds steps 0..steps-1."""
-    source = resolve_run(cfg).datasets.open_split("train", cfg.data, cfg.storage)
-    stream = TokenStream(source, global_batch_sequences(cfg, SEQ_LEN), 0, 1, cfg.data.skip, engine="local")
-    return torch.stack([torch.from_numpy(b.tokens.astype(np.int64)) for b in stream.batches(0, 0, steps)])
+def run_raylm(args: argparse.Namespace, k: int) -> Run:
+    name = f"nanogpt-{args.stamp}-{k}"
+    overrides = [f"data.path={args.byte_data}", f"run.storage_path={args.workdir}", f"run.name={name}",
+                 *([f"train.steps={args.iters}"] if args.iters != 2000 else [])]
+    print(f"== round {k + 1}: raylm train, {args.iters} steps (load {load_average()})", flush=True)
+    run_dir = args.workdir / name
+    run_dir.mkdir(parents=True)
+    proc = TimedProcess([RAYLM, "train", str(CONFIG), *overrides], run_dir / "console.log", child_env(None))
+    wall, end_wall = proc.wait()
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+    phases = {name: t for name, marker in PHASES.items() if (t := proc.first(marker)) is not None}
+    phases["first step done"] = rows[0]["time"] - proc.start_wall
+    return Run("raylm", wall, [r["step_time"] for r in rows], rows[0]["time"] - proc.start_wall,
+               end_wall - rows[-1]["time"], [r["val_loss"] for r in rows if "val_loss" in r][-1],
+               raylm_whole_val(load_config(CONFIG, overrides)), load_average(), phases)
 
 
-def plain_loop(cfg: Config, batches: torch.Tensor, threads: int) -> tuple[list[float], list[float]]:
-    """nanoGPT's loop, minimal: set lr, forward, cross entropy, backward, clip, step, zero_grad.
-    Returns each step's time (end to end, as raylm's step_time) and loss."""
-    torch.set_num_threads(threads)
-    torch.manual_seed(cfg.train.seed)  # the seed raylm builds its model under: the same init
-    model = Transformer(cfg.model)
-    o = cfg.optim
-    params = list(model.parameters())  # the tied embedding/head weight appears once
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
-    times, losses = [], []
-    t0 = time.perf_counter()
-    for step, batch in enumerate(batches):
-        lr = lr_at(step, cfg.schedule, o.lr, cfg.train.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        logits = model(batch[:, :-1])  # (B, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        now = time.perf_counter()
-        times.append(now - t0)
-        t0 = now
-    return times, losses
+def run_demo(args: argparse.Namespace, workers: int, k: int) -> tuple[float, str]:
+    """Median steady tokens/s of the demo on `workers` workers (cpus_per_worker auto)."""
+    name = f"demo-{args.stamp}-{workers}w-{k}"
+    print(f"== demo: {workers} worker(s), {args.demo_steps} steps (load {load_average()})", flush=True)
+    (args.workdir / name).mkdir(parents=True)
+    proc = TimedProcess([RAYLM, "train", str(DEMO_CONFIG), f"data.path={args.demo_data}",
+                         f"run.storage_path={args.workdir}", f"run.name={name}", f"parallel.num_workers={workers}",
+                         f"train.stop_at_step={args.demo_steps}", "train.eval_every=0", "checkpoint.every_steps=0"],
+                        args.workdir / name / "console.log", child_env(None))
+    proc.wait()
+    rows = read_jsonl(str(args.workdir / name / "metrics.jsonl"))
+    return statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 10:]), load_average()
 
 
-@dataclass
-class Measurement:
-    who: str  # "plain" or "raylm"
-    throughput: Throughput
-    load: str  # at its end
-
-
-def ratio(args: argparse.Namespace, stamp: str) -> dict:
-    """Alternates plain, raylm, plain, raylm, ..., plain over the same `ratio_steps` steps, each
-    raylm figure from its own short launch (no eval, one final checkpoint) rather than from the
-    reproduction: on this shared machine the load swings within minutes, so each raylm run is
-    compared with the plain runs right before and after it, and the rounds' ratios are summarised
-    by their median."""
-    steps = args.ratio_steps
-    base = resolve_run(build_config(args, f"ratio-{stamp}")).config
-    batches = same_batches(base, steps)
-    threads = int(os.environ["OMP_NUM_THREADS"])
-    runs: list[Measurement] = []
-
-    # The plain loop runs in a Ray task: a worker process like raylm's, with the same OMP_NUM_THREADS
-    # and the niceness Ray gives its workers (15), so the OS schedules both sides alike against the
-    # other jobs on this machine. The loop itself is plain torch; no Ray code runs inside it.
-    plain_task = ray.remote(num_cpus=CPUS)(plain_loop)
-
-    def plain() -> list[float]:
-        print(f"== ratio: plain loop, {steps} steps, {threads} threads (load {load_average()})", flush=True)
-        times, losses = ray.get(plain_task.remote(base, batches, threads))
-        runs.append(Measurement("plain", steady_throughput(times, tokens_per_step(base)), load_average()))
-        return losses
-
-    plain_losses = plain()
-    max_loss_diff = 0.0
-    for k in range(args.ratio_rounds):
-        # stop_at_step keeps the reproduction's LR schedule (and allows fewer steps than its warmup).
-        cfg = build_config(args, f"ratio-{stamp}-{k}", f"train.stop_at_step={steps}", "train.eval_every=0",
-                           "checkpoint.every_steps=0")
-        print(f"== ratio: raylm worker, round {k + 1}/{args.ratio_rounds} (load {load_average()})", flush=True)
-        launch(cfg)
-        rows, times = train_step_times(cfg)
-        runs.append(Measurement("raylm", steady_throughput(times, tokens_per_step(base)), load_average()))
-        # The same model and batches: raylm's losses must be the plain loop's (to float noise).
-        max_loss_diff = max(max_loss_diff, *(abs(r["loss"] - p) for r, p in zip(rows, plain_losses)))
-        plain()
-    return {"steps": steps, "threads": threads, "runs": runs, "max_loss_diff": max_loss_diff}
-
-
-def fmt(t: Throughput) -> str:
-    return f"{t.median_tokens_per_s:,.0f} median / {t.mean_tokens_per_s:,.0f} mean / {t.fast_tokens_per_s:,.0f} fast"
-
-
-def round_ratios(runs: list[Measurement]) -> list[tuple[float, float, float, float]]:
-    """Per raylm run: its median-, mean- and fast-step-based ratios to the plain runs around it,
-    and the drift between those plain runs."""
-    out = []
-    for k in range(1, len(runs), 2):
-        before, raylm, after = runs[k - 1].throughput, runs[k].throughput, runs[k + 1].throughput
-        ratio = lambda key: getattr(raylm, key) / ((getattr(before, key) + getattr(after, key)) / 2)  # noqa: E731
-        low, high = sorted((before.mean_tokens_per_s, after.mean_tokens_per_s))
-        out.append((ratio("median_tokens_per_s"), ratio("mean_tokens_per_s"), ratio("fast_tokens_per_s"),
-                    high / low - 1))
-    return out
-
-
-def best(runs: list[Measurement], who: str, key: str) -> float:
-    """The best rate of `who`'s runs: what each side reaches when the machine lets it."""
-    return max(getattr(m.throughput, key) for m in runs if m.who == who)
-
-
-def summarize(repro: dict | None, rat: dict | None, command: str) -> None:
-    print("\n== summary")
+def summarize(args: argparse.Namespace, runs: list[Run], demo: dict[int, list[tuple[float, str]]]) -> None:
+    ref = [r for r in runs if r.who == "reference"]
+    ours = [r for r in runs if r.who == "raylm"]
+    med = lambda rs, key: statistics.median(getattr(r, key) for r in rs)  # noqa: E731
     rows: list[list[object]] = []
-    if repro:
-        t: Throughput = repro["throughput"]
-        reached = "yes" if repro["val_loss"] <= TARGET_VAL_LOSS else "NO"
-        rows += [["final val loss (run's eval)", f"{repro['val_loss']:.4f} (nanoGPT {NANOGPT_VAL_LOSS}, "
-                  f"target <= {TARGET_VAL_LOSS}: {reached})"],
-                 ["val loss, whole val split", f"{repro['whole_val_loss']:.4f}"],
-                 ["val curve", ", ".join(f"{s}: {v:.3f}" for s, v in repro["val_curve"])],
-                 ["wall time of launch", f"{repro['wall_s']:.1f} s"],
-                 ["training steps alone (sum of step_time)", f"{repro['train_s']:.1f} s"],
-                 ["steady tokens/s (after first 10%)", fmt(t)],
-                 ["median MFU (CPU: of this CPU's measured fp32 matmul rate)", f"{100 * repro['mfu']:.1f}%"],
-                 ["load average at the end", repro["load"]]]
-    drifted = []
-    if rat:
-        rows += [[f"{m.who}, {rat['steps']} steps", f"{fmt(m.throughput)} tok/s, load {m.load}"] for m in rat["runs"]]
-        ratios = round_ratios(rat["runs"])
-        drifted = [k + 1 for k, (*_, drift) in enumerate(ratios) if drift > RATIO_DRIFT]
-        rows += [[f"ratio raylm / plain, round {k + 1} (median; mean; fast)",
-                  f"{a:.3f}; {b:.3f}; {c:.3f} (plain runs {d:+.0%} apart)"] for k, (a, b, c, d) in enumerate(ratios)]
-        rows += [["ratio raylm / plain, median of rounds (median; mean; fast)",
-                  "; ".join(f"{statistics.median(r[i] for r in ratios):.3f}" for i in range(3)) + " (goal >= 0.95)"],
-                 ["best run raylm / best run plain (median; mean; fast)",
-                  "; ".join(f"{best(rat['runs'], 'raylm', key) / best(rat['runs'], 'plain', key):.3f}"
-                            for key in ("median_tokens_per_s", "mean_tokens_per_s", "fast_tokens_per_s"))],
-                 ["max |loss raylm - loss plain| per step", f"{rat['max_loss_diff']:.2e}"]]
+    for r in runs:
+        phases = ", ".join(f"{p} {t:.1f} s" for p, t in r.phases.items())
+        rows.append([f"{r.who} run", f"step {1000 * r.median_step:.1f} ms, wall {r.wall_s:.1f} s, first step "
+                     f"{r.first_step_s:.1f} s, exit {r.exit_s:.1f} s, val {r.val_loss:.4f} (whole split "
+                     f"{r.whole_val_loss:.4f}), load {r.load}" + (f"; {phases}" if phases else "")])
+    step_ratio = med(ref, "median_step") / med(ours, "median_step")
+    wall_ratio = med(ours, "wall_s") / med(ref, "wall_s")
+    pairs = [f"{a.median_step / b.median_step:.3f}" for a, b in zip(ref, ours)]
+    walls = [f"{b.wall_s / a.wall_s:.2f}" for a, b in zip(ref, ours)]
+    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    rows += [
+        ["median steady step, reference / raylm", f"{1000 * med(ref, 'median_step'):.1f} / "
+         f"{1000 * med(ours, 'median_step'):.1f} ms"],
+        ["steady tokens/s raylm ÷ reference", f"{step_ratio:.3f} (rounds {', '.join(pairs)}); goal >= "
+         f"{GOALS['step']}: {met(step_ratio >= GOALS['step'])}"],
+        ["whole run, reference / raylm", f"{med(ref, 'wall_s'):.1f} / {med(ours, 'wall_s'):.1f} s"],
+        ["whole run raylm ÷ reference", f"{wall_ratio:.2f} (rounds {', '.join(walls)}); goal <= {GOALS['wall']}: "
+         f"{met(wall_ratio <= GOALS['wall'])}"],
+        ["command → first step done, reference / raylm", f"{med(ref, 'first_step_s'):.1f} / "
+         f"{med(ours, 'first_step_s'):.1f} s; goal <= {GOALS['first_step_s']:g} s: "
+         f"{met(med(ours, 'first_step_s') <= GOALS['first_step_s'])}"],
+        ["last step → exit, reference / raylm", f"{med(ref, 'exit_s'):.1f} / {med(ours, 'exit_s'):.1f} s; goal "
+         f"<= {GOALS['exit_s']:g} s: {met(med(ours, 'exit_s') <= GOALS['exit_s'])}"],
+        ["final val loss (own eval), reference / raylm", f"{med(ref, 'val_loss'):.4f} / {med(ours, 'val_loss'):.4f}"
+         + (f"; goal <= {GOALS['val_loss']}: {met(med(ours, 'val_loss') <= GOALS['val_loss'])} (nanoGPT's "
+            f"README {NANOGPT_README_VAL_LOSS})" if args.iters == 2000 else "")],
+        ["val loss, whole val split, reference / raylm", f"{med(ref, 'whole_val_loss'):.4f} / "
+         f"{med(ours, 'whole_val_loss'):.4f}"],
+    ]
+    for workers, results in demo.items():
+        rows.append([f"demo, {workers} worker(s), tokens/s", ", ".join(f"{t:,.0f} (load {load})" for t, load in results)])
+    if len(demo) == 2:
+        one, two = (statistics.median(t for t, _ in demo[w]) for w in (1, 2))
+        rows.append(["demo tokens/s, 2 workers ÷ 1 worker", f"{two / one:.2f}"])
+    print("\n== summary")
     print_table(["figure", "value"], rows)
-    if drifted:
-        print(f"\nwarning: in round(s) {drifted} the plain runs before and after raylm's differ by more than "
-              f"{RATIO_DRIFT:.0%}: the machine's load changed, so those ratios are not reliable")
-    print(f"\ncommand: {command}")
+    print(f"\ncommand: {' '.join([sys.executable, *sys.argv])}")
 
 
 def main() -> None:
@@ -275,28 +266,29 @@ def main() -> None:
                         help="tinyshakespeare text (relative paths: from the repo root)")
     parser.add_argument("--workdir", type=Path, default=Path("runs/bench"),
                         help="prepared data and run directories (relative paths: from the repo root)")
-    parser.add_argument("--steps", type=int, help="stop the reproduction after this many steps (smoke runs; the LR schedule stays the 2000-step one)")
-    parser.add_argument("--ratio-steps", type=int, default=300, help="steps of each throughput run")
-    parser.add_argument("--ratio-rounds", type=int, default=3, help="raylm runs, each between two plain runs")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override for both runs, e.g. data.loader=local (repeatable)")
-    parser.add_argument("--skip-reproduction", action="store_true")
-    parser.add_argument("--skip-ratio", action="store_true")
+    parser.add_argument("--iters", type=int, default=2000, help="training steps of each run (nanoGPT's max_iters)")
+    parser.add_argument("--rounds", type=int, default=2, help="reference and raylm runs, alternating")
+    parser.add_argument("--demo-steps", type=int, default=100, help="steps of each demo run; 0: no demo")
+    parser.add_argument("--demo-rounds", type=int, default=1, help="demo runs per worker count, alternating")
     args = parser.parse_args()
     args.input, args.workdir = (p if p.is_absolute() else REPO / p for p in (args.input, args.workdir))
-
-    # Pinned before Ray starts: start_ray hands OMP_NUM_THREADS to the workers, and the plain
-    # loop uses the same count, so both sides compute with the same threads.
-    os.environ["OMP_NUM_THREADS"] = str(CPUS)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    extra = [f"train.stop_at_step={args.steps}"] if args.steps else []
-    cfg = build_config(args, f"nanogpt-shakespeare-char-cpu-{stamp}", *extra) if not args.skip_reproduction else None
-    base = cfg or build_config(args, f"ratio-{stamp}")
-    start_ray_patiently(base)
-    ensure_data(args, base)
-    repro = reproduce(args, cfg) if cfg else None
-    rat = None if args.skip_ratio else ratio(args, stamp)
-    summarize(repro, rat, " ".join([".venv/bin/python", *sys.argv]))
+    args.stamp = time.strftime("%Y%m%d-%H%M%S")
+    args.char_data = args.workdir / "data" / "shakespeare_char"
+    args.byte_data = args.workdir / "data" / f"shakespeare-byte-{SEQ_LEN}"
+    args.demo_data = REPO / "runs" / "data" / "stdlib-byte-256"  # the README's demo dataset
+    prepare_char_data(args.input, args.char_data)
+    prepare_raylm_data(args, args.byte_data, str(args.input), seq_len=SEQ_LEN)
+    print(f"start: load {load_average()}", flush=True)
+    runs: list[Run] = []
+    for k in range(args.rounds):
+        runs += [run_reference(args, k), run_raylm(args, k)]
+    demo: dict[int, list[tuple[float, str]]] = {}
+    if args.demo_steps:
+        prepare_raylm_data(args, args.demo_data, seq_len=256)
+        for k in range(args.demo_rounds):
+            for workers in (1, 2):
+                demo.setdefault(workers, []).append(run_demo(args, workers, k))
+    summarize(args, runs, demo)
 
 
 if __name__ == "__main__":
