@@ -22,8 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-# Usage stats would phone home.
-LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+# Usage stats would phone home. Ray starts its workers at niceness 15, so on a machine doing
+# anything else a local run's training workers yielded to every other process (nanoGPT's loop,
+# at 0, did not); the training is the user's foreground work, as Ray's job server decides too.
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 

@@ -4,6 +4,7 @@ cluster's tests refuse a client without the token; every Ray of the suite runs w
 
 from __future__ import annotations
 
+import os
 import stat
 
 import pytest
@@ -57,3 +58,13 @@ def test_joins_the_cluster_rays_conventions_name(monkeypatch):
     assert joins_cluster("auto") and joins_cluster("127.0.0.2:6379")
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:6379")  # exported, or set for a job's entry point
     assert joins_cluster(None) and not joins_cluster("local")
+
+
+def test_a_local_rays_workers_run_at_normal_priority(ray_session):
+    # Ray's default niceness 15 made a local run's training workers yield to every other
+    # process on the machine (a plain PyTorch loop does not).
+    @ray_session.remote
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray_session.get(niceness.remote()) == 0
