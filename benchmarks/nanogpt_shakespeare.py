@@ -132,7 +132,7 @@ def prepare_char_data(text_path: Path, out: Path) -> None:
     (out / "meta.json").write_text(json.dumps({"vocab_size": len(chars), "itos": chars}))
 
 
-def prepare_raylm_data(args: argparse.Namespace, out: Path, *inputs: str, seq_len: int) -> None:
+def prepare_raylm_data(out: Path, *inputs: str, seq_len: int) -> None:
     if (out / "manifest.json").exists():
         return
     subprocess.run([RAYLM, "prepare", *(["--input", *inputs] if inputs else []), "--output", str(out),
@@ -277,14 +277,14 @@ def main() -> None:
     args.byte_data = args.workdir / "data" / f"shakespeare-byte-{SEQ_LEN}"
     args.demo_data = REPO / "runs" / "data" / "stdlib-byte-256"  # the README's demo dataset
     prepare_char_data(args.input, args.char_data)
-    prepare_raylm_data(args, args.byte_data, str(args.input), seq_len=SEQ_LEN)
+    prepare_raylm_data(args.byte_data, str(args.input), seq_len=SEQ_LEN)
     print(f"start: load {load_average()}", flush=True)
     runs: list[Run] = []
     for k in range(args.rounds):
         runs += [run_reference(args, k), run_raylm(args, k)]
     demo: dict[int, list[tuple[float, str]]] = {}
     if args.demo_steps:
-        prepare_raylm_data(args, args.demo_data, seq_len=256)
+        prepare_raylm_data(args.demo_data, seq_len=256)
         for k in range(args.demo_rounds):
             for workers in (1, 2):
                 demo.setdefault(workers, []).append(run_demo(args, workers, k))
