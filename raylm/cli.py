@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional
 
-from raylm.config import ConfigError, StorageConfig, describe_fields, load_config
+from raylm.config import ConfigError, StorageConfig, config_to_yaml, describe_fields, load_config
 from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
 from raylm.ray_runtime import in_ray_job
@@ -48,8 +48,6 @@ def cmd_tokenizer_train(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from raylm.launch import launch
-
     if args.help_config:
         print(describe_fields())
         return
@@ -61,8 +59,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.verbose:
         overrides.append("run.verbose=true")
     cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg), end="")
+        return
     if in_ray_job():
         check_job_config(cfg)
+    from raylm.launch import launch  # Ray and torch: only to train
+
     metrics = launch(cfg)
     if metrics:
         print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
@@ -110,7 +113,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> None:
     lines = verify(args.uri, _storage(args))
     for _, line in lines:
         print(line)
-    if not all(ok for ok, _ in lines):
+    if failed := sum(not ok for ok, _ in lines):
+        print(f"raylm: error: {args.uri} failed verification: {failed} problem(s), listed above", file=sys.stderr)
         sys.exit(1)
 
 
@@ -124,6 +128,8 @@ def cmd_data(args: argparse.Namespace) -> None:
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
+        print(f"raylm: error: {args.uri} failed verification: {len(problems)} problem(s), listed above",
+              file=sys.stderr)
         sys.exit(1)
     print(f"OK {args.uri}: every shard's checksum and row count match the manifest")
 
@@ -217,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="require a checkpoint to resume from (resuming is automatic when one exists)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config as loaded and checked (defaults, file, overrides) and exit without training")
     p.add_argument("--verbose", action="store_true",
                    help="also show Ray Train's and Ray Data's own logs (each report, dataset plans)")
     p.set_defaults(fn=cmd_train)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -352,6 +354,10 @@ class Config:
 
 # ----------------------------------------------------------------------------- building
 
+# Values quoted in errors: a YAML file can alias one list into 10^9 leaves; a message shows a few.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 3, 4, 4, 80, 80
+
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
@@ -374,47 +380,50 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arm, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{key}: {value!r} is not {_type_name(tp)}")
+        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not {_type_name(tp)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{key}: expected null, got {value!r}")
+        raise ConfigError(f"{key}: expected null, got {_QUOTE.repr(value)}")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{key}: {value!r} is not one of {_type_name(tp)}")
+        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not one of {_type_name(tp)}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {_QUOTE.repr(value)}")
         (arm,) = typing.get_args(tp)
         return [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {_QUOTE.repr(value)}")
         return build_dataclass(tp, value, key)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "3e-4" (no dot) as a string
-            return float(value)
-        except ValueError:
+    if tp is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:  # an int; or a string, as YAML 1.1 reads "3e-4" (no dot)
+            number = float(value)
+        except (ValueError, OverflowError):
             pass
+        else:  # "1e400" and ".inf" are no setting's meaning; nan compares false with every bound
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: expected a finite number, got {_QUOTE.repr(value)}")
+            return number
     if tp is bool or tp is int:
         if type(value) is tp:
             return value
-    elif isinstance(value, tp):
+    elif tp is not float and isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_QUOTE.repr(value)}")
 
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
+def _unknown_key(cls: type, key: object, prefix: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
+    key = key if isinstance(key, str) else _QUOTE.repr(key)  # YAML reads `1:` and `on:` as an int and True
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     where = prefix or "the top level"
@@ -424,13 +433,17 @@ def _unknown_key(cls: type, key: str, prefix: str) -> ConfigError:
 
 def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
     if cls is ModelConfig and values.get("size"):  # named sizes are defaults under explicit keys
-        values = {**preset(values["size"]), **values}
+        values = {**preset(_coerce(values["size"], str, f"{prefix}.size")), **values}
     hints = _hints(cls)
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
             raise _unknown_key(cls, key, prefix)
         kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}" if prefix else key)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing := [name for name in required if name not in kwargs]:
+        raise ConfigError(f"{prefix or 'config'}: missing {', '.join(missing)} (required: {', '.join(required)})")
     return cls(**kwargs)
 
 
@@ -451,7 +464,11 @@ def parse_overrides(overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            raise ConfigError(f"override {key}: the value {raw!r} is not valid YAML ({e})") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -470,10 +487,14 @@ def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]
     tree: dict = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text())
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e})") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # `!!int "12x"`; nested too deep
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
@@ -564,8 +585,8 @@ def validate(cfg: Config) -> None:
     cpus = cfg.parallel.cpus_per_worker
     if cpus != "auto" and cpus <= 0:
         raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")
-    for i, (start, *rest) in enumerate(cfg.data.skip):
-        if len(rest) != 1 or not 0 <= start < rest[0]:
+    for i, pair in enumerate(cfg.data.skip):
+        if len(pair) != 2 or not 0 <= pair[0] < pair[1]:
             raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")
     s = cfg.schedule
     if s.warmup_steps < 0 or s.warmup_steps > t.steps:

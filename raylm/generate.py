@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import tempfile
 import warnings
 from typing import Iterator, Optional
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_from_dict
 from raylm.data import storage
+from raylm.model.sizes import count_params
 from raylm.model.transformer import Transformer
 from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
 from raylm.train import checkpoint
 from raylm.train.resume_check import read_saved_config
+from raylm.train.safe_state import METADATA_FILE, read_metadata
 
 
 def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> str:
     """A checkpoint directory, or the newest usable one inside a run directory (local or s3://)."""
-    if storage.exists(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg):
-        return uri
-    latest = checkpoint.latest_complete(uri, storage_cfg)
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    if checkpoint.is_checkpoint_name(name) or storage.exists(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg):
+        return uri  # a checkpoint, whole or not: check_sound says what is wrong with it
+    latest, unusable = checkpoint.scan(uri, storage_cfg)
     if latest is None:
-        raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one")
+        unfinished = [(u, f"no {checkpoint.MANIFEST} (the save did not finish)") for u in checkpoint.checkpoint_uris(
+            uri, storage_cfg) if not storage.exists(storage.join(u, checkpoint.MANIFEST), storage_cfg)]
+        why = "".join(f"\n  {name}: {problem}" for name, problem in unusable + unfinished)
+        raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one" +
+                                (f"; its checkpoints cannot be used:{why}" if why else ""))
     return latest
 
 
@@ -44,17 +54,46 @@ def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) ->
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     resolved = resolve_checkpoint(uri, storage_cfg)
     with local_checkpoint(resolved, storage_cfg) as directory:
-        checkpoint.check_sound(directory, resolved)  # every checksum, before any file is parsed
+        # Every checksum, before any file is parsed.
+        checkpoint.check_sound(directory, resolved, require_manifest=True)
         try:
             cfg = config_from_dict(read_saved_config(directory))
         except ConfigError as e:
             raise ConfigError(f"{uri}: the checkpoint's {CONFIG_FILE} cannot be used: {e}") from e
-        model = Transformer(cfg.model)
+        model = _build_model(cfg, directory, resolved)
         checkpoint.load_model_weights(directory, model, check=False)
-        with open(f"{directory}/{TOKENIZER_FILE}") as f:
-            tokenizer = tokenizer_from_json(f.read(), name=f"{uri}/{TOKENIZER_FILE}")
+        tokenizer = read_checkpoint_tokenizer(directory, resolved)
     model.eval()
     return model, tokenizer, cfg
+
+
+def read_checkpoint_tokenizer(directory: str, uri: str) -> Tokenizer:
+    """The tokenizer saved in the local checkpoint `directory` (`uri` names it in errors)."""
+    with open(os.path.join(directory, TOKENIZER_FILE), "rb") as f:
+        data = f.read()
+    try:
+        return tokenizer_from_json(data.decode("utf-8"), name=storage.join(uri, TOKENIZER_FILE))
+    except ValueError as e:  # not UTF-8, not JSON, not a tokenizer
+        raise checkpoint.CheckpointError(f"{uri}: its {TOKENIZER_FILE} cannot be used: {e}") from None
+
+
+def _build_model(cfg: Config, directory: str, uri: str) -> Transformer:
+    """The model the saved config describes, built only when the checkpoint's tensors can fill
+    it: a config.yaml that claims more parameters than were saved (corrupt, or forged along with
+    the manifest) must not make this process allocate them."""
+    with open(os.path.join(directory, METADATA_FILE), "rb") as f:
+        entries = read_metadata(f.read()).state_dict_metadata  # parsed once already by check_sound
+    saved = sum(math.prod(e.size) for name, e in entries.items()
+                if name.startswith("model.") and isinstance(e, TensorStorageMetadata))
+    try:
+        claimed = count_params(cfg.model)
+        if claimed <= saved:
+            return Transformer(cfg.model)
+    except (ValueError, ArithmeticError, RuntimeError, MemoryError) as e:  # sizes no model can have
+        raise checkpoint.CheckpointError(f"{uri}: the model its {CONFIG_FILE} describes cannot be built "
+                                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    raise checkpoint.CheckpointError(f"{uri}: its {CONFIG_FILE} describes a model of {claimed:,} parameters, "
+                                     f"its tensors hold {saved:,}: the config does not belong to these weights")
 
 
 @torch.no_grad()

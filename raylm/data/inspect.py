@@ -48,7 +48,10 @@ def inspect_dataset(uri: str, storage: Optional[StorageConfig] = None) -> str:
     if not train.shards:
         return "\n".join(lines)
 
-    rows = _read_rows(manifest.shard_uri(uri, "train", 0), storage)[:_STATS_MAX_ROWS]
+    first = manifest.shard_uri(uri, "train", 0)
+    if problems := _shard_problems(first, train.shards[0], manifest, storage):  # its statistics would be garbage
+        raise DatasetError("; ".join(problems))
+    rows = _read_rows(first, storage)[:_STATS_MAX_ROWS]
     targets = rows[:, 1:]  # each token of the stream once
     counts = np.bincount(targets.reshape(-1), minlength=manifest.vocab_size)
     lines.append(f"statistics   first {len(rows)} rows of {train.shards[0].file}: "
@@ -77,7 +80,7 @@ def _shard_problems(uri: str, shard: ShardInfo, manifest: Manifest,
         return [f"{uri}: sha256 {sha256} differs from the manifest's {shard.sha256}"]
     try:
         column = pq.read_table(pa.BufferReader(data))[TOKENS_COLUMN]
-    except (pa.ArrowException, KeyError) as e:
+    except (pa.ArrowException, OSError, KeyError) as e:  # pyarrow raises OSError for a corrupt page or footer
         return [f"{uri}: not a readable shard with a {TOKENS_COLUMN!r} column ({e})"]
     expected_type = pa.list_(pa.int32(), manifest.row_tokens)
     if column.type != expected_type:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -128,6 +129,8 @@ class Manifest:
 
 def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
     """Parse and check a manifest; errors name `uri` and the offending key."""
+    if not isinstance(d, dict):
+        raise DatasetError(f"{uri}: expected a JSON object, got {type(d).__name__}")
     if d.get("format") != FORMAT:
         raise DatasetError(f"{uri}: format is {d.get('format')!r}, expected {FORMAT!r}")
     try:
@@ -142,8 +145,9 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
         )
     except KeyError as e:
         raise DatasetError(f"{uri}: missing key {e.args[0]!r}") from None
-    except TypeError as e:
+    except (TypeError, AttributeError) as e:
         raise DatasetError(f"{uri}: malformed entry ({e})") from None
+    _check_values(manifest, uri)
     checks = {"row_tokens": manifest.row_tokens, "vocab_size": manifest.vocab_size,
               "token_dtype": TOKEN_DTYPE}
     for key, expected in checks.items():
@@ -162,6 +166,39 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
                                f"{split.tokens}, documents {split.documents}) differ from the "
                                f"sums over its shards")
     return manifest
+
+
+def _check_values(manifest: Manifest, uri: str) -> None:
+    """Each value of the type and range `prepare` writes: what the readers compute with."""
+    t = manifest.tokenizer
+    counts = {"seq_len": manifest.seq_len, "tokenizer.vocab_size": t.vocab_size, "tokenizer.eot_id": t.eot_id}
+    texts = {"tokenizer.kind": t.kind, "tokenizer.file": t.file, "tokenizer.sha256": t.sha256,
+             "split_rule": manifest.split_rule}
+    if not isinstance(manifest.sources, list):
+        raise DatasetError(f"{uri}: sources is {reprlib.repr(manifest.sources)}, expected a list")
+    texts.update({f"sources[{i}]": source for i, source in enumerate(manifest.sources)})
+    for name, split in manifest.splits.items():
+        counts.update({f"splits.{name}.{key}": getattr(split, key) for key in ("documents", "tokens", "rows")})
+        for i, shard in enumerate(split.shards):
+            where = f"splits.{name}.shards[{i}]"
+            counts.update({f"{where}.{key}": getattr(shard, key) for key in ("rows", "tokens", "documents")})
+            texts.update({f"{where}.file": shard.file, f"{where}.sha256": shard.sha256})
+    for key, value in counts.items():  # bool is an int to Python, not to a manifest
+        if type(value) is not int or value < 0:
+            raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, expected a non-negative integer")
+    for key, value in texts.items():
+        if not isinstance(value, str):
+            raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, expected a string")
+    ranges = {  # key: (value, whether prepare could have written it)
+        "seq_len": (manifest.seq_len, manifest.seq_len > 0),
+        "tokenizer.eot_id": (t.eot_id, t.eot_id < t.vocab_size),
+        "tokenizer.kind": (t.kind, t.kind in ("byte", "hf")),
+        "split_rule": (manifest.split_rule, manifest.split_rule in ("hash", "position")),
+        "val_fraction": (manifest.val_fraction,
+                         type(manifest.val_fraction) in (int, float) and 0 <= manifest.val_fraction < 1)}
+    for key, (value, ok) in ranges.items():
+        if not ok:
+            raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, which prepare never writes")
 
 
 def _inside_dataset(name: object) -> bool:
@@ -184,8 +221,8 @@ def load_manifest(dataset_uri: str, storage: Optional[StorageConfig] = None) -> 
                            f"an interrupted prepare?)") from None
     try:
         d = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{uri}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # also not UTF-8, or nested deeper than the parser goes
+        raise DatasetError(f"{uri}: not valid JSON ({type(e).__name__}: {e})") from None
     return manifest_from_dict(d, uri)
 
 
@@ -201,4 +238,12 @@ def load_dataset_tokenizer(dataset_uri: str, storage: Optional[StorageConfig] = 
     sha256 = hashlib.sha256(data).hexdigest()
     if sha256 != manifest.tokenizer.sha256:
         raise DatasetError(f"{uri}: sha256 {sha256} differs from the manifest's {manifest.tokenizer.sha256}")
-    return tokenizer_from_json(data.decode("utf-8"), name=uri)
+    try:
+        tokenizer = tokenizer_from_json(data.decode("utf-8"), name=uri)
+    except ValueError as e:  # not UTF-8, not JSON, not a tokenizer
+        raise DatasetError(f"{uri}: not a tokenizer ({e})") from None
+    info = manifest.tokenizer
+    if (tokenizer.kind, tokenizer.vocab_size, tokenizer.eot_id) != (info.kind, info.vocab_size, info.eot_id):
+        raise DatasetError(f"{uri}: a {tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens, end-of-text "
+                           f"{tokenizer.eot_id}; the manifest records {info.kind}, {info.vocab_size}, {info.eot_id}")
+    return tokenizer

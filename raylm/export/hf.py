@@ -30,9 +30,9 @@ from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
 from raylm.export.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
 from raylm.export.reader import CheckpointTensors
 from raylm.export.safetensors_io import HFTensors, Planned, write_sharded
-from raylm.generate import local_checkpoint, resolve_checkpoint
+from raylm.generate import local_checkpoint, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.model.transformer import Transformer
-from raylm.tokenizer import TOKENIZER_FILE, tokenizer_from_json
+from raylm.tokenizer import TOKENIZER_FILE
 from raylm.train import checkpoint
 from raylm.train.optim import build_optimizer
 from raylm.train.resume_check import read_saved_config
@@ -77,9 +77,9 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     adapter = adapter_for(m)  # before any download: an unexportable model fails at once
     _refuse_existing(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
     with local_checkpoint(uri, storage_cfg) as directory:
-        checkpoint.check_sound(directory, uri)  # every file against the manifest before any is parsed
-        with open(os.path.join(directory, TOKENIZER_FILE)) as f:
-            tokenizer = tokenizer_from_json(f.read(), name=storage.join(uri, TOKENIZER_FILE))
+        # Every file against the manifest before any is parsed.
+        checkpoint.check_sound(directory, uri, require_manifest=True)
+        tokenizer = read_checkpoint_tokenizer(directory, uri)
         tensors = CheckpointTensors(directory)
         rules = adapter.rules(m)
         tied = {"output.weight"} if m.tie_embeddings else set()  # the same tensor as tok_embeddings

@@ -52,6 +52,7 @@ PREFIX = "checkpoint_"
 TRAIN_STATE = "train_state.json"
 MANIFEST = "checkpoint_manifest.json"
 _HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
+_MAX_RANKS = 1 << 20  # far beyond any world size; a train_state.json claiming more is corrupt
 
 
 class CheckpointError(ValueError):
@@ -204,10 +205,13 @@ def local_problem(directory: str) -> Optional[str]:
     return problem
 
 
-def check_sound(directory: str, name: Optional[str] = None) -> None:
+def check_sound(directory: str, name: Optional[str] = None, require_manifest: bool = False) -> None:
     """Raise CheckpointError unless the local checkpoint `directory` (called `name` in the
     message, e.g. the s3:// URI it was copied from) is whole and every file matches its
-    manifest's size and sha256."""
+    manifest's size and sha256. `require_manifest`: for readers of finished checkpoints
+    (generate, export), a directory without one is an unfinished save, checked against nothing."""
+    if require_manifest and not os.path.exists(os.path.join(directory, MANIFEST)):
+        raise CheckpointError(f"checkpoint {name or directory} cannot be used: no {MANIFEST} (the save did not finish)")
     problem = local_problem(directory)
     if problem:
         raise CheckpointError(f"checkpoint {name or directory} cannot be used: {problem}")
@@ -294,22 +298,27 @@ def file_problem(uri: str, name: str, entry: FileEntry, storage_cfg: Optional[St
     try:
         size = storage.file_size(storage.join(uri, name), storage_cfg)
     except FileNotFoundError:
-        return f"{name} is missing"
+        return f"{name} is missing, though {MANIFEST} lists it"
     if size != entry.size:
-        return f"{name} is {size} bytes, the manifest records {entry.size}"
+        return f"{name} is {size} bytes, {MANIFEST} records {entry.size}"
     if checksum and entry.sha256 is not None:
         actual = _sha256(storage.join(uri, name), storage_cfg)
         if actual != entry.sha256:
-            return f"{name} has sha256 {actual[:16]}..., the manifest records {entry.sha256[:16]}..."
+            return f"{name} has sha256 {actual[:16]}..., {MANIFEST} records {entry.sha256[:16]}..."
     return None
 
 
 def _read_train_state(uri: str, storage_cfg: Optional[StorageConfig]) -> dict:
     try:
         state = json.loads(storage.read_bytes(storage.join(uri, TRAIN_STATE), storage_cfg))
-        int(state["step"]), int(state["world_size"])
+        step, world_size = state["step"], state["world_size"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{TRAIN_STATE} is not valid ({type(e).__name__}: {e})") from e
+    # Checked, not converted: every rank's RNG file is looked for by world_size (2**63 of them would
+    # exhaust memory), and a step of 1.5 or "7" is no step a save wrote.
+    if type(step) is not int or step < 0 or type(world_size) is not int or not 0 < world_size <= _MAX_RANKS:
+        raise CheckpointError(f"{TRAIN_STATE} is not valid: step {step!r}, world_size {world_size!r} "
+                              f"(expected a step >= 0 and 1 to {_MAX_RANKS} ranks)")
     return state
 
 

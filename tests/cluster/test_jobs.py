@@ -16,6 +16,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -127,11 +128,11 @@ def rows_by_step(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> d
 @pytest.fixture(scope="module")
 def reference(cluster, jobs, dataset, s3_server) -> dict:
     """`ray job submit ... -- python jobs/pretrain.py CONFIG OVERRIDES`, followed to its end,
-    with the run on S3."""
+    with the run on S3 (and TensorBoard on, for the secret scan)."""
     bucket = f"s3://raylm-jobs-{uuid.uuid4().hex[:8]}"
     store.ensure_bucket(bucket, s3_server.storage)
     out = ray_job_submit(cluster, "raylm-reference-1", "jobs/pretrain.py", *train_args(
-        dataset, bucket, "reference", f"storage.endpoint_url={s3_server.endpoint_url}"))
+        dataset, bucket, "reference", f"storage.endpoint_url={s3_server.endpoint_url}", "train.tensorboard=true"))
     return {"out": out, "status": wait_for_status(jobs, "raylm-reference-1"), "run_uri": f"{bucket}/reference",
             "storage": s3_server.storage}
 
@@ -150,6 +151,47 @@ def test_ray_job_submit_trains_to_the_end_with_metrics_and_checkpoints_in_storag
     info = jobs.get_job_info("raylm-reference-1")
     shown = json.dumps([info.runtime_env, info.metadata, info.entrypoint]) + jobs.get_job_logs("raylm-reference-1")
     assert s3_server.env["AWS_SECRET_ACCESS_KEY"] not in shown
+
+
+def test_no_secret_in_anything_the_s3_run_left_behind(reference, cluster, jobs, s3_server):
+    """The reference run trained against S3 with keys from the nodes' environment. Neither key
+    may appear in anything it left: every object under the run's prefix (config.yaml,
+    metrics.jsonl, events.jsonl, checkpoints), its local mirror (metrics, TensorBoard), every
+    file of the cluster's Ray temp dirs (session logs, the job's logs and working dir), the job
+    as the job server reports it (runtime env, metadata, entrypoint, message, logs), and what
+    `ray job submit` printed."""
+    assert reference["status"] == "SUCCEEDED", reference["out"].stdout[-3000:]
+    keys = {"secret key": s3_server.server.secret_key.encode(), "access key": s3_server.server.access_key.encode()}
+    scanned: dict[str, int] = {}  # where -> bytes read
+    leaks = []
+
+    def scan(where: str, data: bytes) -> None:
+        scanned[where] = len(data)
+        leaks.extend((name, where) for name, key in keys.items() if key in data)
+
+    bucket, prefix = reference["run_uri"][len("s3://"):].split("/", 1)
+    client = s3_server.server.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for obj in page.get("Contents", []):
+            scan(f"s3://{bucket}/{obj['Key']}", client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+    mirror = Path(tempfile.gettempdir()) / "raylm-runs" / bucket / prefix  # launch.local_run_dir
+    for root in (mirror, Path(cluster.root)):
+        for path in root.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                scan(str(path), path.read_bytes())
+    info = jobs.get_job_info("raylm-reference-1")
+    scan("job info", json.dumps([info.runtime_env, info.metadata, info.entrypoint, info.message]).encode())
+    scan("job logs", jobs.get_job_logs("raylm-reference-1").encode())
+    scan("ray job submit output", (reference["out"].stdout + reference["out"].stderr).encode())
+
+    assert not leaks, leaks
+    # Not vacuous: each kind of record was there to be read.
+    names = "\n".join(scanned)
+    for expected in ("/reference/config.yaml", "/reference/metrics.jsonl", ".distcp",
+                     f"/reference/checkpoint_{STEPS:08d}/.metadata", "rng/rank_00001.pt", f"{mirror}/tensorboard/events.out.tfevents",
+                     "job-driver-raylm-reference-1.log", "/logs/raylet.out"):
+        assert expected in names, f"nothing scanned matches {expected}"
+    assert sum(scanned.values()) > 1_000_000 and len(scanned) > 100, (len(scanned), sum(scanned.values()))
 
 
 def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run(
