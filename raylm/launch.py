@@ -106,7 +106,10 @@ def _train_fn_per_worker(loop_config: dict) -> None:
     spec = RunSpec.from_dict(loop_config["run"])
     cfg = spec.config
     if not cfg.run.verbose:  # each report and each dataset execution: Ray's own bookkeeping
-        for name in ("ray.train", "ray.data"):
+        from ray.train.v2._internal.execution import context as train_context
+
+        # The "Reporting training result" line's logger is named by its file, outside "ray.train".
+        for name in ("ray.train", "ray.data", train_context.__file__):
             logging.getLogger(name).setLevel(logging.WARNING)
     env = RayTrainEnv(cfg)
     context = ray.get_runtime_context()

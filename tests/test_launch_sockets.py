@@ -37,6 +37,8 @@ def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path):
         if driver.poll() is None:
             driver.kill()
     assert driver.returncode == 0, out[-3000:]
+    # The console is raylm's progress lines: Ray Train's per-report lines only with --verbose.
+    assert "done: step 12" in out and "Reporting training result" not in out, out[-3000:]
     assert metrics.exists() and len(metrics.read_text().splitlines()) == 12
     # The survey saw the run's servers: the GCS, the raylet, and the training workers' own.
     names = {listener.process for listener in seen}
