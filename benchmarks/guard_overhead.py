@@ -161,7 +161,7 @@ def main() -> None:
     ratio = lambda name, stat: statistics.median(  # noqa: E731 - the median over rounds of on/off
         stat(on) / stat(base) for on, base in zip(times[name], off))
     # The 10th-percentile step: a shared VM switches between a fast and a slow state within a
-    # run, and the fast steps of two runs compare alike (see the nanoGPT section of RESULTS.md).
+    # run, and the fast steps of two runs compare alike.
     fast = lambda run: statistics.quantiles(run, n=10)[0]  # noqa: E731
     rows = [["mean step, guard off (median of rounds)", f"{1e3 * statistics.median(map(statistics.fmean, off)):.2f} ms"]]
     for name in ("guard on", "guard on + norms/100"):

@@ -93,7 +93,7 @@ def end_to_end(data: str, arms: list[str], steps: int, rounds: int, tmp: str) ->
 
 def fast(run: list[float]) -> float:
     """The 10th-percentile step: a shared VM switches between a fast and a slow state within a
-    run, and the fast steps of two runs compare alike (see the nanoGPT section of RESULTS.md)."""
+    run, and the fast steps of two runs compare alike."""
     return statistics.quantiles(run, n=10)[0]
 
 
