@@ -55,3 +55,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells[1:]:
         print(line(row))
+
+
+def shakespeare_bytes(text: Path, workdir: Path) -> str:
+    """The Shakespeare corpus prepared with byte tokens and seq_len 64 under `workdir` (kept
+    between runs, shared by the benchmarks that train on it); returns its path."""
+    from raylm.data.manifest import MANIFEST_FILE
+    from raylm.data.prepare import prepare_dataset
+    from raylm.ray_runtime import start_ray
+
+    data = str(workdir / "data" / "shakespeare-byte-64")
+    if not (Path(data) / MANIFEST_FILE).exists():
+        start_ray()
+        prepare_dataset([str(text)], data, tokenizer="byte", seq_len=64, val_fraction=0.1)
+    return data

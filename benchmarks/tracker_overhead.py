@@ -40,12 +40,9 @@ from pathlib import Path
 
 import torch
 
-from _common import load_average, print_table
+from _common import load_average, print_table, shakespeare_bytes
 from raylm.config import Config, load_config
-from raylm.data.manifest import MANIFEST_FILE
-from raylm.data.prepare import prepare_dataset
 from raylm.parallel.world import World
-from raylm.ray_runtime import start_ray
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
 from raylm.train.metrics import MetricsLogger, read_jsonl
@@ -131,10 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     arms = [BASELINE, *[a for a in (args.only or ARMS) if a != BASELINE]]
     local_trackers_only()
-    data = str(args.workdir / "data" / "shakespeare-byte-64")
-    if not (Path(data) / MANIFEST_FILE).exists():
-        start_ray()
-        prepare_dataset([str(args.input)], data, tokenizer="byte", seq_len=64, val_fraction=0.1)
+    data = shakespeare_bytes(args.input, args.workdir)
     print(f"load {load_average()}, torch threads {torch.get_num_threads()}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
