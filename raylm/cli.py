@@ -34,9 +34,13 @@ def cmd_prepare(args: argparse.Namespace) -> None:
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
                                storage=_storage(args), max_documents=args.max_documents,
                                overwrite=args.overwrite)
+    # `documents` counts end-of-text tokens: one document split by position ends in neither split.
+    one_document = manifest.split_rule == "position"
+    if one_document:
+        print(f"one document: split by position, the last {args.val_fraction:.0%} of its tokens held out")
     for split, info in manifest.splits.items():
-        print(f"{split}: {info.documents} documents, {info.tokens:,} tokens, {info.rows} rows "
-              f"in {len(info.shards)} shard(s)")
+        counted = "" if one_document else f"{info.documents} documents, "
+        print(f"{split}: {counted}{info.tokens:,} tokens, {info.rows} rows in {len(info.shards)} shard(s)")
     print(f"wrote {args.output}/manifest.json")
 
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from raylm.cli import main
 from raylm.data.corpus import BUILTIN_CORPUS, builtin_sources, iter_documents
 from raylm.data.manifest import DatasetError, Manifest, load_manifest
 from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
@@ -119,16 +120,23 @@ def test_rerun_is_byte_identical_and_overwrite_is_explicit(mixed):
     assert sorted(os.listdir(again)) == sorted(files + ["manifest.json", "tokenizer.json"])
 
 
-def test_single_document_is_split_by_position(tmp_path):
+def test_single_document_is_split_by_position(tmp_path, capsys):
     text = " ".join(random_texts(40, seed=7))
     (tmp_path / "book.txt").write_text(text)
     out = str(tmp_path / "out")
-    manifest = prepare_dataset([str(tmp_path / "book.txt")], out, seq_len=SEQ_LEN, val_fraction=0.1)
+    # As a user prepares nanoGPT's Shakespeare: one .txt file, one document.
+    main(["prepare", "--input", str(tmp_path / "book.txt"), "--output", out, "--seq-len", str(SEQ_LEN)])
+    manifest = load_manifest(out)
     assert manifest.split_rule == "position"
     stream = expected_stream(ByteTokenizer(), [text])
     cut = len(stream) - int(len(stream) * 0.1)
     check_split(out, manifest, "train", stream[:cut])
     check_split(out, manifest, "val", stream[cut:])
+    # Not "train: 0 documents": documents count end-of-text tokens, and one document has one.
+    printed = capsys.readouterr().out
+    assert "one document: split by position, the last 10% of its tokens held out" in printed
+    assert "documents" not in printed.replace("one document:", "")
+    assert f"train: {manifest.splits['train'].tokens:,} tokens" in printed
 
 
 def test_tokenizer_that_appends_eos_still_gives_one_per_document(tmp_path):
