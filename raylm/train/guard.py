@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -126,7 +125,7 @@ class Guard:
             self.trigger = {"reason": "non-finite", "loss": loss, "grad_norm": grad_norm}
             return "rollback"
         if len(self.losses) >= self.cfg.min_history:
-            scores = {name: (value - statistics.fmean(history)) / (statistics.pstdev(history) or 1e-12)
+            scores = {name: _sigmas(value, history)
                       for name, value, history in (("loss", loss, self.losses), ("grad_norm", grad_norm, self.norms))}
             worst = max(scores, key=scores.get)
             if scores[worst] > self.cfg.sigmas:
@@ -135,8 +134,8 @@ class Guard:
                 self.outliers.append(step)
                 self.trigger = {"reason": f"{worst} spike", "loss": loss, "grad_norm": grad_norm,
                                 "sigmas": round(scores[worst], 2),
-                                "loss_mean": statistics.fmean(self.losses),
-                                "grad_norm_mean": statistics.fmean(self.norms),
+                                "loss_mean": math.fsum(self.losses) / len(self.losses),
+                                "grad_norm_mean": math.fsum(self.norms) / len(self.norms),
                                 "outliers_in_window": len(self.outliers)}
                 return "rollback" if len(self.outliers) >= self.cfg.rollback_after else "skip"
         self.losses.append(loss)
@@ -225,3 +224,11 @@ def refuse_guard_stopped(run_uri: str, cfg: Config) -> None:
         raise GuardStopped(f"{marker['message']} (refusing to replay it with the same settings)")
     storage.delete_file(uri, cfg.storage)
     print(f"raylm: guard: resuming a stopped run with changed {', '.join(changed)}", flush=True)
+
+
+def _sigmas(value: float, history: deque) -> float:
+    """How many population standard deviations `value` lies above the mean of `history`.
+    Two passes of fsum: statistics.pstdev computes exactly in fractions, 0.2 ms a step."""
+    mean = math.fsum(history) / len(history)
+    deviation = math.sqrt(math.fsum((x - mean) ** 2 for x in history) / len(history))
+    return (value - mean) / (deviation or 1e-12)
