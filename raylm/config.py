@@ -85,10 +85,12 @@ class DataConfig:
     """Seeds the sample order: the order is a pure function of (manifests, seed, epoch)."""
     chunk_rows: int = 64
     """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
-    loader: Literal["ray", "local"] = "ray"
-    """`ray` streams rows through Ray Data: one reader actor per rank (0.25 CPU, on the rank's
-    node when it has room) prefetches in the background; `local` reads with pyarrow in the
-    training process (for tests and runs without Ray)."""
+    loader: Literal["auto", "ray", "local"] = "auto"
+    """`ray` streams rows through Ray Data: one reader actor per rank (on the rank's node when it
+    has room) prefetches in the background; `local` reads with pyarrow on a thread of the
+    training process. auto: `ray` on a joined cluster, `local` on a Ray that raylm starts on this
+    machine (Ray Data's actors would cost a one-machine run seconds of start-up and buy nothing)
+    and in runs without Ray."""
     verify: bool = True
     """Check every shard's checksum and row count on the driver before training starts
     (reads the dataset once; turn off for datasets too large to read up front)."""

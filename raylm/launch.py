@@ -7,17 +7,14 @@ import logging
 import dataclasses
 import os
 import tempfile
-import time
 from typing import ContextManager, Iterator, Optional
 
 import torch
 
-from ray.train import UserCallback
-
-from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
+from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
-from raylm.data.storage import redact
 from raylm.ray_process_group import NodeBoundTorchConfig
+from raylm.ray_recovery import RecoveryLog
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
@@ -26,7 +23,7 @@ from raylm.train.guard import refuse_guard_stopped
 from raylm.train.loop import train
 from raylm.parallel.world import World
 from raylm.train.resume_check import check_resume, latest_usable, open_latest
-from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, append_event, read_jsonl
+from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
 from raylm.train.spec import RunSpec, absolute, resolve_run
 
 
@@ -123,39 +120,25 @@ def _train_fn_per_worker(loop_config: dict) -> None:
     train(spec, env, (*hooks, watchdog) if watchdog else hooks)
 
 
-class RecoveryLog(UserCallback):
-    """Driver side of the recovery record: each worker failure, with its cause, goes to
-    events.jsonl (the restarted workers add when and from which step training resumed)."""
-
-    def __init__(self, run_dir: str, run_uri: str, storage_cfg: StorageConfig):
-        self.path = os.path.join(run_dir, EVENTS_FILE)
-        self.run_uri, self.storage_cfg = run_uri, storage_cfg
-
-    def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
-        # checkpoint on storage, which can be newer than the last one Ray's controller polled.
-        restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
-        event = {"event": "failure", "time": time.time(),
-                 "cause": {str(rank): redact(f"{type(e).__name__}: {e}")[:1000]
-                           for rank, e in worker_exceptions.items()},
-                 "restart_from": restart_from}
-        print(f"raylm: worker failure, restarting from {restart_from}: {event['cause']}", flush=True)
-        append_event(self.path, event)
-
-
-def with_cpus_per_worker(cfg: Config) -> Config:
-    """`cfg` with parallel.cpus_per_worker decided (auto: see its help), the choice printed."""
-    parallel = cfg.parallel
-    if parallel.cpus_per_worker != "auto":
-        return cfg
-    cores = os.cpu_count() or 1
-    if joins_cluster(cfg.run.ray_address):
-        cpus, why = 1, "on a joined cluster"
-    else:
-        cpus, why = max(1, cores // parallel.num_workers), f"{cores} cores ÷ {parallel.num_workers} workers"
-    print(f"raylm: parallel.cpus_per_worker=auto → {cpus} ({why}); each worker runs {cpus} torch thread(s)",
-          flush=True)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(parallel, cpus_per_worker=float(cpus)))
+def with_machine_defaults(cfg: Config) -> Config:
+    """`cfg` with its `auto` choices that depend on where the run goes decided and printed:
+    parallel.cpus_per_worker and data.loader (see their help)."""
+    parallel, data = cfg.parallel, cfg.data
+    joined = joins_cluster(cfg.run.ray_address)
+    if parallel.cpus_per_worker == "auto":
+        cores = os.cpu_count() or 1
+        if joined:
+            cpus, why = 1, "on a joined cluster"
+        else:
+            cpus, why = max(1, cores // parallel.num_workers), f"{cores} cores ÷ {parallel.num_workers} workers"
+        print(f"raylm: parallel.cpus_per_worker=auto → {cpus} ({why}); each worker runs {cpus} torch thread(s)",
+              flush=True)
+        parallel = dataclasses.replace(parallel, cpus_per_worker=float(cpus))
+    if data.loader == "auto":
+        loader = "ray" if joined else "local"
+        print(f"raylm: data.loader=auto → {loader} ({'on a joined cluster' if joined else 'one machine'})", flush=True)
+        data = dataclasses.replace(data, loader=loader)
+    return dataclasses.replace(cfg, parallel=parallel, data=data)
 
 
 def launch(cfg: Config) -> dict:
@@ -163,7 +146,7 @@ def launch(cfg: Config) -> dict:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    spec = resolve_run(with_cpus_per_worker(cfg), announce=True)
+    spec = resolve_run(with_machine_defaults(cfg), announce=True)
     cfg = spec.config
     uri = run_uri(cfg)
     restore = latest_usable(uri, cfg.storage, cfg.checkpoint.on_unusable == "start_over")

@@ -25,7 +25,11 @@ from typing import Optional
 # Usage stats would phone home. Ray starts its workers at niceness 15, so on a machine doing
 # anything else a local run's training workers yielded to every other process (nanoGPT's loop,
 # at 0, did not); the training is the user's foreground work, as Ray's job server decides too.
-LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
+# Ray Train's controller polls its workers every 2 s, so a run's end waited up to 2 s for it;
+# polling the few workers of one machine 4 times a second costs nothing. Its preemption watcher
+# (a process polling for nodes an autoscaler drains) has nothing to watch on one machine.
+LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0",
+                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 

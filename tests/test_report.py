@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from raylm.cli import main
-from raylm.launch import RecoveryLog
+from raylm.ray_recovery import RecoveryLog
 from raylm.report import write_report
 from raylm.train.hooks import Hook
 from raylm.train.local_env import LocalEnv

@@ -10,19 +10,20 @@ materialised with only this rank's shards and initialised by the model's own rul
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from raylm.config import Config, ConfigError
-from raylm.parallel import pipeline
 from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision
 from raylm.parallel.init import materialize
 from raylm.parallel.mesh import ParallelMesh, build_mesh, num_stages
 from raylm.parallel.tensor import apply_tp
 from raylm.parallel.world import World
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 ZERO_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "gradients": "ZeRO-2", "full": "ZeRO-3"}
 
@@ -91,6 +92,11 @@ def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: Worl
         _materialize(model, cfg, world)
         built = Parallelized([model], mesh)
     else:
+        # Imported here: torch's pipelining imports torch._dynamo, over a second of every worker's start.
+        from torch.distributed.pipelining import PipelineStage
+
+        from raylm.parallel import pipeline
+
         groups = pipeline.layer_split(model, parallel)
         last = num_stages(parallel) - 1
         stages = []

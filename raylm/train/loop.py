@@ -103,8 +103,9 @@ def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = 
 
     def stream_from(state: TrainState) -> TokenStream:
         """The run's batches; the guard's skip ranges grow at each rollback."""
+        # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
         return TokenStream(source, spec.batch_schedule, model.dp_rank, model.dp_size, [*cfg.data.skip, *state.skip],
-                           engine=cfg.data.loader, prefetch=cfg.data.prefetch_chunks)
+                           engine="ray" if cfg.data.loader == "ray" else "local", prefetch=cfg.data.prefetch_chunks)
 
     evals = _EvalSet(spec, model) if cfg.train.eval_every > 0 else None
     # What a checkpoint needs besides tensors to be usable on its own (generation, export).

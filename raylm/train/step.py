@@ -9,23 +9,24 @@ rank's pipeline stages through a torch.distributed.pipelining schedule. Both are
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from raylm.config import Config
-from raylm.parallel import pipeline
 from raylm.parallel.fsdp import set_micro_batch_sync
 from raylm.parallel.mesh import ParallelMesh, num_stages
 from raylm.parallel.parallelize import describe_layout, parallelize
 from raylm.parallel.world import World
 from raylm.train.optim import unique_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -218,6 +219,8 @@ class PipelineModel(ParallelModel):
             raise ValueError(f"the local batch of {local_batch} sequences does not split into {n} pipeline "
                              "micro-batches (parallel.pp_microbatches or train.micro_batch_size)")
         if (n, backward) not in self._schedules:
+            from raylm.parallel import pipeline  # with torch's pipelining: see parallelize()
+
             schedule = pipeline.build_schedule(self.stages, self.cfg.parallel, n,
                                                self._scaled_loss if backward else cross_entropy,
                                                forward_only=not backward)
