@@ -225,9 +225,39 @@ def _cluster_layout(sweep: SweepConfig, size: Size, batch_tokens: int, seq_len: 
     return ParallelConfig(**{**config_to_dict(base.parallel), **parallel_settings(feasible[0].layout)})
 
 
+# A size slope that grows by more than this (relative, and absolute) is more than noise.
+STEEPENING_RELATIVE, STEEPENING_ABSOLUTE = 0.25, 0.02
+
+
+def size_slopes(bests: list[dict]) -> dict[str, list[float]]:
+    """Per token budget with 3+ sizes: -d log L / d log N between consecutive sizes, smallest first.
+
+    Along one tokens-per-parameter ratio L(N, D) = E + A/N^alpha + B/D^beta can only flatten
+    (the slope tends to min(alpha, beta), and to 0 with E > 0). A slope that grows with N means
+    the ladder's smaller sizes sit before the power-law regime (an early plateau of the loss),
+    and the fit will overpredict the loss of larger models."""
+    by_budget: dict[str, list[dict]] = defaultdict(list)
+    for b in bests:
+        by_budget[b["budget"]].append(b)
+    out = {}
+    for budget, rungs in by_budget.items():
+        rungs = sorted(rungs, key=lambda r: r["params"])
+        if len(rungs) >= 3:
+            out[budget] = [-(math.log(b["loss"]) - math.log(a["loss"])) / (math.log(b["params"]) - math.log(a["params"]))
+                           for a, b in zip(rungs, rungs[1:])]
+    return out
+
+
 def warnings(result: dict) -> list[str]:
     """What in fit.json a reader should not trust, said plainly."""
     out = []
+    steepening = {budget: slopes for budget, slopes in size_slopes(result.get("rungs", [])).items()
+                  if slopes[-1] - slopes[0] > max(STEEPENING_ABSOLUTE, STEEPENING_RELATIVE * abs(slopes[0]))}
+    if steepening:
+        listed = "; ".join(f"{b}: {', '.join(f'{s:.3f}' for s in slopes)}" for b, slopes in steepening.items())
+        out.append(f"the loss falls faster with N at the larger sizes (log-log slopes, smallest sizes first: {listed}); "
+                   "L(N, D) can only flatten along a budget, so the ladder is short of the power-law regime and the "
+                   "fit will overpredict the loss of larger models: add larger sizes or more tokens per parameter")
     p = result.get("parametric", {})
     for name, more in (("alpha", "sizes"), ("beta", "token budgets")):
         if name in p and not 0.05 <= p[name] <= 1.5:
