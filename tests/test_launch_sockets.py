@@ -1,6 +1,6 @@
 """Loopback means loopback: every listening socket of every process a local `raylm train`
 starts (Ray's servers, the dashboard, Ray Train's workers with the process group's store and
-gloo) binds a loopback address."""
+gloo) binds a loopback address. And the run keeps to its own Ray beside another one."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path):
     assert driver.returncode == 0, out[-3000:]
     # The console is raylm's progress lines: Ray Train's per-report lines only with --verbose.
     assert "done: step 12" in out and "Reporting training result" not in out, out[-3000:]
+    # The run goes beside another local Ray (the test session's): Train's placement-group cleaner
+    # must find its own run's State API, not give up on two candidates with a traceback.
+    assert "Found multiple active Ray instances" not in out and "Traceback" not in out, out[-3000:]
     assert metrics.exists() and len(metrics.read_text().splitlines()) == 12
     # The survey saw the run's servers: the GCS, the raylet, and the training workers' own.
     names = {listener.process for listener in seen}
