@@ -85,15 +85,36 @@ def _build_model(cfg: Config, directory: str, uri: str) -> Transformer:
         entries = read_metadata(f.read()).state_dict_metadata  # parsed once already by check_sound
     saved = sum(math.prod(e.size) for name, e in entries.items()
                 if name.startswith("model.") and isinstance(e, TensorStorageMetadata))
+    m = cfg.model
+    # The one allocation the saved tensors do not bound: the RoPE table, max_seq_len x head_dim.
+    rope_bytes = 4 * m.max_seq_len * (m.d_model // max(1, m.n_heads)) if m.pos_embedding == "rope" else 0
+    available = _available_memory()
+    if available is not None and 2 * rope_bytes > available:
+        raise checkpoint.CheckpointError(
+            f"{uri}: its {CONFIG_FILE} gives model.max_seq_len={m.max_seq_len:,}, whose RoPE table needs "
+            f"{rope_bytes / 2**30:,.1f} GiB, more than half this machine's available memory "
+            f"({available / 2**30:,.1f} GiB): the config does not belong to these weights")
     try:
-        claimed = count_params(cfg.model)
+        claimed = count_params(m)
         if claimed <= saved:
-            return Transformer(cfg.model)
+            return Transformer(m)
     except (ValueError, ArithmeticError, RuntimeError, MemoryError) as e:  # sizes no model can have
         raise checkpoint.CheckpointError(f"{uri}: the model its {CONFIG_FILE} describes cannot be built "
                                          f"({type(e).__name__}: {str(e)[:200]})") from None
     raise checkpoint.CheckpointError(f"{uri}: its {CONFIG_FILE} describes a model of {claimed:,} parameters, "
                                      f"its tensors hold {saved:,}: the config does not belong to these weights")
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes the kernel says can be allocated without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @torch.no_grad()

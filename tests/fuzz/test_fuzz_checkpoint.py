@@ -72,9 +72,10 @@ def file_names(run: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-# Junk, and numbers that break a size at once (2**40 positions, 10**100 layers), but none of the
-# in-between sizes that would make a forged config.yaml allocate gigabytes for real: the RoPE
-# table of max_seq_len positions is the one allocation the saved tensors do not bound (RESULTS.md).
+# Junk, and numbers that break a size at once (2**40 positions, 10**100 layers). The in-between
+# sizes that would make a forged config.yaml allocate gigabytes are refused by the loader (the
+# RoPE table against the memory available; the parameters against the saved tensors) and have
+# their own tests below.
 SMALL_JUNK = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5000) | st.floats() | st.text(max_size=10)
     | st.sampled_from([-1, 2 ** 40, 2 ** 63, 10 ** 100, "1e400", ".nan"]),
@@ -239,6 +240,18 @@ def test_a_forged_config_claiming_a_larger_model_is_refused_before_it_is_built(o
                                                                           n_heads=32), True, False)
     assert_clean_refusal(generate, "config.yaml")
     assert "describes a model of 12,9" in generate.stderr and "its tensors hold" in generate.stderr
+
+
+def test_a_forged_max_seq_len_is_refused_before_its_rope_table_takes_the_memory(original, scratch):
+    # Positions enough for a RoPE table as large as the memory available now: before, the loader
+    # allocated and filled it (with overcommit, until the machine swapped or the OOM killer came).
+    saved = yaml.safe_load((original / CHECKPOINT / "config.yaml").read_bytes())["model"]
+    head_dim = saved["d_model"] // saved["n_heads"]
+    available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable:"))
+    positions = available // (4 * head_dim)
+    generate, _ = check(original, scratch, "config.yaml", forged_config(original, max_seq_len=positions), True, False)
+    assert_clean_refusal(generate, "config.yaml")
+    assert f"model.max_seq_len={positions:,}" in generate.stderr and "RoPE table" in generate.stderr
 
 
 def test_a_payload_in_the_metadata_is_refused_unrun_in_a_real_process(original, scratch):
