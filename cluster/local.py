@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from cluster.ports import free_ports
+from raylm.ports import free_ports
 from raylm.ray_runtime import LOCAL_RAY_ENV, ensure_auth_token
 
 # Dead-node detection in ~3 s instead of Ray's default ~30 s (the GCS pings each raylet every

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
-from cluster.ports import free_ports
+from raylm.ports import free_ports
 
 # Ports one `weed server -s3` listens on. gRPC ports are set explicitly: weed's default is
 # HTTP port + 10000, which may be taken (or exceed 65535) for an OS-chosen HTTP port.

@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
+
+from raylm.ports import free_ports
 
 # Usage stats would phone home. Ray starts its workers at niceness 15, so on a machine doing
 # anything else a local run's training workers yielded to every other process (nanoGPT's loop,
@@ -133,7 +134,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         ray.init(address=address)  # None: Ray reads RAY_ADDRESS
         return
     use_loopback()
-    dashboard_port = _free_loopback_port()
+    (dashboard_port,) = free_ports(1)
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(worker_threads)),
                 # Ray Train's placement-group cleaner finds the State API by looking for the one
                 # local Ray; beside another (a sweep and a run on one laptop) it found two and died.
@@ -141,12 +142,6 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=True,
              dashboard_host="127.0.0.1", dashboard_port=dashboard_port, runtime_env={"env_vars": env_vars})
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_num_cpus(num_workers: int, cpus_per_worker: float) -> int:

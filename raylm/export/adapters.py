@@ -9,6 +9,7 @@ to learn every output shape before it reads a byte.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -52,7 +53,7 @@ def _per_layer(n_layers: int, pairs: list[tuple[str, str]]) -> list[tuple[str, s
     return [(hf.format(i), ours.format(i)) for i in range(n_layers) for hf, ours in pairs]
 
 
-class Adapter:
+class Adapter(ABC):
     """A family: `problems` lists the raylm options it cannot hold (empty: it can hold them)."""
 
     architecture: str
@@ -62,18 +63,18 @@ class Adapter:
     ignored_hf: tuple[str, ...] = ()
     """HF tensor name suffixes that hold no weights (buffers some versions saved)."""
 
-    def problems(self, m: ModelConfig) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def problems(self, m: ModelConfig) -> list[str]: ...
 
-    def hf_config(self, m: ModelConfig, eot_id: int) -> dict:
-        raise NotImplementedError
+    @abstractmethod
+    def hf_config(self, m: ModelConfig, eot_id: int) -> dict: ...
 
-    def rules(self, m: ModelConfig) -> list[Rule]:
-        raise NotImplementedError
+    @abstractmethod
+    def rules(self, m: ModelConfig) -> list[Rule]: ...
 
+    @abstractmethod
     def model_config(self, hf: dict) -> tuple[ModelConfig, list[str]]:
         """The raylm ModelConfig of an HF config.json, and warnings about inexact parts."""
-        raise NotImplementedError
 
     def zero_biases(self, m: ModelConfig) -> list[tuple[str, int]]:
         """HF tensors the family always has that a raylm model without biases lacks: (name,

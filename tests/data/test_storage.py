@@ -16,7 +16,7 @@ from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.data.storage import (BucketNotFoundError, StorageAccessError, StorageError,
                                 StorageNotFoundError, StorageUnreachableError)
-from cluster.ports import free_ports
+from raylm.ports import free_ports
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -81,3 +81,21 @@ def config_texts(draw) -> str:
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.text(max_size=6)) + text[at:]
     return text
+
+
+BYTE_MUTATIONS = ["truncated", "bit flips", "random bytes", "appended"]
+
+
+def byte_mutation(draw, data: bytes, how: str, max_random: int) -> bytes:
+    """`data` as one of BYTE_MUTATIONS leaves it: cut short, 1-8 bytes flipped, replaced by up to
+    `max_random` random bytes, or with bytes appended."""
+    if how == "truncated":
+        return data[:draw(st.integers(0, len(data) - 1))]
+    if how == "bit flips":
+        flipped = bytearray(data)
+        for _ in range(draw(st.integers(1, 8))):
+            flipped[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
+        return bytes(flipped)
+    if how == "random bytes":
+        return draw(st.binary(max_size=max_random))
+    return data + draw(st.binary(min_size=1, max_size=64))

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from raylm.train.checkpoint import MANIFEST
 from tests.fuzz.conftest import examples, time_limit
-from tests.fuzz.strategies import MARKER, TAGGED
+from tests.fuzz.strategies import BYTE_MUTATIONS, MARKER, TAGGED, byte_mutation
 from tests.support.checkpoints import make_run
 from tests.support.cli import Outcome, assert_clean_refusal, run_main
 
@@ -127,22 +127,13 @@ def mutations(draw, names: list[str], original: Path) -> tuple[str, str, bytes |
     """(file, description, new bytes or None for removed, forge the manifest to match)."""
     name = draw(st.sampled_from(names))
     data = (original / CHECKPOINT / name).read_bytes()
-    ops = ["removed", "truncated", "bit flips", "random bytes", "appended", "pickle payload"]
+    ops = ["removed", *BYTE_MUTATIONS, "pickle payload"]
     ops += ["json"] if name.endswith(".json") else ["yaml"] if name.endswith(".yaml") else []
     how = draw(st.sampled_from(ops))
     if how == "removed":
         new = None
-    elif how == "truncated":
-        new = data[:draw(st.integers(0, len(data) - 1))]
-    elif how == "bit flips":
-        flipped = bytearray(data)
-        for _ in range(draw(st.integers(1, 8))):
-            flipped[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
-        new = bytes(flipped)
-    elif how == "random bytes":
-        new = draw(st.binary(max_size=4000))
-    elif how == "appended":
-        new = data + draw(st.binary(min_size=1, max_size=64))
+    elif how in BYTE_MUTATIONS:
+        new = byte_mutation(draw, data, how, max_random=4000)
     elif how == "pickle payload":  # as a plain pickle, or inside torch's zip format
         buffer = io.BytesIO()
         torch.save({"state": Payload()}, buffer)

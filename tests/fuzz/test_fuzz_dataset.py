@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from raylm.data.manifest import MANIFEST_FILE, TOKENS_COLUMN
 from raylm.tokenizer import TOKENIZER_FILE, tokenizer_from_json
 from tests.fuzz.conftest import examples, time_limit
+from tests.fuzz.strategies import BYTE_MUTATIONS, byte_mutation
 from tests.support.cli import Outcome, assert_clean_refusal, run_main
 
 pytestmark = pytest.mark.timeout(time_limit(180))
@@ -188,18 +189,9 @@ def file_mutations(draw, original: dict) -> tuple[str, str, bytes, bool]:
     shards = [s for split in manifest["splits"].values() for s in split["shards"]]
     name = draw(st.sampled_from([s["file"] for s in shards] + [TOKENIZER_FILE]))
     data = (original["path"] / name).read_bytes()
-    how = draw(st.sampled_from(["truncated", "bit flips", "random bytes", "appended", "wrong schema"]))
-    if how == "truncated":
-        new = data[:draw(st.integers(0, len(data) - 1))]
-    elif how == "bit flips":
-        new = bytearray(data)
-        for _ in range(draw(st.integers(1, 8))):
-            new[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
-        new = bytes(new)
-    elif how == "random bytes":
-        new = draw(st.binary(max_size=2000))
-    elif how == "appended":
-        new = data + draw(st.binary(min_size=1, max_size=64))
+    how = draw(st.sampled_from([*BYTE_MUTATIONS, "wrong schema"]))
+    if how in BYTE_MUTATIONS:
+        new = byte_mutation(draw, data, how, max_random=2000)
     else:
         shard = next((s for s in shards if s["file"] == name), shards[0])
         name = shard["file"]

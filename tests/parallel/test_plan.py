@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from cluster.ports import free_ports
+from raylm.ports import free_ports
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.presets import preset

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-from cluster.ports import free_ports
+from raylm.ports import free_ports
 
 COLLECTIVE_TIMEOUT_S = 120  # a rank stuck in a collective fails instead of hanging the suite
 

@@ -1,4 +1,4 @@
-"""Free loopback ports for the development servers and tests."""
+"""Free loopback ports: a local Ray's dashboard, the development servers, tests."""
 
 from __future__ import annotations
 
