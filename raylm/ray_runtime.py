@@ -144,6 +144,27 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
              dashboard_host="127.0.0.1", dashboard_port=dashboard_port, runtime_env={"env_vars": env_vars})
 
 
+def refresh_elastic_sizing() -> None:
+    """Have Ray's autoscaling coordinator re-read the cluster's nodes now.
+
+    An elastic run (`parallel.min_workers`) starts with as many workers as the coordinator says
+    fit. The coordinator is a detached actor that re-reads the nodes every 20 s, so a run started
+    just after a node (re)joined began smaller than the cluster and restarted to grow a minute
+    later. The actor and its `recompute` are Ray internals: on a Ray without them the run still
+    starts, with the coordinator's older view."""
+    import ray
+
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("raylm-launch", recompute=True), timeout=10)
+    except Exception as e:  # noqa: BLE001 - sizing from the older view is still a working start
+        print(f"raylm: could not refresh Ray's view of the cluster before an elastic start ({e!r}); "
+              "the run may start smaller and grow", flush=True)
+
+
 def local_num_cpus(num_workers: int, cpus_per_worker: float) -> int:
     """Logical CPUs of a local Ray for a run: the workers' reservations plus room for the Ray
     Data readers (one per rank)."""

@@ -13,6 +13,10 @@ submit` would start it, for each placement of the two workers before the node lo
 - both on the node that survives: the lost node held nothing of the run, which goes on.
 
 Each time the run must keep making steps and finish, with what happened in events.jsonl.
+
+Each case starts its run just after bringing back the node the previous case lost. Ray's
+autoscaling coordinator, which sizes an elastic start, re-reads the nodes only every 20 s: the
+one-on-each-node run began with one worker until `raylm train` asked it to re-read at launch.
 """
 
 from __future__ import annotations
