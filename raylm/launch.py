@@ -15,7 +15,7 @@ from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
 from raylm.ray_process_group import NodeBoundTorchConfig
 from raylm.ray_recovery import RecoveryLog
-from raylm.ray_runtime import joins_cluster, local_num_cpus, refresh_elastic_sizing, start_ray
+from raylm.ray_runtime import joins_cluster, local_num_cpus, start_autoscaling_coordinator, start_ray
 from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
 from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
@@ -165,8 +165,7 @@ def launch(cfg: Config) -> dict:
     threads = max(1, int(parallel.cpus_per_worker))
     start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
               threads)
-    if parallel.min_workers:
-        refresh_elastic_sizing()
+    start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
