@@ -144,7 +144,6 @@ def with_machine_defaults(cfg: Config) -> Config:
 def launch(cfg: Config) -> dict:
     """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     spec = resolve_run(with_machine_defaults(cfg), announce=True)
     cfg = spec.config
@@ -163,13 +162,14 @@ def launch(cfg: Config) -> dict:
         refuse_guard_stopped(uri, cfg)
     parallel = cfg.parallel
     threads = max(1, int(parallel.cpus_per_worker))
-    start_ray(cfg.run.ray_address, cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
-              threads)
+    own_ray = start_ray(cfg.run.ray_address,
+                        cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
+                        threads, dashboard=cfg.run.dashboard)
     start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
-    trainer = TorchTrainer(
+    trainer = _trainer_class(own_ray and not cfg.run.dashboard)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
         torch_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
@@ -190,6 +190,29 @@ def launch(cfg: Config) -> dict:
     )
     trainer.fit()
     return last_metrics(local_run_dir(cfg))
+
+
+def _trainer_class(without_cleaner: bool) -> type:
+    """Ray Train's TorchTrainer, or one without its placement-group cleaner for a Ray that this
+    process started without a dashboard. The cleaner is an actor that asks the State API (the
+    dashboard) every second whether the controller lives, to remove the run's placement group
+    should it die while Ray goes on; this Ray ends with this process and takes the placement
+    group with it, and without the State API the cleaner would only warn each second."""
+    from ray.train.torch import TorchTrainer
+
+    if not without_cleaner:
+        return TorchTrainer
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:  # another Ray's layout: its cleaner warns, the run is unchanged
+        return TorchTrainer
+
+    class OwnRayTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [callback for callback in super()._create_default_callbacks()
+                    if not isinstance(callback, PlacementGroupCleanerCallback)]
+
+    return OwnRayTrainer
 
 
 def last_metrics(directory: str) -> dict:

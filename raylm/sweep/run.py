@@ -256,7 +256,7 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
     sweep = plan.sweep
     _check_same_sweep(plan, path)
     base = plan.base
-    start_ray(base.run.ray_address, base.run.ray_num_cpus, max(1, int(sweep.trial.cpus)))
+    start_ray(base.run.ray_address, base.run.ray_num_cpus, max(1, int(sweep.trial.cpus)), dashboard=base.run.dashboard)
     kind, per_trial = ("GPU", sweep.trial.gpus) if sweep.trial.gpus > 0 else ("CPU", sweep.trial.cpus)
     concurrency = min(_cluster_share(per_trial, kind), sweep.trial.max_concurrent or math.inf)
     trials = TrialPlan(sweep, plan.spec.to_dict(), {r.name: r for r in plan.rungs},
