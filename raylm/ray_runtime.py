@@ -129,12 +129,9 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
     """Join the Ray at `address` (None: RAY_ADDRESS when set, as inside a Ray job), or start a
     local one (loopback only) with `num_cpus` logical CPUs whose workers run `worker_threads`
     OpenMP threads, and Ray's dashboard only if `dashboard`; "local" always starts one. A joined
-    cluster's size and dashboard are its own: the other arguments apply only to a Ray started here.
-
-    Without the dashboard a local run starts about 2.5 s sooner and steps up to 13% faster on
-    2 cores: its nine head processes, its agent and the State API's pollers wake many times a
-    second beside the training's threads (benchmarks/RESULTS.md). Returns whether it started a
-    Ray, one that lives only as long as this process."""
+    cluster's size and dashboard are its own: the other arguments apply only to a Ray started here
+    (why the dashboard is off by default: `run.dashboard`). Returns whether it started a Ray, one
+    that lives only as long as this process."""
     import ray
 
     if ray.is_initialized():
