@@ -76,6 +76,7 @@ class ProgressWatchdog(Hook):
         self.reason: Optional[str] = None  # set when the watchdog fired
         self._cond = threading.Condition()
         self._deadline = float("inf")
+        self._wake_at = float("inf")  # when the watching thread wakes next without a notify
         self._limit, self._basis, self._phase = 0.0, "", ""
         self._phase_start = self._last_step = 0.0
         self._step_begin = 0.0
@@ -172,16 +173,23 @@ class ProgressWatchdog(Hook):
             now = time.monotonic()
             self._phase, self._phase_start = phase, now
             self._limit, self._basis, self._deadline = limit, basis, now + limit
-            self._cond.notify_all()
+            # The loop re-arms twice a step; waking the watcher each time made it take the GIL
+            # from the training thread a hundred times a second on a small model. A later
+            # deadline is seen when it wakes anyway (within a second); only an earlier one
+            # than that needs it now.
+            if self._deadline < self._wake_at:
+                self._cond.notify_all()
 
     # -- the watching thread ----------------------------------------------------------------
 
     def _watch(self) -> None:
         with self._cond:
             while not self._stopped:
-                left = self._deadline - time.monotonic()
+                now = time.monotonic()
+                left = self._deadline - now
                 if left <= 0:
                     break
+                self._wake_at = now + min(left, 1.0)
                 self._cond.wait(min(left, 1.0))
                 if not self._in_loop():  # the run ended by an exception: on_train_end never comes
                     return

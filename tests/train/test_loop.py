@@ -42,6 +42,20 @@ def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
     assert os.listdir(tmp_path / "checkpoint_00000030")
 
 
+def test_tensorboard_holds_every_steps_metrics(tiny_dataset, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.tensorboard=true"),
+          LocalEnv(str(tmp_path)))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
+        logged = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        assert logged == pytest.approx({r["step"]: r[key] for r in rows if key in r}, rel=1e-6), key
+    assert len(events.Scalars("train/loss")) == 6
+
+
 def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
     # Dropout on: resuming must also restore the RNG to reproduce the losses.
     common = ("train.steps=12", "checkpoint.every_steps=3", "model.dropout=0.1")

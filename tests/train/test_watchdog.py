@@ -193,3 +193,38 @@ def test_ray_train_fails_the_worker_group_with_the_watchdogs_reason(ray_session,
     cause = failure["cause"]["0"]
     assert cause.startswith("ProgressTimeout: rank 0: no training step for")
     assert "waiting for the first batch (step 0)" in cause and "_thread_batches (raylm.data.stream:" in cause
+
+
+class WatcherWakeups(Hook):
+    """Counts the watching thread's context switches over the steps after the first."""
+
+    def __init__(self, last_step: int):
+        self.last_step, self.start, self.switches, self.seconds = last_step, None, None, None
+
+    @staticmethod
+    def _count() -> int:
+        import threading
+
+        (watcher,) = [t for t in threading.enumerate() if t.name.startswith("raylm-watchdog")]
+        with open(f"/proc/self/task/{watcher.native_id}/status") as f:
+            return sum(int(line.split()[1]) for line in f if line.split(":")[0].endswith("voluntary_ctxt_switches"))
+
+    def on_step_end(self, run, step, metrics):
+        if step == 1:
+            self.start = (self._count(), time.monotonic())
+        elif step == self.last_step - 1:
+            self.switches, self.seconds = self._count() - self.start[0], time.monotonic() - self.start[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts a thread's switches in /proc")
+def test_steps_do_not_wake_the_watcher(tiny_dataset, tmp_path):
+    """Each step re-arms the watchdog twice; a small model's hundred steps a second used to wake
+    its thread as often, and each wake took the GIL from the training thread."""
+    steps = 150
+    cfg = tiny_config(tiny_dataset, f"train.steps={steps}", "train.eval_every=0", "checkpoint.every_steps=0")
+    watchdog = ProgressWatchdog(startup_s=120, factor=5, min_s=1, exit_grace_s=30)
+    wakeups = WatcherWakeups(steps)
+    train(cfg, LocalEnv(str(tmp_path)), (watchdog, wakeups))
+    assert watchdog.reason is None
+    # It wakes about once a second (its own period), not 2 × 148 times.
+    assert wakeups.switches <= wakeups.seconds + 4, (wakeups.switches, wakeups.seconds)
