@@ -14,6 +14,7 @@ nodes, job drivers) inherits; later `raylm` and `ray` commands read the same fil
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import secrets
@@ -152,7 +153,21 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
              runtime_env={"env_vars": env_vars}, **dashboard_options)
+    atexit.register(_stop_autoscaler_monitor)  # runs before Ray's own exit hook, registered at import
     return True
+
+
+def _stop_autoscaler_monitor() -> None:
+    """Stop the autoscaler monitor of a Ray started here, before Ray's exit hook stops the rest.
+
+    That hook terminates the monitor after the GCS; the monitor then spends its one second of
+    grace trying to report its own termination to the GCS that is gone, and is killed: a second
+    of every command's exit. A local Ray has nothing to autoscale, so it is killed first."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    if node is not None:
+        node.kill_monitor(check_alive=False)
 
 
 def start_autoscaling_coordinator(elastic: bool) -> None:
