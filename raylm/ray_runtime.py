@@ -153,7 +153,9 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
     ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
              runtime_env={"env_vars": env_vars}, **dashboard_options)
-    atexit.register(_stop_autoscaler_monitor)  # runs before Ray's own exit hook, registered at import
+    # Once per process, however many Rays it starts; runs before Ray's own hook, registered at import.
+    atexit.unregister(_stop_autoscaler_monitor)
+    atexit.register(_stop_autoscaler_monitor)
     return True
 
 
