@@ -69,7 +69,7 @@ from raylm.ray_runtime import use_loopback
 from raylm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo-cpu.yaml"

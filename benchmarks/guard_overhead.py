@@ -38,7 +38,7 @@ from raylm.parallel.world import World
 from raylm.train.guard import Guard, Snapshot
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from raylm.train.optim import build_optimizer
 from raylm.train.spec import resolve_run
 from raylm.train.state import TrainState

@@ -44,7 +44,7 @@ from raylm.config import load_config
 from raylm.launch import run_uri
 from raylm.model.transformer import Transformer
 from raylm.train import checkpoint
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from raylm.train.spec import resolve_run
 
 REPO = Path(__file__).resolve().parents[1]

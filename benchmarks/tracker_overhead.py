@@ -45,7 +45,8 @@ from raylm.config import Config, load_config
 from raylm.parallel.world import World
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import MetricsLogger, read_jsonl
+from raylm.train.metrics import MetricsLogger
+from raylm.train.records import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"

@@ -12,6 +12,8 @@ from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
 from raylm.ray_runtime import in_ray_job
 from raylm.submit import SubmitError, check_job_config
+from raylm.train.checkpoint import CheckpointError
+from raylm.train.guard_stop import GuardStopped
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -340,13 +342,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (ValueError, RuntimeError) as e:
-        # torch-importing modules: only where a command loaded them
-        from raylm.train.checkpoint import CheckpointError
-        from raylm.train.guard import GuardStopped
-
-        if not isinstance(e, (CheckpointError, GuardStopped)):
-            raise
+    except (CheckpointError, GuardStopped) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(1)
 

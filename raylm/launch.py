@@ -1,30 +1,25 @@
-"""Ray Train glue: start or join Ray, size the worker group, and run `train` on every worker."""
+"""Ray Train glue, the driver's side: check the run, start or join Ray, size the worker group, and
+have every worker run `train` (`raylm.ray_worker`).
+
+Nothing here imports torch: the driver and Train's controller, which unpickles what the driver
+hands it, need none, and on a small machine each import of it is seconds before the first step."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import dataclasses
 import os
 import tempfile
-from typing import ContextManager, Iterator, Optional
-
-import torch
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
 from raylm.ray_process_group import NodeBoundTorchConfig
 from raylm.ray_recovery import RecoveryLog
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_autoscaling_coordinator, start_ray
-from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
-from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
-from raylm.train.guard import refuse_guard_stopped
-from raylm.train.loop import train
-from raylm.parallel.world import World
-from raylm.train.resume_check import check_resume, latest_usable, open_latest
-from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
-from raylm.train.spec import RunSpec, absolute, resolve_run
+from raylm.train.guard_stop import refuse_guard_stopped
+from raylm.train.records import METRICS_FILE, read_jsonl
+from raylm.train.resume_check import check_resume, latest_usable
+from raylm.train.spec import absolute, resolve_run
 
 
 def storage_root(cfg: Config) -> str:
@@ -43,81 +38,11 @@ def local_run_dir(cfg: Config) -> str:
     return os.path.join(tempfile.gettempdir(), "raylm-runs", uri[len("s3://"):]) if storage.is_s3(uri) else uri
 
 
-class RayTrainEnv:
-    """Checkpoints through `ray.train.report`. Every start of the worker group, the first and
-    each restart after a failure or resize, resumes from the newest complete checkpoint in the
-    run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
-    its controller's next poll, so a worker killed just after a save would lose a checkpoint
-    that is complete on storage."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.run_dir = local_run_dir(cfg)
-        self.checkpoint_root = run_uri(cfg)
-
-    def device(self) -> torch.device:
-        import ray.train.torch
-
-        return ray.train.torch.get_device()
-
-    @contextlib.contextmanager
-    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
-        import ray.train
-
-        def fetch(uri: str) -> ContextManager[str]:  # a download from S3; local ones in place
-            fs, path = storage.filesystem_for(uri, self.cfg.storage)
-            return ray.train.Checkpoint(path, filesystem=fs).as_directory()
-
-        world = World.current(self.device())
-        events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
-        with open_latest(self.checkpoint_root, self.cfg.storage, fetch, lambda ok: world.agree(ok, "all"),
-                         allow_none_usable, events) as directory:
-            yield directory
-
-    @contextlib.contextmanager
-    def staging_dir(self, step: int) -> Iterator[str]:
-        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
-            yield tmp
-
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
-        import ray.train
-
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=checkpoint.dir_name(step))
-        if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
-            for name in (METRICS_FILE, EVENTS_FILE):  # the local mirror's records, beside the checkpoints
-                if os.path.exists(os.path.join(self.run_dir, name)):
-                    with open(os.path.join(self.run_dir, name), "rb") as f:
-                        storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
-        return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
-
-    def report(self, metrics: dict) -> None:
-        import ray.train
-
-        ray.train.report(metrics)
-
-
 def _train_fn_per_worker(loop_config: dict) -> None:
-    import ray
+    # The driver pickles this function by reference: the training code is imported in the worker.
+    from raylm.ray_worker import train_worker
 
-    spec = RunSpec.from_dict(loop_config["run"])
-    cfg = spec.config
-    if not cfg.run.verbose:  # each report and each dataset execution: Ray's own bookkeeping
-        from ray.train.v2._internal.execution import context as train_context
-
-        # The "Reporting training result" line's logger is named by its file, outside "ray.train".
-        for name in ("ray.train", "ray.data", train_context.__file__):
-            logging.getLogger(name).setLevel(logging.WARNING)
-    env = RayTrainEnv(cfg)
-    context = ray.get_runtime_context()
-    node_id = context.get_node_id()
-    # Only the driver's storage access was checked before the workers started.
-    spec.check_same_data(f"worker on node {node_id} ({ray.util.get_node_ip_address()})")
-    if cfg.run.health_check:
-        self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
-    hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
-    watchdog = progress_watchdog(cfg)  # last: a hang in another hook counts against the step
-    train(spec, env, (*hooks, watchdog) if watchdog else hooks)
+    train_worker(loop_config)
 
 
 def with_machine_defaults(cfg: Config) -> Config:
@@ -172,7 +97,7 @@ def launch(cfg: Config) -> dict:
     trainer = _trainer_class(own_ray and not cfg.run.dashboard)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
-        torch_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
+        backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(parallel.min_workers, parallel.num_workers) if parallel.min_workers else parallel.num_workers,
             use_gpu=parallel.use_gpu, resources_per_worker={"CPU": parallel.cpus_per_worker},
@@ -193,21 +118,23 @@ def launch(cfg: Config) -> dict:
 
 
 def _trainer_class(without_cleaner: bool) -> type:
-    """Ray Train's TorchTrainer, or one without its placement-group cleaner for a Ray that this
-    process started without a dashboard. The cleaner is an actor that asks the State API (the
-    dashboard) every second whether the controller lives, to remove the run's placement group
-    should it die while Ray goes on; this Ray ends with this process and takes the placement
-    group with it, and without the State API the cleaner would only warn each second."""
-    from ray.train.torch import TorchTrainer
+    """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
+    config), or one without its placement-group cleaner for a Ray that this process started
+    without a dashboard. The cleaner is an actor that asks the State API (the dashboard) every
+    second whether the controller lives, to remove the run's placement group should it die while
+    Ray goes on; this Ray ends with this process and takes the placement group with it, and
+    without the State API the cleaner would only warn each second."""
+    # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     if not without_cleaner:
-        return TorchTrainer
+        return DataParallelTrainer
     try:
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     except ImportError:  # another Ray's layout: its cleaner warns, the run is unchanged
-        return TorchTrainer
+        return DataParallelTrainer
 
-    class OwnRayTrainer(TorchTrainer):
+    class OwnRayTrainer(DataParallelTrainer):
         def _create_default_callbacks(self):
             return [callback for callback in super()._create_default_callbacks()
                     if not isinstance(callback, PlacementGroupCleanerCallback)]

@@ -1,4 +1,5 @@
-"""The process group's rendezvous bound to the node's Ray address, not to every interface.
+"""Ray Train's torch backend with the process group's rendezvous bound to the node's Ray address,
+kept free of torch where it runs outside the workers.
 
 Ray Train sets up torch.distributed with `init_process_group("tcp://addr:port")`, whose rank 0
 hosts the TCPStore; torch's store listens on all interfaces (it has no bind address), so a
@@ -7,24 +8,34 @@ listening socket itself, on the address Ray gave its node (127.0.0.1 in a local 
 cluster interface on a cluster), and hands it to a multi-tenant TCPStore; the process group that
 Ray's setup then creates on the same port in the same process shares that server (torch caches
 multi-tenant servers by port) and opens no socket of its own.
+
+The config and the backend are Ray's `BackendConfig` and `Backend`, not subclasses of its
+`TorchConfig` and torch backend, whose module imports torch: the driver pickles them to Train's
+controller, which would import torch (2 s on 2 cores) on the way to the first step only to
+unpickle them. Torch is imported in the workers, by the functions they run.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import ray
-import torch.distributed as dist
-from ray.train.torch.config import TorchConfig, _set_torch_distributed_env_vars, _setup_torch_process_group, _TorchBackend
+from ray.train.backend import Backend, BackendConfig
+
+logger = logging.getLogger(__name__)
 
 # Rank 0's store server: alive as long as the worker, so that the process group keeps its server.
-_hosted: Optional[tuple[socket.socket, dist.TCPStore]] = None
+_hosted: Optional[tuple[socket.socket, Any]] = None
 
 
 def _host_store(timeout_s: int) -> tuple[str, int]:
     """On rank 0: listen on this node's Ray address, on a free port; returns the address."""
+    import torch.distributed as dist
+
     global _hosted
     address = ray.util.get_node_ip_address()
     listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
@@ -37,21 +48,81 @@ def _host_store(timeout_s: int) -> tuple[str, int]:
     return address, port
 
 
-class _NodeBoundTorchBackend(_TorchBackend):
+def _join_process_group(backend: str, world_rank: int, world_size: int, init_method: str, timeout_s: int) -> None:
+    """On each worker: torchrun's environment variables, then Ray's own process-group setup."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars, _setup_torch_process_group
+
+    _set_torch_distributed_env_vars()
+    _setup_torch_process_group(backend=backend, world_rank=world_rank, world_size=world_size,
+                               init_method=init_method, timeout_s=timeout_s)
+
+
+def _leave_process_group(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+class _DeviceContext:
+    """TorchConfig's context around the training function (each worker's default CUDA device),
+    entered in the worker."""
+
+    def __enter__(self) -> None:
+        from ray.train.torch.config import TorchConfigContextManager
+
+        TorchConfigContextManager().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return False
+
+
+class _NodeBoundTorchBackend(Backend):
+    share_cuda_visible_devices = True  # as Ray's torch backend: NCCL reaches the node's other GPUs
+
     def on_start(self, worker_group, backend_config: "NodeBoundTorchConfig") -> None:
         address, port = worker_group.execute_single(0, _host_store, timeout_s=backend_config.timeout_s)
-        worker_group.execute(_set_torch_distributed_env_vars)
+        init_method = f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
         ray.get([worker_group.execute_single_async(
-            rank, _setup_torch_process_group, backend=backend_config.backend, world_rank=rank,
-            world_size=len(worker_group), init_method=f"tcp://[{address}]:{port}" if ":" in address
-            else f"tcp://{address}:{port}", timeout_s=backend_config.timeout_s)
+            rank, _join_process_group, backend=backend_config.backend, world_rank=rank,
+            world_size=len(worker_group), init_method=init_method, timeout_s=backend_config.timeout_s)
             for rank in range(len(worker_group))])
 
+    def on_shutdown(self, worker_group, backend_config: "NodeBoundTorchConfig") -> None:
+        from ray.exceptions import GetTimeoutError
+        from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                         TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+        from ray._private.ray_constants import env_integer
 
-class NodeBoundTorchConfig(TorchConfig):
-    """Ray Train's TorchConfig with the rendezvous bound to the node's address; `backend` is
-    required (raylm knows whether it runs gloo or nccl)."""
+        # As Ray's torch backend: a lone worker keeps its (trivial) group, as it does.
+        futures = worker_group.execute_async(_leave_process_group, destroy_process_group=len(worker_group) > 1)
+        timeout_s = env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except GetTimeoutError:
+            logger.warning(f"Torch process group shutdown timed out after {timeout_s} seconds")
+
+
+@dataclass
+class NodeBoundTorchConfig(BackendConfig):
+    """What Ray Train's TorchConfig configures, with the rendezvous bound to the node's address;
+    `backend` is required (raylm knows whether it runs gloo or nccl)."""
+
+    backend: str
+    timeout_s: int = 1800
 
     @property
-    def backend_cls(self):
+    def backend_cls(self) -> type:
         return _NodeBoundTorchBackend
+
+    @property
+    def train_func_context(self) -> type:
+        return _DeviceContext
+
+    @property
+    def framework(self):
+        from ray.train.v2._internal.util import TrainingFramework
+
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "init_method": "tcp", "timeout_s": self.timeout_s}

@@ -1,18 +1,21 @@
 """The driver's record of worker failures, as a Ray Train callback.
 
-It runs inside Ray Train's controller process, which unpickles it at start: its imports are
-made where a failure is handled, so that the controller does not import the training code
-(torch, the model, the loop) on the path to the first step.
+It runs inside Ray Train's controller process, which unpickles it at start: it imports nothing
+of the training code (torch, the model, the loop), which the controller does not need.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
 from ray.train import UserCallback
 
 from raylm.config import StorageConfig
+from raylm.data.storage import redact
+from raylm.train.records import EVENTS_FILE, append_event
+from raylm.train.resume_check import latest_usable
 
 
 class RecoveryLog(UserCallback):
@@ -23,12 +26,6 @@ class RecoveryLog(UserCallback):
         self.run_dir, self.run_uri, self.storage_cfg = run_dir, run_uri, storage_cfg
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        import os
-
-        from raylm.data.storage import redact
-        from raylm.train.metrics import EVENTS_FILE, append_event
-        from raylm.train.resume_check import latest_usable
-
         # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
         # checkpoint on storage, which can be newer than the last one Ray's controller polled.
         restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)

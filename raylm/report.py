@@ -22,7 +22,7 @@ from typing import Optional
 from raylm.config import CONFIG_FILE, StorageConfig
 from raylm.data import storage
 from raylm.train import checkpoint
-from raylm.train.metrics import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylm.train.records import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",

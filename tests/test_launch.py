@@ -66,3 +66,25 @@ def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_datase
     assert sorted(resumed) == list(range(1, 9))
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
+
+
+def test_neither_the_driver_nor_trains_controller_imports_torch(tiny_dataset, tmp_path):
+    """Only the training workers need torch: each import of it elsewhere was seconds (2 s on 2
+    cores) on the path from `raylm train` to the first step. Checked in a real run of the CLI, as
+    a user starts it, by a callback that Ray Train runs in the driver and in its controller."""
+    probe = tmp_path / "probe.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.torch_probe.TorchImportProbe",
+           "RAYLM_TORCH_PROBE": str(probe), "PYTHONPATH": root, "RAY_ADDRESS": ""}
+    out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
+                          f"run.storage_path={tmp_path}", "run.name=probe", "model.d_model=32", "model.n_layers=1",
+                          "model.n_heads=2", "model.max_seq_len=32", "train.steps=2", "train.global_batch_size=4",
+                          "train.micro_batch_size=2", "train.eval_every=0", "schedule.warmup_steps=1",
+                          "checkpoint.every_steps=2", "parallel.num_workers=2", "parallel.cpus_per_worker=1"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "done: step 2" in out.stdout
+    records = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [r["where"] for r in records] == ["driver", "controller, workers started", "controller, run finished"]
+    assert records[1]["pid"] != records[0]["pid"]
+    assert [r for r in records if r["torch"]] == []

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from raylm.config import ConfigError, ModelConfig
-from raylm.model.transformer import ffn_hidden_size
+from raylm.model.sizes import ffn_hidden_size
 
 
 def _same(ts: list[torch.Tensor]) -> torch.Tensor:

@@ -35,46 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raylm.config import ConfigError, ModelConfig
-
-
-def ffn_hidden_size(cfg: ModelConfig) -> int:
-    """MLP width: `ffn_hidden` if set; else 4*d (gelu, relu) or LLaMA's SwiGLU width.
-
-    SwiGLU has three matrices instead of two, so LLaMA shrinks the width to 2/3 * 4d to keep the
-    parameter count, then rounds up to `ffn_multiple` for fast matmuls: d=4096 gives 11008.
-    """
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    if cfg.mlp != "swiglu":
-        return 4 * cfg.d_model
-    hidden = 8 * cfg.d_model // 3  # int(2 * 4d / 3), as in LLaMA
-    return cfg.ffn_multiple * math.ceil(hidden / cfg.ffn_multiple)
-
-
-def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
-    """Errors for a ModelConfig no Transformer can be built from (naming the field). Config
-    loading runs it too, before the dataset has supplied the vocabulary (`need_vocab=False`)."""
-    if need_vocab and (not isinstance(cfg.vocab_size, int) or cfg.vocab_size <= 0):
-        raise ConfigError(f"model.vocab_size must be a positive int to build a model, got {cfg.vocab_size!r} "
-                          "(None is filled in from the prepared dataset)")
-    choices = {"norm": ("rmsnorm", "layernorm"), "pos_embedding": ("rope", "learned"),
-               "mlp": ("swiglu", "gelu", "relu")}
-    for name, valid in choices.items():
-        if getattr(cfg, name) not in valid:
-            raise ConfigError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")
-    for name in ("d_model", "n_layers", "n_heads", "max_seq_len"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")
-    if cfg.d_model % cfg.n_heads:
-        raise ConfigError(f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads})")
-    n_kv = cfg.n_kv_heads or cfg.n_heads
-    if cfg.n_heads % n_kv:
-        raise ConfigError(f"model.n_kv_heads ({n_kv}) must divide model.n_heads ({cfg.n_heads})")
-    if cfg.pos_embedding == "rope" and (cfg.d_model // cfg.n_heads) % 2:
-        raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads = {cfg.d_model // cfg.n_heads}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
+from raylm.config import ModelConfig
+from raylm.model.sizes import check_model_config, ffn_hidden_size
 
 
 def embeddings_tied(model: nn.Module) -> bool:

@@ -59,8 +59,8 @@ from typing import Optional
 
 from raylm.config import ActivationCheckpointing, ConfigError, ModelConfig, ParallelConfig, Sharding
 from raylm.model.sizes import count_params
-from raylm.model.transformer import ffn_hidden_size
-from raylm.parallel.mesh import ParallelDims, parallel_dims
+from raylm.model.sizes import ffn_hidden_size
+from raylm.parallel.layout import ParallelDims, parallel_dims
 
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 CHECKPOINTING: tuple[str, ...] = typing.get_args(ActivationCheckpointing)

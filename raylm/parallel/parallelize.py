@@ -18,7 +18,8 @@ from torch import nn
 from raylm.config import Config, ConfigError
 from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision
 from raylm.parallel.init import materialize
-from raylm.parallel.mesh import ParallelMesh, build_mesh, num_stages
+from raylm.parallel.layout import num_stages
+from raylm.parallel.mesh import ParallelMesh, build_mesh
 from raylm.parallel.tensor import apply_tp
 from raylm.parallel.world import World
 

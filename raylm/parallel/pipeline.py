@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
 from raylm.config import ParallelConfig
-from raylm.parallel.mesh import V_SCHEDULES, num_stages
+from raylm.parallel.layout import V_SCHEDULES, num_stages
 
 PIPELINE_SCHEDULES: dict[str, type] = {
     "gpipe": S.ScheduleGPipe,

@@ -14,7 +14,7 @@ A layout is the `ParallelConfig` a run uses: num_workers = the GPUs, concrete de
 tp > 1 sequence and loss parallelism on; `plan` adds the activation checkpointing mode and the
 dtypes of its precision, and the recommended `parallel:` block is a dump of those fields.
 
-A layout is feasible when raylm can run it (`raylm.parallel.mesh.check_parallel_config` accepts
+A layout is feasible when raylm can run it (`raylm.parallel.layout.check_parallel_config` accepts
 it: e.g. tp divides the MLP width and vocabulary, no pipeline with tied embeddings), its per-GPU
 total is at most (1 - headroom) of the GPU's memory (headroom 10% by default, for the CUDA
 context, NCCL and allocator fragmentation), and the global batch splits evenly into
@@ -47,7 +47,7 @@ from raylm.model.presets import MODEL_SIZES, preset
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.parallel.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, MemoryEstimate, checkpointed_blocks,
                                    estimate_communication, estimate_memory, get_precision, layout_dims)
-from raylm.parallel.mesh import check_parallel_config
+from raylm.parallel.layout import check_parallel_config
 
 DEFAULT_VOCAB = 50272  # OPT's (GPT-2's BPE padded); named sizes leave vocab_size to the dataset
 CHECKPOINTING_CHOICES = (*CHECKPOINTING, "auto")

@@ -16,7 +16,7 @@ from typing import Optional
 from raylm.config import Config, ModelConfig, build_dataclass, config_from_dict, config_to_dict
 from raylm.errors import ConfigError
 from raylm.model.sizes import count_params, flops_per_token
-from raylm.model.transformer import check_model_config
+from raylm.model.sizes import check_model_config
 from raylm.sweep.config import SweepConfig
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0

@@ -14,6 +14,9 @@ Reading never runs code from storage: `load` first checks every file against the
 `raylm.train.safe_state` (a restricted unpickler, `torch.load(weights_only=True)`).
 Discovery (`scan`, `latest_complete`) is cheap: every file's size, checksums of the small
 files it parses; choosing the checkpoint to resume from is `raylm.train.resume_check`'s.
+
+torch is imported by the functions that read or write state, not by this module: the driver
+looks for checkpoints before any of its processes needs torch, and a new run has none to read.
 """
 
 from __future__ import annotations
@@ -28,23 +31,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-
 from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.train.safe_state import (METADATA_FILE, SafeLoadPlanner, SafeReader, is_inside, read_metadata,
-                                    rng_state, set_rng_state)
 
 if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
     from raylm.parallel.world import World
     from raylm.train.step import ParallelModel
 
@@ -111,15 +104,20 @@ def own_entries(directory: str, rank: int) -> dict[str, FileEntry]:
 
 # ----------------------------------------------------------------------------- save and load
 
-# Optimizer state flattened to one entry per parameter name ("state.layers.0.w.exp_avg",
-# "param_groups.layers.0.w.lr"): pipeline stages hold different parameters, and only per-name
-# entries let any layout (or a single process) load any other's.
-_STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+def _state_dict_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Optimizer state flattened to one entry per parameter name ("state.layers.0.w.exp_avg",
+    # "param_groups.layers.0.w.lr"): pipeline stages hold different parameters, and only per-name
+    # entries let any layout (or a single process) load any other's.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _states(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     # model.model spans all of this rank's parts (pipeline chunks) under the plain model's names.
-    return get_state_dict(model.model, optimizer, options=_STATE_DICT_OPTIONS)
+    return get_state_dict(model.model, optimizer, options=_state_dict_options())
 
 
 def _then(future: Future, fn) -> Future:
@@ -146,6 +144,12 @@ def save(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
     the manifest. `asynchronous`: the tensors are staged in memory and written and hashed on
     background threads (DCP async_save, its collectives on `async_group`).
     """
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from raylm.train.safe_state import rng_state
+
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if asynchronous:
@@ -221,6 +225,11 @@ def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
          tokenizer_sha256: str) -> dict:
     """Restore model, optimizer and this rank's RNG from the local `directory`; returns the
     train state. Every file is checked (`check_sound`) before anything is deserialized."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from raylm.train.safe_state import set_rng_state
+
     check_sound(directory)
     state = _read_train_state(directory, None)
     if state["tokenizer_sha256"] != tokenizer_sha256:
@@ -229,7 +238,7 @@ def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
     model_sd, optim_sd = _states(model, optimizer)
     _read_state({"model": model_sd, "optim": optim_sd}, directory)
     set_state_dict(model.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=_STATE_DICT_OPTIONS)
+                   options=_state_dict_options())
     rng = os.path.join(directory, _rng_name(world.rank))
     # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
     if os.path.exists(rng) and state["world_size"] == world.world_size:
@@ -244,6 +253,8 @@ def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
 def load_model_weights(directory: str, model: torch.nn.Module, check: bool = True) -> None:
     """Load only the model weights into a plain single-process module (generation, export);
     `check=False` when the caller has just run `check_sound` itself."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     if check:
         check_sound(directory)
     sd = get_model_state_dict(model, options=StateDictOptions())
@@ -260,6 +271,11 @@ def _first_lines(error: BaseException) -> str:
 
 def _read_state(state: dict, directory: str) -> None:
     """dcp.load through the safe reader and planner; a failure on any rank is a CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from raylm.train.safe_state import SafeLoadPlanner, SafeReader
+
     try:
         dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     except CheckpointException as e:  # a BaseException: it would pass `except Exception` handlers
@@ -271,6 +287,8 @@ def _read_state(state: dict, directory: str) -> None:
 # ----------------------------------------------------------------------------- checking
 
 def _parse_manifest(raw: bytes) -> dict[str, FileEntry]:
+    from raylm.train.safe_state import is_inside
+
     try:
         listed = json.loads(raw)["files"]
         entries = {name: FileEntry(e, None) if type(e) is int else FileEntry(int(e["size"]), str(e["sha256"]))
@@ -330,6 +348,8 @@ def _problem(uri: str, storage_cfg: Optional[StorageConfig], checksums: bool, re
     files parsed here always). Then, with or without one: the train state and DCP's metadata
     parse, and every file they need exists (and is listed).
     """
+    from raylm.train.safe_state import METADATA_FILE, read_metadata
+
     try:
         if manifest is None and require_manifest:
             manifest = read_manifest(uri, storage_cfg)

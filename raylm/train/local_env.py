@@ -10,7 +10,7 @@ import torch
 
 from raylm.parallel.world import World
 from raylm.train import checkpoint
-from raylm.train.metrics import EVENTS_FILE
+from raylm.train.records import EVENTS_FILE
 from raylm.train.resume_check import open_latest
 
 

@@ -23,10 +23,12 @@ from raylm.parallel.world import World
 from raylm.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths, tokenizer_from_json
 from raylm.train import checkpoint
 from raylm.train.checkpointer import Checkpointer
-from raylm.train.guard import Guard, refuse_guard_stopped
+from raylm.train.guard import Guard
+from raylm.train.guard_stop import refuse_guard_stopped
 from raylm.train.resume_check import check_resume, record_config_change
 from raylm.train.hooks import Hook
-from raylm.train.metrics import EVENTS_FILE, MetricsLogger, peak_flops
+from raylm.train.metrics import MetricsLogger, peak_flops
+from raylm.train.records import EVENTS_FILE
 from raylm.train.norms import NormsProbe
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.spec import RunSpec, resolve_run

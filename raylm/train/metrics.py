@@ -9,18 +9,14 @@ from typing import Optional
 
 import torch
 
-from raylm.config import Config, StorageConfig
-from raylm.data import storage
+from raylm.config import Config
 from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook
+from raylm.train.records import EVENTS_FILE, METRICS_FILE, append_event
 from raylm.train.state import Run
 from raylm.train.trackers import open_trackers
-
-METRICS_FILE = "metrics.jsonl"  # one row per step, written by rank 0 into the run directory
-EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
-
 
 
 def _measured_cpu_flops(n: int = 512, repeats: int = 20) -> float:
@@ -54,23 +50,6 @@ def format_duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[dict]:
-    """The complete rows of a JSON-lines file (local or s3://) that may be being appended to;
-    none if it is absent."""
-    try:
-        lines = storage.read_bytes(uri, storage_cfg).decode().split("\n")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last is partial or empty
-
-
-def append_event(path: str, event: dict) -> None:
-    """One line of events.jsonl: failures, recoveries, resizes."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
 
 
 class MetricsLogger(Hook):

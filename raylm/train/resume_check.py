@@ -39,7 +39,7 @@ from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config
 from raylm.data import storage
 from raylm.train import checkpoint
 from raylm.train.checkpoint import TRAIN_STATE, CheckpointError, UnusableCheckpointsError
-from raylm.train.metrics import EVENTS_FILE, append_event
+from raylm.train.records import EVENTS_FILE, append_event
 
 CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume
 

@@ -19,8 +19,8 @@ from raylm.data.inspect import verify_or_raise
 from raylm.data.manifest import Manifest, load_dataset_tokenizer
 from raylm.data.storage import StorageError
 from raylm.data.stream import BatchSchedule, Datasets
-from raylm.model.transformer import check_model_config
-from raylm.parallel.mesh import check_parallel_config
+from raylm.model.sizes import check_model_config
+from raylm.parallel.layout import check_parallel_config
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from raylm.config import Config
 from raylm.parallel.fsdp import set_micro_batch_sync
-from raylm.parallel.mesh import ParallelMesh, num_stages
+from raylm.parallel.layout import num_stages
+from raylm.parallel.mesh import ParallelMesh
 from raylm.parallel.parallelize import describe_layout, parallelize
 from raylm.parallel.world import World
 from raylm.train.optim import unique_parameters

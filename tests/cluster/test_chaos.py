@@ -20,7 +20,7 @@ from raylm.config import load_config
 from raylm.data.stream import Datasets
 from tests.support.order import epoch_samples
 from cluster.chaos import TrainDriver, train_worker
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
 from tests.support.clusters import local_cluster as local_cluster_body
 from tests.support.fixtures import write_corpus

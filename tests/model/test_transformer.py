@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from raylm.config import ModelConfig
-from raylm.model.transformer import Transformer, apply_rope, ffn_hidden_size, rope_cache
+from raylm.model.sizes import ffn_hidden_size
+from raylm.model.transformer import Transformer, apply_rope, rope_cache
 
 torch.set_num_threads(1)
 

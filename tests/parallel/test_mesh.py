@@ -10,7 +10,7 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.transformer import Transformer
-from raylm.parallel.mesh import check_parallel_config, parallel_dims
+from raylm.parallel.layout import check_parallel_config, parallel_dims
 from raylm.parallel.pipeline import (PIPELINE_SCHEDULES, balanced_split, even_split, layer_split, simulated_bubble, stage_ids,
                                      stage_module)
 from raylm.train.spec import check_config

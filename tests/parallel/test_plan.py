@@ -21,7 +21,7 @@ from raylm.model.presets import preset
 from raylm.model.sizes import count_params
 from raylm.parallel.memory import (PRECISIONS, estimate_communication, estimate_memory, layer_activation_bytes,
                                    model_shape, model_state_bytes)
-from raylm.parallel.mesh import check_parallel_config
+from raylm.parallel.layout import check_parallel_config
 from raylm.parallel.plan import enumerate_layouts, parallel_block_yaml, parse_memory, plan, run_plan
 
 GB = 1e9

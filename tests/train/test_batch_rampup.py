@@ -12,7 +12,7 @@ from raylm.config import ConfigError
 from raylm.data.stream import BatchSchedule
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from raylm.train.spec import resolve_run
 from tests.support.distributed import run_distributed
 from tests.train.test_loop import tiny_config

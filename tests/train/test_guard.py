@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from raylm.train.guard import GuardStopped
+from raylm.train.guard_stop import GuardStopped
 from raylm.train.hooks import Hook
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from tests.support.distributed import run_distributed
 from tests.support.poison import poisoned_copy
 from tests.train.test_loop import tiny_config

@@ -11,7 +11,7 @@ import torch
 from raylm.config import ConfigError, load_config
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 
 
 def tiny_config(dataset, *extra):

@@ -10,7 +10,7 @@ import pytest
 from raylm.config import ConfigError
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from tests.train.test_loop import tiny_config
 
 COMMON = ("train.eval_every=0", "train.tensorboard=false", "checkpoint.every_steps=4", "schedule.name=constant",

@@ -11,7 +11,7 @@ import pytest
 from raylm.config import ConfigError
 from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
-from raylm.train.metrics import read_jsonl
+from raylm.train.records import read_jsonl
 from tests.support.wandb_log import history
 from tests.train.test_loop import tiny_config
 

@@ -153,7 +153,7 @@ def _stuck_ray_train_worker(config: dict) -> None:
     """A Ray Train worker as raylm.launch runs it, with a short watchdog given Ray's hooks."""
     import ray
 
-    from raylm.launch import RayTrainEnv
+    from raylm.ray_worker import RayTrainEnv
     from raylm.ray_watchdog import describe_pending, fail_worker_group
     from raylm.train.spec import RunSpec
 
@@ -172,7 +172,7 @@ def test_ray_train_fails_the_worker_group_with_the_watchdogs_reason(ray_session,
 
     from raylm.launch import local_run_dir, run_uri
     from raylm.ray_recovery import RecoveryLog
-    from raylm.train.metrics import EVENTS_FILE, read_jsonl
+    from raylm.train.records import EVENTS_FILE, read_jsonl
     from raylm.train.spec import resolve_run
 
     # The local engine: the training thread blocks in a lock, where a raised exception never
