@@ -119,27 +119,40 @@ def launch(cfg: Config) -> dict:
 
 def _trainer_class(without_cleaner: bool) -> type:
     """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
-    config), or one without its placement-group cleaner for a Ray that this process started
-    without a dashboard. The cleaner is an actor that asks the State API (the dashboard) every
-    second whether the controller lives, to remove the run's placement group should it die while
-    Ray goes on; this Ray ends with this process and takes the placement group with it, and
-    without the State API the cleaner would only warn each second."""
+    config) without the default callbacks that a raylm run has no use for:
+
+    - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
+      to the trainer to its workers. raylm gives none (each worker reads its own shards,
+      `raylm.data.stream`), and the actor was a process importing Ray Data at start (1.4 s of
+      CPU while the workers start) and waking 100 times a second all run.
+    - `without_cleaner`, for a Ray that this process started without a dashboard: the
+      placement-group cleaner, an actor that asks the State API (the dashboard) every second
+      whether the controller lives, to remove the run's placement group should it die while Ray
+      goes on; this Ray ends with this process and takes the placement group with it, and
+      without the State API the cleaner would only warn each second.
+
+    On a Ray whose internals moved, a callback not found is kept, as Ray Train would run it."""
     # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    if not without_cleaner:
-        return DataParallelTrainer
+    unused: list[type] = []
     try:
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    except ImportError:  # another Ray's layout: its cleaner warns, the run is unchanged
-        return DataParallelTrainer
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-    class OwnRayTrainer(DataParallelTrainer):
+        unused.append(DatasetsCallback)
+        if without_cleaner:
+            from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+            unused.append(PlacementGroupCleanerCallback)
+    except ImportError:
+        pass
+
+    class RaylmTrainer(DataParallelTrainer):
         def _create_default_callbacks(self):
             return [callback for callback in super()._create_default_callbacks()
-                    if not isinstance(callback, PlacementGroupCleanerCallback)]
+                    if not isinstance(callback, tuple(unused))]
 
-    return OwnRayTrainer
+    return RaylmTrainer
 
 
 def last_metrics(directory: str) -> dict:
