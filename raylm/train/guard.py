@@ -35,10 +35,11 @@ from raylm.config import Config
 from raylm.data import storage
 from raylm.parallel.world import World
 from raylm.train.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
-from raylm.train.records import append_event
 from raylm.train.optim import unique_parameters
+from raylm.train.records import append_event
 from raylm.train.state import TrainState
 from raylm.train.step import ParallelModel
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
