@@ -41,11 +41,10 @@ import torch.nn.functional as F
 from _common import load_average, print_table
 import _nanogpt_reference as reference
 from raylm.config import load_config
-from raylm.launch import run_uri
 from raylm.model.transformer import Transformer
 from raylm.train import checkpoint
 from raylm.train.records import read_jsonl
-from raylm.train.spec import resolve_run
+from raylm.train.spec import resolve_run, run_uri
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
@@ -19,23 +18,7 @@ from raylm.train import checkpoint
 from raylm.train.guard_stop import refuse_guard_stopped
 from raylm.train.records import METRICS_FILE, read_jsonl
 from raylm.train.resume_check import check_resume, latest_usable
-from raylm.train.spec import absolute, resolve_run
-
-
-def storage_root(cfg: Config) -> str:
-    return absolute(cfg.run.storage_path)
-
-
-def run_uri(cfg: Config) -> str:
-    """The run directory: config, checkpoints and metrics (local path or s3:// URI)."""
-    return storage.join(storage_root(cfg), cfg.run.name)
-
-
-def local_run_dir(cfg: Config) -> str:
-    """Where rank 0 writes metrics and TensorBoard: the run directory itself when it is local,
-    else a local mirror whose metrics.jsonl is uploaded with every checkpoint."""
-    uri = run_uri(cfg)
-    return os.path.join(tempfile.gettempdir(), "raylm-runs", uri[len("s3://"):]) if storage.is_s3(uri) else uri
+from raylm.train.spec import local_run_dir, resolve_run, run_uri, storage_root
 
 
 def _train_fn_per_worker(loop_config: dict) -> None:

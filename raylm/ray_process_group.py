@@ -24,7 +24,11 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import ray
+from ray._private.ray_constants import env_integer
+from ray.exceptions import GetTimeoutError
 from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+from ray.train.v2._internal.util import TrainingFramework
 
 logger = logging.getLogger(__name__)
 
@@ -88,12 +92,7 @@ class _NodeBoundTorchBackend(Backend):
             for rank in range(len(worker_group))])
 
     def on_shutdown(self, worker_group, backend_config: "NodeBoundTorchConfig") -> None:
-        from ray.exceptions import GetTimeoutError
-        from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
-                                         TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
-        from ray._private.ray_constants import env_integer
-
-        # As Ray's torch backend: a lone worker keeps its (trivial) group, as it does.
+        # As Ray's torch backend: the group is destroyed only when there are peers to leave.
         futures = worker_group.execute_async(_leave_process_group, destroy_process_group=len(worker_group) > 1)
         timeout_s = env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
         try:
@@ -119,9 +118,7 @@ class NodeBoundTorchConfig(BackendConfig):
         return _DeviceContext
 
     @property
-    def framework(self):
-        from ray.train.v2._internal.util import TrainingFramework
-
+    def framework(self) -> TrainingFramework:
         return TrainingFramework.TORCH
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,7 +13,6 @@ import torch
 
 from raylm.config import Config
 from raylm.data import storage
-from raylm.launch import local_run_dir, run_uri
 from raylm.parallel.world import World
 from raylm.ray_watchdog import progress_watchdog
 from raylm.train import checkpoint
@@ -21,7 +20,7 @@ from raylm.train.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
 from raylm.train.records import EVENTS_FILE, METRICS_FILE
 from raylm.train.resume_check import open_latest
-from raylm.train.spec import RunSpec
+from raylm.train.spec import RunSpec, local_run_dir, run_uri
 
 
 class RayTrainEnv:

@@ -1,7 +1,8 @@
 """A run resolved once, on the driver: its config checked against the model's shape rules and
 the parallel layout, filled in from its data (vocabulary, seq_len, absolute paths), and the
 datasets it reads. Workers receive the `RunSpec` whole; each checks that it sees the same
-data (one manifest read, compared by digest) instead of deriving anything again.
+data (one manifest read, compared by digest) instead of deriving anything again. Where a
+run's directory is (`run_uri`, `local_run_dir`) is also derived here, for the driver and workers.
 
 This is the one place where "resolve" happens; the config module knows neither the model nor
 the layout, and the model and the layout know nothing of the data.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 
 from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, global_batch_sequences
@@ -97,6 +99,22 @@ def resolve_run(cfg: Config, announce: bool = False) -> RunSpec:
 def absolute(uri: str) -> str:
     """Local paths made absolute: Ray workers run in other directories."""
     return uri if not uri or storage.is_s3(uri) else os.path.abspath(uri)
+
+
+def storage_root(cfg: Config) -> str:
+    return absolute(cfg.run.storage_path)
+
+
+def run_uri(cfg: Config) -> str:
+    """The run directory: config, checkpoints and metrics (local path or s3:// URI)."""
+    return storage.join(storage_root(cfg), cfg.run.name)
+
+
+def local_run_dir(cfg: Config) -> str:
+    """Where rank 0 writes metrics and TensorBoard: the run directory itself when it is local,
+    else a local mirror whose metrics.jsonl is uploaded with every checkpoint."""
+    uri = run_uri(cfg)
+    return os.path.join(tempfile.gettempdir(), "raylm-runs", uri[len("s3://"):]) if storage.is_s3(uri) else uri
 
 
 def _absolute_paths(cfg: Config) -> Config:

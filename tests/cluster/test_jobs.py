@@ -174,7 +174,7 @@ def test_no_secret_in_anything_the_s3_run_left_behind(reference, cluster, jobs, 
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
             scan(f"s3://{bucket}/{obj['Key']}", client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
-    mirror = Path(tempfile.gettempdir()) / "raylm-runs" / bucket / prefix  # launch.local_run_dir
+    mirror = Path(tempfile.gettempdir()) / "raylm-runs" / bucket / prefix  # spec.local_run_dir
     for root in (mirror, Path(cluster.root)):
         for path in root.rglob("*"):
             if path.is_file() and not path.is_symlink():

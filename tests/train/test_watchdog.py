@@ -170,7 +170,7 @@ def test_ray_train_fails_the_worker_group_with_the_watchdogs_reason(ray_session,
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raylm.launch import local_run_dir, run_uri
+    from raylm.train.spec import local_run_dir, run_uri
     from raylm.ray_recovery import RecoveryLog
     from raylm.train.records import EVENTS_FILE, read_jsonl
     from raylm.train.spec import resolve_run
