@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
@@ -73,11 +74,12 @@ def launch(cfg: Config) -> dict:
     own_ray = start_ray(cfg.run.ray_address,
                         cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
                         threads, dashboard=cfg.run.dashboard)
-    start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
+    if not own_ray or parallel.min_workers:  # a fixed-size run on its own Ray asks no coordinator (raylm.ray_scaling)
+        start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
-    trainer = _trainer_class(own_ray and not cfg.run.dashboard)(
+    trainer = _trainer_class(own_ray, cfg.run.dashboard)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
         backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
@@ -100,33 +102,45 @@ def launch(cfg: Config) -> dict:
     return last_metrics(local_run_dir(cfg))
 
 
-def _trainer_class(without_cleaner: bool) -> type:
+def _trainer_class(own_ray: bool, dashboard: bool) -> type:
     """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
-    config) without the default callbacks that a raylm run has no use for:
+    config) without the parts that a raylm run has no use for:
 
     - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
       to the trainer to its workers. raylm gives none (each worker reads its own shards,
       `raylm.data.stream`), and the actor was a process importing Ray Data at start (1.4 s of
       CPU while the workers start) and waking 100 times a second all run.
-    - `without_cleaner`, for a Ray that this process started without a dashboard: the
-      placement-group cleaner, an actor that asks the State API (the dashboard) every second
-      whether the controller lives, to remove the run's placement group should it die while Ray
-      goes on; this Ray ends with this process and takes the placement group with it, and
-      without the State API the cleaner would only warn each second.
+    - on a Ray that this process started (`own_ray`), the fixed-size scaling policy's requests to
+      an autoscaler there is none of (`raylm.ray_scaling`); an elastic run keeps Ray's policy,
+      which sizes the group from the coordinator's view of the nodes.
+    - on that Ray without a `dashboard`: the placement-group cleaner, an actor that asks the State
+      API (the dashboard) every second whether the controller lives, to remove the run's placement
+      group should it die while Ray goes on; this Ray ends with this process and takes the
+      placement group with it, and without the State API the cleaner would only warn each second.
 
-    On a Ray whose internals moved, a callback not found is kept, as Ray Train would run it."""
+    On a Ray whose internals moved, a part not found is kept, as Ray Train would run it."""
     # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     unused: list[type] = []
+    own_ray_policy: Optional[type] = None
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
         unused.append(DatasetsCallback)
-        if without_cleaner:
+        if own_ray and not dashboard:
             from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
             unused.append(PlacementGroupCleanerCallback)
+    except ImportError:
+        pass
+    try:
+        if own_ray:
+            from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+            from raylm.ray_scaling import OwnRayFixedScalingPolicy
+
+            own_ray_policy = OwnRayFixedScalingPolicy
     except ImportError:
         pass
 
@@ -134,6 +148,11 @@ def _trainer_class(without_cleaner: bool) -> type:
         def _create_default_callbacks(self):
             return [callback for callback in super()._create_default_callbacks()
                     if not isinstance(callback, tuple(unused))]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if own_ray_policy and type(controller_init_kwargs.get("scaling_policy")) is FixedScalingPolicy:
+                controller_init_kwargs["scaling_policy"] = own_ray_policy(self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return RaylmTrainer
 
