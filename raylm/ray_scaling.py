@@ -12,13 +12,14 @@ Imported by Train's controller, which unpickles the policy: nothing of torch or 
 
 from __future__ import annotations
 
+from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
 
 class OwnRayFixedScalingPolicy(FixedScalingPolicy):
     """Ray Train's fixed-size policy with its autoscaling requests left out (see the module)."""
 
-    def after_controller_start(self, train_run_context) -> None:
+    def after_controller_start(self, train_run_context: TrainRunContext) -> None:
         pass
 
     def _maybe_send_resource_request(self) -> None:
