@@ -2,7 +2,6 @@
 
 import json
 
-import pyarrow.fs as pafs
 import pytest
 
 from raylm.config import load_config
