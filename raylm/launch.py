@@ -74,12 +74,14 @@ def launch(cfg: Config) -> dict:
     own_ray = start_ray(cfg.run.ray_address,
                         cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
                         threads, dashboard=cfg.run.dashboard)
-    if not own_ray or parallel.min_workers:  # a fixed-size run on its own Ray asks no coordinator (raylm.ray_scaling)
+    # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.ray_scaling).
+    fixed_on_own_ray = own_ray and not parallel.min_workers
+    if not fixed_on_own_ray:
         start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
-    trainer = _trainer_class(own_ray, cfg.run.dashboard)(
+    trainer = _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
         backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
@@ -102,7 +104,7 @@ def launch(cfg: Config) -> dict:
     return last_metrics(local_run_dir(cfg))
 
 
-def _trainer_class(own_ray: bool, dashboard: bool) -> type:
+def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> type:
     """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
     config) without the parts that a raylm run has no use for:
 
@@ -110,20 +112,21 @@ def _trainer_class(own_ray: bool, dashboard: bool) -> type:
       to the trainer to its workers. raylm gives none (each worker reads its own shards,
       `raylm.data.stream`), and the actor was a process importing Ray Data at start (1.4 s of
       CPU while the workers start) and waking 100 times a second all run.
-    - on a Ray that this process started (`own_ray`), the fixed-size scaling policy's requests to
-      an autoscaler there is none of (`raylm.ray_scaling`); an elastic run keeps Ray's policy,
-      which sizes the group from the coordinator's view of the nodes.
-    - on that Ray without a `dashboard`: the placement-group cleaner, an actor that asks the State
-      API (the dashboard) every second whether the controller lives, to remove the run's placement
-      group should it die while Ray goes on; this Ray ends with this process and takes the
-      placement group with it, and without the State API the cleaner would only warn each second.
+    - for a fixed-size run on a Ray that this process started (`fixed_on_own_ray`), the scaling
+      policy's requests to an autoscaler there is none of (`raylm.ray_scaling`); an elastic run
+      keeps Ray's policy, which sizes the group from the coordinator's view of the nodes.
+    - on a Ray that this process started (`own_ray`) without a `dashboard`: the placement-group
+      cleaner, an actor that asks the State API (the dashboard) every second whether the
+      controller lives, to remove the run's placement group should it die while Ray goes on; this
+      Ray ends with this process and takes the placement group with it, and without the State API
+      the cleaner would only warn each second.
 
     On a Ray whose internals moved, a part not found is kept, as Ray Train would run it."""
     # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     unused: list[type] = []
-    own_ray_policy: Optional[type] = None
+    policy: Optional[type] = None
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
@@ -134,15 +137,13 @@ def _trainer_class(own_ray: bool, dashboard: bool) -> type:
             unused.append(PlacementGroupCleanerCallback)
     except ImportError:
         pass
-    try:
-        if own_ray:
-            from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
-
+    if fixed_on_own_ray:
+        try:
             from raylm.ray_scaling import OwnRayFixedScalingPolicy
 
-            own_ray_policy = OwnRayFixedScalingPolicy
-    except ImportError:
-        pass
+            policy = OwnRayFixedScalingPolicy
+        except ImportError:
+            pass
 
     class RaylmTrainer(DataParallelTrainer):
         def _create_default_callbacks(self):
@@ -150,8 +151,8 @@ def _trainer_class(own_ray: bool, dashboard: bool) -> type:
                     if not isinstance(callback, tuple(unused))]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            if own_ray_policy and type(controller_init_kwargs.get("scaling_policy")) is FixedScalingPolicy:
-                controller_init_kwargs["scaling_policy"] = own_ray_policy(self.scaling_config)
+            if policy is not None:
+                controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return RaylmTrainer

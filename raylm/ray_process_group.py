@@ -69,15 +69,16 @@ def _leave_process_group(destroy_process_group: bool) -> None:
 
 class _DeviceContext:
     """TorchConfig's context around the training function (each worker's default CUDA device),
-    entered in the worker."""
+    made in the worker, where its module's torch import belongs."""
 
     def __enter__(self) -> None:
         from ray.train.torch.config import TorchConfigContextManager
 
-        TorchConfigContextManager().__enter__()
+        self._context = TorchConfigContextManager()
+        self._context.__enter__()
 
     def __exit__(self, *exc_info: Any) -> bool:
-        return False
+        return self._context.__exit__(*exc_info)
 
 
 class _NodeBoundTorchBackend(Backend):
