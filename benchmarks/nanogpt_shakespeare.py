@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/nanogpt_shakespeare.py [--iters 2000] [--rounds 2]
 
+O: nanoGPT itself (`--nanogpt DIR`, a clone of github.com/karpathy/nanoGPT outside this repository):
+   its README's CPU command, `python train.py config/train_shakespeare_char.py --device=cpu
+   --compile=False --eval_iters=20 --log_interval=1 --block_size=64 --batch_size=12 --n_layer=4
+   --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`, on the data its
+   data/shakespeare_char/prepare.py writes from the same text, with torch's default threads.
 A: the reference, benchmarks/_nanogpt_reference.py: nanoGPT's model.py and train.py rewritten
    independently (LayerNorm, learned positions, GELU MLP, SDPA causal attention, tied embeddings,
    AdamW, clipping, nanoGPT's evaluation and checkpoints), on nanoGPT's character-level data, in
@@ -10,7 +15,7 @@ B: `raylm train configs/nanogpt-shakespeare-char-cpu.yaml` in its own process, s
    Ray, on the same text prepared with `raylm prepare --tokenizer byte --seq-len 64`; the shipped
    config runs one worker with cpus_per_worker auto: 2 threads on this machine's 2 cores.
 
-Runs alternate A B A B (`--rounds`), so that a change in the shared VM's load lands on both sides.
+Runs alternate (O) A B (O) A B (`--rounds`), so that a change in the shared VM's load lands on both sides.
 Each run is timed from the command's start to its exit. Reported: the median steady step (after
 the first 10% of steps) and its ratio, the whole-run wall time and its ratio, each side's time
 from the command to its first step done and from its last step to exit, the final val loss of
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -61,7 +67,7 @@ PHASES = {"config resolved": "raylm: parallel.cpus_per_worker", "model built (wo
 
 @dataclass
 class Run:
-    who: str  # "reference" or "raylm"
+    who: str  # "nanoGPT", "reference" or "raylm"
     wall_s: float  # command start to exit
     step_times: list[float]
     first_step_s: float  # command start to the end of the first step
@@ -79,11 +85,11 @@ class Run:
 class TimedProcess:
     """A command whose output lines are kept with their times (seconds since its start)."""
 
-    def __init__(self, cmd: list[str], log: Path, env: dict[str, str]):
+    def __init__(self, cmd: list[str], log: Path, env: dict[str, str], cwd: Path = REPO):
         self.lines: list[tuple[float, str]] = []
         self.start_wall = time.time()
         self.start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -170,6 +176,38 @@ def raylm_whole_val(cfg) -> float:
     return total / count
 
 
+NANOGPT_CPU_FLAGS = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+                     "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
+NANOGPT_ITER = re.compile(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms")
+NANOGPT_EVAL = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)")
+
+
+def prepare_original_data(nanogpt: Path, text: Path) -> None:
+    """nanoGPT's own prepare.py, given the text it would download."""
+    data = nanogpt / "data" / "shakespeare_char"
+    if (data / "meta.pkl").exists():
+        return
+    (data / "input.txt").write_bytes(text.read_bytes())
+    subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, env=child_env(None))
+
+
+def run_original(args: argparse.Namespace, k: int) -> Run:
+    """nanoGPT's train.py as its README runs it on a CPU; times from its own per-iteration lines."""
+    out = args.workdir / f"nanogpt-original-{args.stamp}-{k}"
+    out.mkdir(parents=True)
+    print(f"== round {k + 1}: nanoGPT train.py, {args.iters} iterations (load {load_average()})", flush=True)
+    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *NANOGPT_CPU_FLAGS,
+           f"--max_iters={args.iters}", f"--lr_decay_iters={args.iters}", f"--out_dir={out}"]
+    proc = TimedProcess(cmd, out / "console.log", child_env(None), cwd=args.nanogpt)
+    wall, end_wall = proc.wait()
+    iters = [(t, m) for t, line in proc.lines if (m := NANOGPT_ITER.match(line))]
+    evals = [float(m.group(3)) for _, line in proc.lines if (m := NANOGPT_EVAL.match(line))]
+    # Its iteration 0's time spans the first evaluation; later evaluations land in their iteration too.
+    steps = [float(m.group(3)) / 1000 for _, m in iters[1:]]
+    first, last = iters[0][0], iters[-1][0]
+    return Run("nanoGPT", wall, steps, first, wall - last, evals[-1], float("nan"), load_average())
+
+
 def run_reference(args: argparse.Namespace, k: int) -> Run:
     out = args.workdir / f"reference-{args.stamp}-{k}" / "result.json"
     out.parent.mkdir(parents=True)
@@ -249,6 +287,16 @@ def summarize(args: argparse.Namespace, runs: list[Run], demo: dict[int, list[tu
         ["val loss, whole val split, reference / raylm", f"{med(ref, 'whole_val_loss'):.4f} / "
          f"{med(ours, 'whole_val_loss'):.4f}"],
     ]
+    if original := [r for r in runs if r.who == "nanoGPT"]:
+        rows += [
+            ["median steady step, nanoGPT train.py / raylm", f"{1000 * med(original, 'median_step'):.1f} / "
+             f"{1000 * med(ours, 'median_step'):.1f} ms"],
+            ["steady tokens/s raylm ÷ nanoGPT train.py", f"{med(original, 'median_step') / med(ours, 'median_step'):.3f} "
+             f"(rounds {', '.join(f'{a.median_step / b.median_step:.3f}' for a, b in zip(original, ours))})"],
+            ["whole run raylm ÷ nanoGPT train.py", f"{med(ours, 'wall_s') / med(original, 'wall_s'):.2f} "
+             f"(rounds {', '.join(f'{b.wall_s / a.wall_s:.2f}' for a, b in zip(original, ours))})"],
+            ["final val loss, nanoGPT train.py (its own eval)", f"{med(original, 'val_loss'):.4f}"],
+        ]
     for workers, results in demo.items():
         rows.append([f"demo, {workers} worker(s), tokens/s", ", ".join(f"{t:,.0f} (load {load})" for t, load in results)])
     if len(demo) == 2:
@@ -268,9 +316,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000, help="training steps of each run (nanoGPT's max_iters)")
     parser.add_argument("--rounds", type=int, default=2, help="reference and raylm runs, alternating")
     parser.add_argument("--demo-steps", type=int, default=100, help="steps of each demo run; 0: no demo")
+    parser.add_argument("--nanogpt", type=Path, help="a clone of karpathy/nanoGPT (outside this repository): "
+                        "also run its own train.py each round")
     parser.add_argument("--demo-rounds", type=int, default=1, help="demo runs per worker count, alternating")
     args = parser.parse_args()
     args.input, args.workdir = (p if p.is_absolute() else REPO / p for p in (args.input, args.workdir))
+    args.nanogpt = args.nanogpt.resolve() if args.nanogpt else None
     args.stamp = time.strftime("%Y%m%d-%H%M%S")
     args.char_data = args.workdir / "data" / "shakespeare_char"
     args.byte_data = args.workdir / "data" / f"shakespeare-byte-{SEQ_LEN}"
@@ -279,8 +330,10 @@ def main() -> None:
     prepare_raylm_data(args.byte_data, str(args.input), seq_len=SEQ_LEN)
     print(f"start: load {load_average()}", flush=True)
     runs: list[Run] = []
+    if args.nanogpt:
+        prepare_original_data(args.nanogpt, args.input)
     for k in range(args.rounds):
-        runs += [run_reference(args, k), run_raylm(args, k)]
+        runs += [*([run_original(args, k)] if args.nanogpt else []), run_reference(args, k), run_raylm(args, k)]
     demo: dict[int, list[tuple[float, str]]] = {}
     if args.demo_steps:
         prepare_raylm_data(args.demo_data, seq_len=256)
