@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raylm.config import load_config  # noqa: E402
 from raylm.ray_runtime import use_loopback  # noqa: E402
-from raylm.train.local_env import LocalEnv  # noqa: E402
-from raylm.train.loop import train  # noqa: E402
+from raylm.train.loop import train_local  # noqa: E402
 
 
 def prepare(workdir: str) -> str:
@@ -49,7 +48,7 @@ def timed_run(data: str, workdir: str, name: str, args: argparse.Namespace, *ext
         "train.micro_batch_size=8", "train.eval_every=0", "train.tensorboard=false", "train.log_every=1000",
         "schedule.warmup_steps=2", *extra])
     start = time.perf_counter()
-    train(cfg, LocalEnv(run_dir))
+    train_local(cfg, run_dir)
     return time.perf_counter() - start
 
 

@@ -66,10 +66,9 @@ from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
 from raylm.data.storage import ensure_bucket, write_bytes
 from raylm.data.stream import Datasets
 from raylm.ray_runtime import use_loopback
-from raylm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.records import read_jsonl
+from raylm.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_json, train_bpe
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "configs" / "demo-cpu.yaml"
@@ -311,7 +310,7 @@ def training_rate(dataset: str, s3: SeaweedFS, args: argparse.Namespace, scratch
     # One thread, as each of the demo's workers has: two threads of one process on two cores
     # that other jobs load spin against each other (10x slower steps seen at load 30).
     torch.set_num_threads(1)
-    train(cfg, LocalEnv(run_dir))
+    train_local(cfg, run_dir)
     rates = [m["tokens_per_s"] for m in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))[1:]]
     return statistics.median(rates)
 

@@ -24,8 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import load_average, print_table  # noqa: E402
 from raylm.config import load_config  # noqa: E402
 from raylm.model.sizes import count_params  # noqa: E402
-from raylm.train.local_env import LocalEnv  # noqa: E402
-from raylm.train.loop import train  # noqa: E402
+from raylm.train.loop import train_local  # noqa: E402
 
 
 _MEASURE = """import resource, subprocess, sys, time
@@ -52,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from raylm.data.prepare import prepare_dataset
-    from raylm.evaluate import evaluate
+    from raylm.inference.evaluate import evaluate
     from raylm.ray_runtime import start_ray
     from tests.support.fixtures import write_corpus
 
@@ -67,7 +66,7 @@ def main() -> None:
         f"model.n_heads={args.heads}", f"model.max_seq_len={args.seq_len}", "train.steps=1",
         "train.global_batch_size=2", "train.micro_batch_size=1", "train.eval_every=0", "train.tensorboard=false",
         "schedule.warmup_steps=0", "checkpoint.every_steps=1"])
-    train(cfg, LocalEnv(run))
+    train_local(cfg, run)
     params = count_params(load_config(os.path.join(run, "checkpoint_00000001", "config.yaml")).model)
 
     python = sys.executable

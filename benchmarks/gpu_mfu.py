@@ -7,7 +7,7 @@ optionally torch.compile per block, through raylm's own `build_model`.
     .venv/bin/python benchmarks/gpu_mfu.py --cpu-tiny [--compile]   # the same path on CPU, tiny model
 
 MFU = flops_per_token(model, seq_len) x tokens/s per device / the device's dense bf16 peak
-(`raylm.train.metrics.peak_flops`: a table for known GPUs, a measured matmul rate on CPU).
+(`raylm.train.observe.metrics.peak_flops`: a table for known GPUs, a measured matmul rate on CPU).
 FLOPs are 6N + 12·L·d·T per token (`raylm.model.sizes.flops_per_token`). Each step is one
 micro-batch of random tokens per rank, forward + backward + clip + AdamW; the first --warmup
 steps (compilation, allocator growth) are not timed.
@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from raylm.model.presets import preset
+from raylm.config.presets import preset
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import build_model
-from raylm.train.metrics import peak_flops
+from raylm.train.observe.metrics import peak_flops
 from raylm.train.optim import build_optimizer
 
 LLAMA3_VOCAB = 128256
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> dict:
                  parallel=dataclasses.replace(ParallelConfig(), num_workers=world.world_size, use_gpu=cuda,
                                               sharding="full", param_dtype=args.param_dtype, reduce_dtype="fp32",
                                               activation_checkpointing=args.ac))
-    model = build_model(lambda: Transformer(model_cfg), cfg, world)
+    model = build_model(lambda: Transformer(model_cfg), cfg, world,
+                        resolve_layout(cfg.parallel, model_cfg, world.world_size, cfg.train.seq_len))
     optimizer = build_optimizer(model.parts, cfg.optim)
     tokens = torch.randint(0, model_cfg.vocab_size, (args.micro_batch, args.seq_len + 1), device=device)
 

@@ -35,13 +35,13 @@ from _common import load_average, print_table, shakespeare_bytes
 from raylm.config import Config, load_config
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
-from raylm.train.guard import Guard, Snapshot
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.records import read_jsonl
+from raylm.train.resilience.guard import Guard, Snapshot
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 from raylm.train.optim import build_optimizer
 from raylm.train.spec import resolve_run
 from raylm.train.state import TrainState
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import build_model
 from tests.support.poison import poisoned_copy
 
@@ -71,7 +71,7 @@ def overhead_rounds(data: str, steps: int, rounds: int, tmp: str) -> dict[str, l
         order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
         for name in order:
             run = f"{tmp}/{name.replace(' ', '-').replace('/', '')}-{r}"
-            train(config(data, steps, *ARMS[name]), LocalEnv(run))
+            train_local(config(data, steps, *ARMS[name]), run)
             times[name].append(step_times(run))
             print(f"round {r}: {name:<20} mean step {1e3 * statistics.fmean(times[name][-1]):.2f} ms, "
                   f"median {1e3 * statistics.median(times[name][-1]):.2f} ms (load {load_average()})", flush=True)
@@ -81,7 +81,9 @@ def overhead_rounds(data: str, steps: int, rounds: int, tmp: str) -> dict[str, l
 def direct_cost(data: str, tmp: str) -> dict[str, float]:
     """Seconds per call of the guard's per-step work, on the benchmark's own model and optimizer."""
     cfg = resolve_run(config(data, 200)).config
-    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
+    world = World.current()
+    model = build_model(lambda: Transformer(cfg.model), cfg, world,
+                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
     optimizer = build_optimizer(model.parts, cfg.optim)
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, 65))
     model.forward_backward(tokens, cfg.train.micro_batch_size)
@@ -115,7 +117,7 @@ def recovery(data: str, tmp: str) -> dict:
     batch = cfg.train.global_batch_size
     poisoned = poisoned_copy(data, f"{tmp}/poisoned", cfg.data, batch, range(POISON_AT, POISON_AT + POISON_STEPS))
     run = f"{tmp}/recovery"
-    train(config(poisoned, steps), LocalEnv(run))
+    train_local(config(poisoned, steps), run)
     rows = read_jsonl(f"{run}/metrics.jsonl")  # in the order written: a rollback repeats step numbers
     events = read_jsonl(f"{run}/events.jsonl")
     first = next(i for i, r in enumerate(rows) if r["step"] == POISON_AT)  # the last clean step before

@@ -48,8 +48,8 @@ from _common import load_average, print_table
 import _nanogpt_reference as reference
 from raylm.config import load_config
 from raylm.model.transformer import Transformer
-from raylm.train import checkpoint
-from raylm.train.records import read_jsonl
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.observe.records import read_jsonl
 from raylm.train.spec import resolve_run, run_uri
 
 REPO = Path(__file__).resolve().parents[1]

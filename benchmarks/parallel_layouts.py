@@ -26,6 +26,7 @@ from _common import load_average, print_table
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
 from raylm.model.transformer import Transformer  # noqa: E402
 from raylm.parallel.world import World
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import build_model  # noqa: E402
 from raylm.train.optim import build_optimizer  # noqa: E402
 from tests.support.distributed import run_distributed  # noqa: E402
@@ -60,7 +61,9 @@ def measure(args: argparse.Namespace, parallel: dict) -> dict:
                             vocab_size=args.vocab, max_seq_len=args.seq_len)
     cfg = Config(model=model_cfg, optim=OptimConfig(), train=TrainConfig(micro_batch_size=args.micro_batch),
                  parallel=dataclasses.replace(ParallelConfig(), **parallel))
-    model = build_model(lambda: Transformer(model_cfg), cfg, World.current())
+    world = World.current()
+    model = build_model(lambda: Transformer(model_cfg), cfg, world,
+                        resolve_layout(cfg.parallel, model_cfg, world.world_size, cfg.train.seq_len))
     optimizer = build_optimizer(model.parts, cfg.optim)
     share = args.global_batch // model.dp_size
     times, state = [], 0

@@ -43,10 +43,9 @@ import torch
 from _common import load_average, print_table, shakespeare_bytes
 from raylm.config import Config, load_config
 from raylm.parallel.world import World
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.metrics import MetricsLogger
-from raylm.train.records import read_jsonl
+from raylm.train.loop import train_local
+from raylm.train.observe.metrics import MetricsLogger
+from raylm.train.observe.records import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"
@@ -82,7 +81,7 @@ def end_to_end(data: str, arms: list[str], steps: int, rounds: int, tmp: str) ->
     for r in range(rounds):
         for name in arms if r % 2 == 0 else reversed(arms):
             run = run_dir(tmp, name, r)
-            train(config(data, steps, *ARMS[name]), LocalEnv(run))
+            train_local(config(data, steps, *ARMS[name]), run)
             times[name].append([row["step_time"] for row in read_jsonl(f"{run}/metrics.jsonl")[WARMUP_STEPS:]])
             print(f"round {r}: {name:<18} mean step {1e3 * statistics.fmean(times[name][-1]):.2f} ms, "
                   f"median {1e3 * statistics.median(times[name][-1]):.2f} ms (load {load_average()})", flush=True)

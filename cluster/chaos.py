@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.local import LocalCluster, Proc
-from raylm.train.records import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 
 class ChaosError(AssertionError):

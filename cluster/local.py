@@ -18,7 +18,7 @@ loopback, and the dashboard and job server bind 127.0.0.1; but Ray 2.60 binds it
 (GCS, raylets, workers, agents) to all interfaces for any node IP other than 127.0.0.1 itself
 (seen with `ss -ltnp`), so on a machine with other interfaces this development cluster's ports
 are reachable from them, guarded by the auth token only. A single-node
-`raylm train` binds everything to 127.0.0.1 (tests/test_launch_sockets.py).
+`raylm train` binds everything to 127.0.0.1 (tests/launch/test_sockets.py).
 
 A node's processes: those carrying its marker variable (set for its `ray start`, inherited by
 the daemons it leaves) and their descendants. Agents and workers rename themselves with

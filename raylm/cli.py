@@ -7,13 +7,14 @@ import os
 import sys
 from typing import Optional
 
-from raylm.config import ConfigError, StorageConfig, config_to_yaml, describe_fields, load_config
+from raylm.config import ConfigError, StorageConfig, config_to_yaml, load_config
+from raylm.config.describe import describe_fields
 from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
 from raylm.ray_runtime import in_ray_job
-from raylm.submit import SubmitError, check_job_config
-from raylm.train.checkpoint import CheckpointError
-from raylm.train.guard_stop import GuardStopped
+from raylm.launch.submit import SubmitError, check_job_config
+from raylm.train.checkpoint.format import CheckpointError
+from raylm.train.resilience.guard_stop import GuardStopped
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -47,7 +48,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
-    from raylm.tokenizer import train_bpe
+    from raylm.data.tokenizer import train_bpe
 
     tok = train_bpe(args.input, args.vocab_size, args.output, storage=_storage(args))
     print(f"wrote {args.output}: BPE with {tok.vocab_size} tokens")
@@ -70,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if in_ray_job():
         check_job_config(cfg)
-    from raylm.launch import launch  # Ray and torch: only to train
+    from raylm.launch.driver import launch  # Ray and torch: only to train
 
     metrics = launch(cfg)
     if metrics:
@@ -94,7 +95,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from raylm.submit import submit
+    from raylm.launch.submit import submit
 
     sys.exit(submit(args.config, args.overrides, args.address, wait=not args.no_wait, env=dict(args.env)))
 
@@ -107,14 +108,14 @@ def _name_value(item: str) -> tuple[str, str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from raylm.generate import generate_text
+    from raylm.inference.generate import generate_text
 
     print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                                       args.top_k, args.seed, _storage(args)))
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> None:
-    from raylm.train.checkpoint import verify
+    from raylm.train.checkpoint.format import verify
 
     lines = verify(args.uri, _storage(args))
     for _, line in lines:
@@ -141,7 +142,7 @@ def cmd_data(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from raylm.parallel.plan import run_plan
+    from raylm.parallel.planner.plan import run_plan
 
     print(run_plan(model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                    gpu_memory=args.gpu_memory, seq_len=args.seq_len,
@@ -163,7 +164,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from raylm.export.hf import export_hf
-    from raylm.parallel.plan import parse_memory
+    from raylm.parallel.planner.plan import parse_memory
 
     s = export_hf(args.source, args.output, args.dtype, parse_memory(args.max_shard_size), _storage(args),
                   args.overwrite)
@@ -185,7 +186,7 @@ def cmd_import(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
-    from raylm.evaluate import evaluate
+    from raylm.inference.evaluate import evaluate
 
     result = evaluate(args.checkpoint, args.data, args.split, args.output, args.workers, args.rows_per_part,
                       args.batch_rows, _storage(args), args.ray_address, args.cpus_per_worker, args.gpus_per_worker)
@@ -193,7 +194,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from raylm.parallel.plan import CHECKPOINTING_CHOICES
+    from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
 
     parser = argparse.ArgumentParser(prog="raylm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -172,30 +172,6 @@ def _stop_autoscaler_monitor() -> None:
         node.kill_monitor(check_alive=False)
 
 
-def start_autoscaling_coordinator(elastic: bool) -> None:
-    """Start Ray's autoscaling coordinator, or find it running, before Ray Train's controller.
-
-    The controller asks this detached actor for the workers' resources before it starts them and
-    waits for the answer: started here, the actor's process comes up beside the controller's
-    instead of after it (1.5 s of a local start on 2 cores). An `elastic` run also has it re-read
-    the cluster's nodes: the run starts with as many workers as the coordinator says fit, and it
-    re-reads them only every 20 s, so a run started just after a node (re)joined began smaller
-    than the cluster and restarted to grow a minute later. The actor and its `recompute` are Ray
-    internals: on a Ray without them the run still starts, as Ray Train would start it."""
-    import ray
-
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        if elastic:
-            ray.get(coordinator.get_reserved_resources.remote("raylm-launch", recompute=True), timeout=10)
-    except Exception as e:  # noqa: BLE001 - Ray Train starts the coordinator itself, with its older view
-        print(f"raylm: could not prepare Ray's autoscaling coordinator ({e!r}); "
-              f"{'the run may start smaller and grow' if elastic else 'Ray Train starts it'}", flush=True)
-
-
 def local_num_cpus(num_workers: int, cpus_per_worker: float) -> int:
     """Logical CPUs of a local Ray for a run: the workers' reservations plus room for the Ray
     Data readers (one per rank)."""

@@ -21,8 +21,8 @@ from typing import Optional
 
 from raylm.config import CONFIG_FILE, StorageConfig
 from raylm.data import storage
-from raylm.train import checkpoint
-from raylm.train.records import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",

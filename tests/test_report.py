@@ -7,13 +7,12 @@ import pytest
 from PIL import Image
 
 from raylm.cli import main
-from raylm.ray_recovery import RecoveryLog
+from raylm.launch.recovery import RecoveryLog
 from raylm.report import write_report
 from raylm.train.hooks import Hook
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
+from raylm.train.loop import train_local
 from tests.support.distributed import run_distributed
-from tests.train.test_guard import GUARD, GradientFault
+from tests.train.resilience.test_guard import GUARD, GradientFault
 from tests.train.test_loop import tiny_config
 
 COMMON = ("train.steps=8", "checkpoint.every_steps=3", "train.eval_every=4")
@@ -29,7 +28,7 @@ class FailAtStep(Hook):
 
 
 def _train_ranks(dataset: str, run_dir: str) -> None:
-    train(tiny_config(dataset, *COMMON), LocalEnv(run_dir))
+    train_local(tiny_config(dataset, *COMMON), run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def restarted_run(tiny_dataset, tmp_path_factory) -> str:
     recorded by the driver's real RecoveryLog, then a resume on two ranks: a restart and a resize."""
     run = str(tmp_path_factory.mktemp("runs") / "restarted")
     with pytest.raises(RuntimeError, match="injected failure"):
-        train(tiny_config(tiny_dataset, *COMMON), LocalEnv(run), hooks=(FailAtStep(5),))
+        train_local(tiny_config(tiny_dataset, *COMMON), run, hooks=(FailAtStep(5),))
     RecoveryLog(run, run, None).after_exception(None, {0: RuntimeError("injected failure at step 5")})
     run_distributed(_train_ranks, 2, tiny_dataset, run)
     return run
@@ -56,7 +55,7 @@ def _png_ok(path: str) -> None:
 @pytest.mark.slow
 def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_run, tiny_dataset, tmp_path):
     straight = str(tmp_path / "straight")
-    train(tiny_config(tiny_dataset, *COMMON), LocalEnv(straight))
+    train_local(tiny_config(tiny_dataset, *COMMON), straight)
     with open(os.path.join(restarted_run, "events.jsonl")) as f:
         kinds = [json.loads(line)["event"] for line in f]
     assert kinds == ["failure", "resumed"]
@@ -90,7 +89,7 @@ def test_report_marks_the_guards_rollback(tiny_dataset, tmp_path, capsys):
     """A non-finite gradient at step 12: the stability guard rolls back and cuts the LR; the
     report counts the rollback, marks it and lists its events."""
     run = str(tmp_path / "guarded")
-    train(tiny_config(tiny_dataset, "train.steps=16", *GUARD, "guard.lr_factor=0.5"), LocalEnv(run),
+    train_local(tiny_config(tiny_dataset, "train.steps=16", *GUARD, "guard.lr_factor=0.5"), run,
           hooks=(GradientFault(float("nan"), 12),))
     main(["report", run])
     assert "guarded: step 16" in capsys.readouterr().out

@@ -28,7 +28,7 @@ from typing import Any, Optional
 from raylm.config import StorageConfig
 from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, join, read_bytes,
                                 write_bytes)
-from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
+from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
 
 FORMAT = "raylm.prepared/1"
 MANIFEST_FILE = "manifest.json"

@@ -37,7 +37,7 @@ from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, Manifest,
                                  SplitInfo, TokenizerInfo)
 from raylm.ray_runtime import start_ray
 from raylm.data.storage import exists, filesystem_for, join, list_dir, write_bytes
-from raylm.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
+from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
 from raylm.export.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
 from raylm.export.reader import CheckpointTensors
 from raylm.export.safetensors_io import HFTensors, Planned, write_sharded
-from raylm.generate import local_checkpoint, read_checkpoint_tokenizer, resolve_checkpoint
+from raylm.inference.load import local_checkpoint, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.model.transformer import Transformer
-from raylm.tokenizer import TOKENIZER_FILE
-from raylm.train import checkpoint
+from raylm.data.tokenizer import TOKENIZER_FILE
+from raylm.train.checkpoint import format as checkpoint
 from raylm.train.optim import build_optimizer
-from raylm.train.resume_check import read_saved_config
+from raylm.train.checkpoint.resume import read_saved_config
 from raylm.train.state import TrainState
 
 CONFIG_FILE = "config.json"

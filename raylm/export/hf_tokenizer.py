@@ -17,7 +17,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.tokenizer import EOT_TOKEN, ByteTokenizer, Tokenizer, bytes_to_unicode, tokenizer_from_json
+from raylm.data.tokenizer import EOT_TOKEN, ByteTokenizer, Tokenizer, bytes_to_unicode, tokenizer_from_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

@@ -1,6 +1,6 @@
 """A checkpoint's model tensors, read one at a time.
 
-A checkpoint (see `raylm.train.checkpoint`) is a DCP directory whose state dict is
+A checkpoint (see `raylm.train.checkpoint.format`) is a DCP directory whose state dict is
 {"model": {...}, "optim": {...}}, flattened by DCP to "model.<parameter name>" entries. DCP's
 metadata gives every tensor's global shape and dtype whatever layout wrote it (FSDP, TP,
 pipeline stages); loading one entry into a plain tensor reassembles it from the shards that
@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from raylm.train.safe_state import SafeReader
+from raylm.train.checkpoint.safe_load import SafeReader
 
 MODEL_PREFIX = "model."
 

@@ -1,5 +1,5 @@
 """The shape of `Transformer(cfg)` without building it: the rules a ModelConfig must satisfy, the
-MLP width, and closed-form parameter and FLOP counts (see raylm.model.presets for named sizes).
+MLP width, and closed-form parameter and FLOP counts (see raylm.config.presets for named sizes).
 No torch here: the driver checks a run's config before any process imports it."""
 
 from __future__ import annotations

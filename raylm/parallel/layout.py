@@ -1,6 +1,7 @@
-"""A layout's parallel degrees and every rule it must satisfy, checked before any process group
-exists. No torch here: the driver checks a run's layout before any process imports it;
-`raylm.parallel.mesh` builds the DeviceMesh from the degrees checked here."""
+"""A layout's parallel degrees, resolved once per world size (`ParallelDims`), and every rule its
+settings must satisfy, checked before any process group exists. No torch here: the driver
+resolves a run's layout before any process imports it; `raylm.parallel.mesh` builds the
+DeviceMesh from the resolved degrees."""
 
 from __future__ import annotations
 
@@ -17,68 +18,95 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualp
 
 @dataclass(frozen=True)
 class ParallelDims:
-    pp: int
+    """A layout's degrees for one world size, resolved in the constructor (torchtitan's
+    ParallelDims): dp_shard=-1 is inferred here, and everything downstream (the mesh, the data
+    split, the memory planner) reads these degrees instead of deriving one again."""
+
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (infer), got {self.dp_shard}")
+        others = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(f"cannot infer parallel.dp_shard: world size {self.world_size} is not divisible by "
+                                  f"dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {others}")
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        if others * self.dp_shard != self.world_size:
+            raise ConfigError(f"parallel degrees {self} multiply to {others * self.dp_shard}, but the world size "
+                              f"(parallel.num_workers) is {self.world_size}; make the product equal it or set "
+                              "dp_shard=-1 to infer it")
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig, world_size: int) -> "ParallelDims":
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size)
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks (replicas x shards): the ranks that split each global batch."""
         return self.dp_replicate * self.dp_shard
 
     @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     def __str__(self) -> str:
         return f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
-
-
-def parallel_dims(parallel: ParallelConfig, world_size: int) -> ParallelDims:
-    """The four degrees for `world_size` ranks, inferring dp_shard=-1; an error says why not."""
-    for name in ("dp_replicate", "tp", "pp"):
-        if getattr(parallel, name) < 1:
-            raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(parallel, name)}")
-    if parallel.dp_shard == 0 or parallel.dp_shard < -1:
-        raise ConfigError(f"parallel.dp_shard must be >= 1 or -1 (infer), got {parallel.dp_shard}")
-    others = parallel.dp_replicate * parallel.tp * parallel.pp
-    dp_shard = parallel.dp_shard
-    if dp_shard == -1:
-        if world_size % others:
-            raise ConfigError(f"cannot infer parallel.dp_shard: world size {world_size} is not divisible by "
-                              f"dp_replicate={parallel.dp_replicate} x tp={parallel.tp} x pp={parallel.pp} = {others}")
-        dp_shard = world_size // others
-    dims = ParallelDims(parallel.pp, parallel.dp_replicate, dp_shard, parallel.tp)
-    if dims.world_size != world_size:
-        raise ConfigError(f"parallel degrees {dims} multiply to {dims.world_size}, but the world size "
-                          f"(parallel.num_workers) is {world_size}; make the product equal it or set "
-                          "dp_shard=-1 to infer it")
-    return dims
 
 
 def num_stages(parallel: ParallelConfig) -> int:
     return parallel.pp * parallel.pp_virtual_stages
 
 
-def check_parallel_config(parallel: ParallelConfig, model: ModelConfig, world_size: int,
-                          seq_len: Optional[int] = None) -> ParallelDims:
-    """Every rule a layout must satisfy before any process group exists; returns the degrees.
-    `seq_len` is checked when known (the dataset sets it)."""
-    dims = parallel_dims(parallel, world_size)
+def check_layout(parallel: ParallelConfig, model: ModelConfig, dims: ParallelDims,
+                 seq_len: Optional[int] = None) -> None:
+    """Every rule the layout's settings must satisfy with these degrees, before any process
+    group exists. The vocabulary (model.vocab_size) and `seq_len` are checked when known."""
     if parallel.ac_every < 1:
         raise ConfigError(f"parallel.ac_every must be >= 1, got {parallel.ac_every}")
     if parallel.cpu_offload and parallel.sharding == "none":
         raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.sharding to optimizer, gradients or full")
-    if dims.tp == 1 and (parallel.sequence_parallel or parallel.loss_parallel):
+    if not dims.tp_enabled and (parallel.sequence_parallel or parallel.loss_parallel):
         raise ConfigError("parallel.sequence_parallel and parallel.loss_parallel split over the tensor-parallel "
                           f"group: they need parallel.tp > 1 (tp={dims.tp})")
-    if dims.tp > 1:
+    if dims.tp_enabled:
         _check_tp_divides(model, dims.tp)
     if parallel.sequence_parallel and seq_len is not None and seq_len % dims.tp:
         raise ConfigError(f"parallel.sequence_parallel splits sequences over tp={dims.tp} ranks: "
                           f"train.seq_len={seq_len} must be a multiple of it")
-    if dims.pp > 1:
+    if dims.pp_enabled:
         _check_pipeline(parallel, model)
+
+
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
+                   seq_len: Optional[int] = None) -> ParallelDims:
+    """The degrees for `world_size` ranks, checked against every rule (`check_layout`)."""
+    dims = ParallelDims.of(parallel, world_size)
+    check_layout(parallel, model, dims, seq_len)
     return dims
 
 

@@ -17,8 +17,8 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from raylm.config import ModelConfig, ParallelConfig
-from raylm.parallel.layout import ParallelDims, check_parallel_config
+from raylm.config import ConfigError, Sharding
+from raylm.parallel.layout import ParallelDims
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -45,13 +45,14 @@ class ParallelMesh:
         return self.dims.dp
 
 
-def build_mesh(parallel: ParallelConfig, model: ModelConfig, device_type: str,
-               seq_len: Optional[int] = None) -> ParallelMesh:
-    """Validate the layout against the live world and build its DeviceMesh."""
+def build_mesh(dims: ParallelDims, sharding: Sharding, device_type: str) -> ParallelMesh:
+    """The DeviceMesh of the resolved layout `dims` over the live world."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dims = check_parallel_config(parallel, model, world_size, seq_len)
+    if world_size != dims.world_size:
+        raise ConfigError(f"the layout was resolved for {dims.world_size} rank(s) ({dims}), but this process group "
+                          f"has {world_size}")
     sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
-    names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and parallel.sharding != "none"))
+    names = tuple(n for n in DIM_NAMES if sizes[n] > 1 or (n == "dp_shard" and sharding != "none"))
     if not dist.is_initialized() or not names:
         return ParallelMesh(dims)
     world = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
@@ -62,6 +63,6 @@ def build_mesh(parallel: ParallelConfig, model: ModelConfig, device_type: str,
     else:
         dp = sub.get(dp_names[0]) if dp_names else None
     fsdp = None
-    if parallel.sharding != "none":  # then "dp_shard" is always in the mesh
+    if sharding != "none":  # then "dp_shard" is always in the mesh
         fsdp = world[dp_names] if len(dp_names) == 2 else sub["dp_shard"]
     return ParallelMesh(dims, world, pp=sub.get("pp"), tp=sub.get("tp"), dp=dp, fsdp=fsdp)

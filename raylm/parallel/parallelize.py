@@ -18,7 +18,7 @@ from torch import nn
 from raylm.config import Config, ConfigError
 from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision
 from raylm.parallel.init import materialize
-from raylm.parallel.layout import num_stages
+from raylm.parallel.layout import ParallelDims, num_stages
 from raylm.parallel.mesh import ParallelMesh, build_mesh
 from raylm.parallel.tensor import apply_tp
 from raylm.parallel.world import World
@@ -45,12 +45,12 @@ def describe_layout(cfg: Config, mesh: ParallelMesh) -> dict:
     """The layout in a few keys, for logs and metrics."""
     parallel, d = cfg.parallel, mesh.dims
     layout = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-              "data_parallel": ZERO_NAMES[parallel.sharding] if d.dp > 1 or parallel.sharding != "none" else "none",
-              "hsdp": parallel.sharding != "none" and d.dp_replicate > 1 and d.dp_shard > 1,
+              "data_parallel": ZERO_NAMES[parallel.sharding] if d.dp_enabled or parallel.sharding != "none" else "none",
+              "hsdp": parallel.sharding != "none" and d.dp_replicate_enabled and d.dp_shard_enabled,
               "activation_checkpointing": parallel.activation_checkpointing, "param_dtype": parallel.param_dtype}
-    if d.tp > 1:
+    if d.tp_enabled:
         layout.update(sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
-    if d.pp > 1:
+    if d.pp_enabled:
         layout.update(pp_schedule=parallel.pp_schedule, pp_stages=num_stages(parallel))
     return layout
 
@@ -77,11 +77,13 @@ def _materialize(part: nn.Module, cfg: Config, world: World) -> None:
     materialize(part, device, cfg.train.seed, buffer_device=world.device)
 
 
-def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> Parallelized:
+def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: World,
+                dims: ParallelDims) -> Parallelized:
     """Build the model on the meta device (`model_factory` is called under `torch.device("meta")`),
-    apply the configured layout, then materialise and initialise this rank's shards."""
+    apply the layout (`dims`, resolved for this world, and `cfg.parallel`'s settings), then
+    materialise and initialise this rank's shards."""
     parallel = cfg.parallel
-    mesh = build_mesh(parallel, cfg.model, world.device.type, seq_len=cfg.train.seq_len)
+    mesh = build_mesh(dims, parallel.sharding, world.device.type)
     if parallel.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
         raise ConfigError(f"parallel.param_dtype={parallel.param_dtype} is applied by FSDP2, which needs "
                           "torch.distributed and sharding != none or more than one data-parallel rank; "

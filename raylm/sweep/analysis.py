@@ -212,7 +212,7 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
 
 def _cluster_layout(sweep: SweepConfig, size: Size, batch_tokens: int, seq_len: int, base: Config):
     """`raylm plan`'s best feasible layout of the recommended model on target.gpus GPUs."""
-    from raylm.parallel.plan import parallel_settings, parse_memory, plan
+    from raylm.parallel.planner.plan import parallel_settings, parse_memory, plan
 
     t = sweep.target
     rows = plan(size.model, t.gpus, t.gpus_per_node, parse_memory(t.gpu_memory), seq_len=seq_len,

@@ -10,7 +10,6 @@ learning rate too high; the stability guard is off in trials) ends as diverged, 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -24,9 +23,10 @@ from ray import tune
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Rung, trial_config
 from raylm.sweep.search import PROGRESS
+from raylm.train.env import LocalEnv
 from raylm.train.hooks import Hook
-from raylm.train.local_env import LocalEnv
 from raylm.train.loop import train
+from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec
 
 FINAL_FILE = "final.json"
@@ -101,9 +101,10 @@ def run_trial(config: dict, plan: TrialPlan) -> None:
     rung = plan.rungs[config["rung"]]
     cfg = trial_config(plan.sweep, spec.config, rung, config["lr"], config["batch"],
                        run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}")
+    trial = spec.with_config(cfg)
+    preflight(trial, run_dir)
     try:
-        train(dataclasses.replace(spec, config=cfg), LocalEnv(run_dir, use_gpu=plan.use_gpu),
-              (TuneReporter(cfg.train.steps),))
+        train(trial, LocalEnv(run_dir, use_gpu=plan.use_gpu), (TuneReporter(cfg.train.steps),))
     except FloatingPointError as e:  # a learning rate too high: an outcome of the search, not a failure to retry
         print(f"raylm: trial diverged: {e}", flush=True)
         rows = _metrics(run_dir)

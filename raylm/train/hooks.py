@@ -1,9 +1,37 @@
-"""The hook interface of the training loop: health checks, sweeps and the stability guard
-subclass it without importing the loop."""
+"""The hook interface of the training loop, and what hooks are handed: the run's live objects.
+Health checks, the watchdog, metrics, norms and sweeps' reporters subclass `Hook` without
+importing the loop."""
 
 from __future__ import annotations
 
-from raylm.train.state import Run
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from raylm.config import Config
+from raylm.train.state import TrainState
+
+if TYPE_CHECKING:
+    import torch
+
+    from raylm.parallel.world import World
+    from raylm.train.step import ParallelModel
+
+
+@dataclass
+class Run:
+    """The live objects of a run, handed to hooks."""
+
+    cfg: Config
+    world: World
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    seq_len: int
+    global_batch: int
+    flops_per_token: float
+    peak_flops: float  # per device
+    history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
 
 
 class Hook:

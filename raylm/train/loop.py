@@ -1,181 +1,177 @@
-"""The training loop: plain torch, callable as a function with a config, hooks around each step.
+"""The training loop, in torchtitan's shape: `Trainer.train` owns the schedule, the hooks,
+evaluation and checkpoints; `train_step` is one optimizer step; `forward_backward` runs the
+micro-batches (`ParallelModel.forward_backward`) and clips the gradients.
 
-Ray stays at the edges: `TrainEnv` is how the loop reaches storage and the cluster, and
-`raylm.launch` provides the Ray Train one. Sweeps, the CLI and tests all call `train`.
+Plain torch: Ray stays at the edges. `TrainEnv` is how the loop reaches storage and the cluster;
+`raylm.launch.worker` gives it the Ray Train one, `LocalEnv` plain files. `raylm train`'s
+workers, sweeps' trials, benchmarks and tests all run `train` on a `RunSpec` resolved before it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from typing import Callable, Optional, Union
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
-from raylm.data.stream import TokenStream
+from raylm.data.stream import Batch, TokenStream
+from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
-from raylm.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths, tokenizer_from_json
-from raylm.train import checkpoint
-from raylm.train.checkpointer import Checkpointer
-from raylm.train.guard import Guard
-from raylm.train.guard_stop import refuse_guard_stopped
-from raylm.train.resume_check import check_resume, record_config_change
-from raylm.train.hooks import Hook
-from raylm.train.metrics import MetricsLogger, peak_flops
-from raylm.train.records import EVENTS_FILE
-from raylm.train.norms import NormsProbe
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.policy import Checkpointer
+from raylm.train.checkpoint.resume import changes_since, record_config_change
+from raylm.train.env import LocalEnv, TrainEnv
+from raylm.train.hooks import Hook, Run
+from raylm.train.observe.metrics import MetricsLogger, peak_flops
+from raylm.train.observe.norms import NormsProbe
+from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
+from raylm.train.preflight import preflight
+from raylm.train.resilience.guard import Guard
 from raylm.train.spec import RunSpec, resolve_run
-from raylm.train.state import Run, TrainEnv, TrainState
-from raylm.train.step import LossScaler, ParallelModel, build_model, needs_loss_scaling
+from raylm.train.state import TrainState
+from raylm.train.step import LossScaler, build_model, needs_loss_scaling
+from raylm.train.validation import ValidationSet
 
 
-class _EvalSet:
-    """Fixed held-out batches: the first `eval_batches` global batches of the val split, in
-    file order, so every evaluation and every world size sees the same tokens.
-
-    Bits per byte compare runs with different tokenizers: the mean loss in nats over every
-    target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
-    text stands for none; `raylm eval` also leaves its loss out, so it reads slightly lower)."""
-
-    def __init__(self, spec: RunSpec, model: ParallelModel):
-        cfg = spec.config
-        source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
-        stream = TokenStream(source, spec.global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
-        self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
-                        for b in stream.batches(0, 0, cfg.train.eval_batches)]
-        token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))
-        whole = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")  # every rank's rows
-        targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, cfg.train.eval_batches)]
-        n_bytes = sum(int(token_bytes[t].sum()) for t in targets)
-        self.targets_per_byte = sum(t.size for t in targets) / n_bytes if n_bytes else None
-
-    def bits_per_byte(self, loss: float) -> Optional[float]:
-        return bits_per_byte(loss, 1 / self.targets_per_byte) if self.targets_per_byte else None
-
-    def loss(self, model: ParallelModel, micro_batch_size: int) -> float:
-        model.train(False)
-        try:
-            device = model.world.device
-            losses = [model.eval_loss(b.to(device), micro_batch_size) for b in self.batches]
-            return float(torch.stack(losses).mean())
-        finally:
-            model.train(True)
+def train(spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
+    """Train `spec` on this process's rank; returns the last step's metrics."""
+    return Trainer(spec, env, hooks).train()
 
 
-def train(run: Union[RunSpec, Config], env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
-    """Train on this process's rank; returns the last step's metrics. `run` is a RunSpec
-    resolved on the driver, or a Config, resolved here (a single process, tests, sweeps)."""
-    spec = run if isinstance(run, RunSpec) else resolve_run(run)
-    cfg, seq_len, global_batch = spec.config, spec.seq_len, spec.global_batch
-    world = World.current(env.device())
-    source = spec.datasets.open_split("train", cfg.data, cfg.storage)
+def train_local(cfg: Config, run_dir: str, hooks: tuple[Hook, ...] = (), use_gpu: bool = False) -> dict:
+    """Train `cfg` in this process, on the process group it is in (or alone), with plain files at
+    `run_dir` (tests, benchmarks, debugging): resolved for that world and checked as a launch
+    does on its driver (`preflight`), then `train`."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    parallel = dataclasses.replace(cfg.parallel, num_workers=world_size, min_workers=None)
+    spec = resolve_run(dataclasses.replace(cfg, parallel=parallel))
+    preflight(spec, run_dir)
+    return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
 
-    model = build_model(lambda: Transformer(cfg.model), cfg, world)
-    optimizer = build_optimizer(model.parts, cfg.optim)
-    state = TrainState()
-    with env.restore_dir(cfg.checkpoint.on_unusable == "start_over") as restore:
-        if restore is not None:
-            changes = check_resume(restore, cfg, spec.tokenizer_sha256)
-            saved = checkpoint.load(restore, model, optimizer, world, spec.tokenizer_sha256)
+
+class Trainer:
+    """One rank's run: the model with its layout, the optimizer, the run state restored from the
+    newest checkpoint, the stability guard, checkpoints, evaluation and the hooks."""
+
+    def __init__(self, spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...]):
+        cfg = self.cfg = spec.config
+        self.spec, self.env = spec, env
+        self.world = world = World.current(env.device())
+        self.source = spec.datasets.open_split("train", cfg.data, cfg.storage)
+        self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size))
+        self.optimizer = build_optimizer(self.model.parts, cfg.optim)
+        self.state = self._restore()
+        self.guard: Optional[Guard] = None
+        if cfg.guard.enabled:
+            self.guard = Guard(cfg, self.model, self.optimizer, world, os.path.join(env.run_dir, EVENTS_FILE),
+                               env.checkpoint_root)
+            self.guard.start(self.state)
+        if needs_loss_scaling(cfg):
+            self.state.loss_scale = self.state.loss_scale or cfg.train.loss_scale_initial
+        self.scaler = LossScaler(self.state.loss_scale, cfg.train.loss_scale_growth_interval) \
+            if self.state.loss_scale else None
+        self.evals = ValidationSet(spec, self.model) if cfg.train.eval_every > 0 else None
+        # What a checkpoint needs besides tensors to be usable on its own (generation, export).
+        files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
+        self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
+        self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
+                       flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
+        self.logger = MetricsLogger(cfg, env.run_dir, world)
+        probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
+        self.hooks = (*hooks, *probes, self.logger)  # the logger last: it writes out what the other hooks added
+        self.last = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
+        self.t0 = 0.0  # when the current step's time began
+        self.data_wait = 0.0  # the current step's wait for its batch
+        self.last_report = 0.0  # when progress last went to the cluster
+        # Seconds the loop was blocked by checkpointing since the last step's metrics: a save
+        # (sync: the whole write; async: staging) and publishing a finished async save.
+        self.checkpoint_s = 0.0
+
+    def _restore(self) -> TrainState:
+        """The run state of the newest usable checkpoint (model and optimizer loaded), or a fresh one."""
+        env, cfg = self.env, self.cfg
+        with env.restore_dir(cfg.checkpoint.on_unusable == "start_over") as restore:
+            if restore is None:
+                return TrainState()
+            saved = checkpoint.load(restore, self.model, self.optimizer, self.world, self.spec.tokenizer_sha256)
             state = TrainState.from_saved(saved)
-            if changes and world.rank == 0:  # an operator's change mid-flight, as OPT's team made them
-                record_config_change(env.run_dir, state.step, changes)
+            if self.world.rank == 0 and (changes := changes_since(restore, cfg)):
+                record_config_change(env.run_dir, state.step, changes)  # an operator's change mid-flight, as OPT's
+            return state
 
-    for size in spec.batch_schedule.sizes():
-        if size % model.dp_size or (size // model.dp_size) % cfg.train.micro_batch_size:
-            raise ValueError(
-                f"global batch {size} must split into {model.dp_size} data-parallel ranks × "
-                f"whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}")
-    guard = None
-    if cfg.guard.enabled:
-        refuse_guard_stopped(env.checkpoint_root, cfg)
-        guard = Guard(cfg, model, optimizer, world, os.path.join(env.run_dir, EVENTS_FILE), env.checkpoint_root)
-        guard.start(state)
+    def train(self) -> dict:
+        """The steps from the run's current state to its last; returns the last step's metrics."""
+        try:
+            for hook in self.hooks:
+                hook.on_train_start(self.run)
+            metrics = self._steps()
+            for hook in self.hooks:
+                hook.on_train_end(self.run, metrics)
+            return metrics
+        finally:
+            self.logger.close()
 
-    if needs_loss_scaling(cfg):
-        state.loss_scale = state.loss_scale or cfg.train.loss_scale_initial
-    scaler = LossScaler(state.loss_scale, cfg.train.loss_scale_growth_interval) if state.loss_scale else None
-
-    def stream_from(state: TrainState) -> TokenStream:
-        """The run's batches; the guard's skip ranges grow at each rollback."""
+    def _batches(self) -> Iterator[Batch]:
+        """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
+        cfg, state, model = self.cfg, self.state, self.model
         # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
-        return TokenStream(source, spec.batch_schedule, model.dp_rank, model.dp_size, [*cfg.data.skip, *state.skip],
-                           engine="ray" if cfg.data.loader == "ray" else "local", prefetch=cfg.data.prefetch_chunks)
+        stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
+                             [*cfg.data.skip, *state.skip], engine="ray" if cfg.data.loader == "ray" else "local",
+                             prefetch=cfg.data.prefetch_chunks)
+        return stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
 
-    evals = _EvalSet(spec, model) if cfg.train.eval_every > 0 else None
-    # What a checkpoint needs besides tensors to be usable on its own (generation, export).
-    checkpoint_files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
-    checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, model, optimizer, world, checkpoint_files)
+    def _steps(self) -> dict:
+        metrics: dict = {}
+        batches = self._batches()
+        self.last_report = time.monotonic()
+        self.t0 = time.perf_counter()
+        while True:
+            self._measure_cpu_peak()
+            wait_start = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self.data_wait = time.perf_counter() - wait_start
+            poll_start = time.perf_counter()
+            self.checkpointer.poll()
+            self.checkpoint_s += time.perf_counter() - poll_start
+            step_metrics = self.train_step(batch)
+            if step_metrics is None:  # rolled back: the batches go on from the restored state
+                batches.close()
+                batches = self._batches()
+                self.t0 = time.perf_counter()
+                continue
+            metrics = step_metrics
+            self._after_step(batch.step, metrics)
+        self.checkpointer.wait()
+        return metrics
 
-    run = Run(cfg, world, model, optimizer, state, seq_len, global_batch,
-              flops_per_token(cfg.model, seq_len), peak_flops(world.device, cfg.train.peak_tflops))
-    logger = MetricsLogger(cfg, env.run_dir, world)
-    probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
-    hooks = (*hooks, *probes, logger)  # the logger last: it writes out what the other hooks added
-    for hook in hooks:
-        hook.on_train_start(run)
+    def _measure_cpu_peak(self) -> None:
+        """A CPU's peak FLOP/s (MFU's denominator) is measured, the first time at start-up while Ray
+        was still starting processes on the same cores: keep the best of three, out of step time."""
+        if self.state.step in (10, 100) and self.world.device.type == "cpu" and not self.cfg.train.peak_tflops:
+            start = time.perf_counter()
+            self.run.peak_flops = max(self.run.peak_flops, peak_flops(self.world.device))
+            self.t0 += time.perf_counter() - start
 
-    try:
-        metrics = _train_steps(run, env, stream_from, hooks, checkpointer, evals, guard, scaler, spec.tokenizer_sha256)
-        for hook in hooks:
-            hook.on_train_end(run, metrics)
-    finally:
-        logger.close()
-    return metrics
-
-
-def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], TokenStream], hooks: tuple,
-                 checkpointer: Checkpointer, evals: Optional[_EvalSet], guard: Optional[Guard],
-                 scaler: Optional[LossScaler], tokenizer_sha256: str) -> dict:
-    """The steps from the run's current state to its last step; returns the last metrics."""
-    cfg, world, model, optimizer, state = run.cfg, run.world, run.model, run.optimizer, run.state
-    seq_len = run.seq_len
-    steps = cfg.train.steps
-    last = min(steps, cfg.train.stop_at_step or steps)
-    metrics: dict = {}
-    # Seconds the loop was blocked by checkpointing since the last step's metrics: a save (sync:
-    # the whole write; async: staging) and publishing a finished async save.
-    checkpoint_s = 0.0
-    last_report = time.monotonic()
-    t0 = time.perf_counter()
-    batches = stream_from(state).batches(state.position, state.step, last, state.tokens_seen // seq_len)
-    while True:
-        if state.step in (10, 100) and world.device.type == "cpu" and not cfg.train.peak_tflops:
-            # A CPU's peak is measured; the first time, at start-up, Ray was still starting
-            # processes on the same cores. Keep the best figure, and keep it out of step time.
-            measure_start = time.perf_counter()
-            run.peak_flops = max(run.peak_flops, peak_flops(world.device))
-            t0 += time.perf_counter() - measure_start
-        wait_start = time.perf_counter()
-        batch = next(batches, None)
-        if batch is None:
-            break
-        data_wait = time.perf_counter() - wait_start
-        poll_start = time.perf_counter()
-        checkpointer.poll()
-        checkpoint_s += time.perf_counter() - poll_start
-        step = batch.step
-        for hook in hooks:
-            hook.on_step_begin(run, step)
-        lr = lr_at(step, cfg.schedule, cfg.optim.lr, steps) * state.lr_scale
-        apply_lr(optimizer, lr)
-        tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(world.device)
-        if scaler is not None:
-            model.loss_scale = scaler.scale = state.loss_scale
-        loss = float(model.forward_backward(tokens, cfg.train.micro_batch_size))
-        if scaler is not None:
-            scaler.unscale(model.parts)
-        grad_norm = float(model.clip_grad_norm(cfg.optim.grad_clip))
-        verdict = _verdict(step, loss, grad_norm, cfg, guard, scaler)
-        if scaler is not None:
-            state.loss_scale = scaler.scale
+    def train_step(self, batch: Batch) -> Optional[dict]:
+        """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back."""
+        cfg, state, step = self.cfg, self.state, batch.step
+        for hook in self.hooks:
+            hook.on_step_begin(self.run, step)
+        lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
+        apply_lr(self.optimizer, lr)
+        loss, grad_norm = self.forward_backward(batch)
+        verdict = self._verdict(step, loss, grad_norm)
         if verdict == "ok" and not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the guard is off
             # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
             raise FloatingPointError(
@@ -183,92 +179,112 @@ def _train_steps(run: Run, env: TrainEnv, stream_from: Callable[[TrainState], To
                 f"not updated. Samples of this step: global positions [{state.position}, "
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
         if verdict == "rollback":
-            optimizer.zero_grad(set_to_none=True)
-            for hook in hooks:
-                hook.on_step_abandoned(run, step)
-            guard.roll_back(step, state, batch.next_position)
-            batches.close()
-            batches = stream_from(state).batches(state.position, state.step, last, state.tokens_seen // seq_len)
-            t0 = time.perf_counter()
-            continue
+            self.optimizer.zero_grad(set_to_none=True)
+            for hook in self.hooks:
+                hook.on_step_abandoned(self.run, step)
+            self.guard.roll_back(step, state, batch.next_position)
+            return None
         if verdict == "ok":
-            optimizer.step()
+            self.optimizer.step()
         elif verdict == "skip":
-            guard.skipped_step(step, [state.position, batch.next_position])
-        optimizer.zero_grad(set_to_none=True)
-
+            self.guard.skipped_step(step, [state.position, batch.next_position])
+        self.optimizer.zero_grad(set_to_none=True)
         state.step = step + 1
         state.position = batch.next_position
-        state.tokens_seen += batch.global_batch * seq_len
+        state.tokens_seen += batch.global_batch * self.spec.seq_len
+        return self._step_metrics(batch, loss, lr, grad_norm, verdict)
+
+    def forward_backward(self, batch: Batch) -> tuple[float, float]:
+        """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
+        the loss and the gradient norm, on the host."""
+        model, scaler = self.model, self.scaler
+        tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(self.world.device)
+        if scaler is not None:
+            model.loss_scale = scaler.scale = self.state.loss_scale
+        loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
+        if scaler is not None:
+            scaler.unscale(model.parts)
+        grad_norm = model.clip_grad_norm(self.cfg.optim.grad_clip)
+        # The step's one host sync: the guard judges every step by these two numbers (and without
+        # the guard, a non-finite one must stop the step before the optimizer takes it).
+        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.dtype)]).tolist()
+        return loss_value, norm_value
+
+    def _verdict(self, step: int, loss: float, grad_norm: float) -> str:
+        """"ok", "skip", "rollback" (the guard's), or "overflow": an fp16 overflow of the gradients
+        (a finite loss), which halves the loss scale and skips the step, unless the scale falls
+        below train.loss_scale_min: a divergence, rolled back (or, with the guard off, a stop)."""
+        cfg, guard, scaler = self.cfg, self.guard, self.scaler
+        if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
+            scaler.update(overflow=True)
+            self.state.loss_scale = scaler.scale
+            if scaler.scale >= cfg.train.loss_scale_min:
+                return "overflow"
+            if guard is None:
+                raise FloatingPointError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
+                                         f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
+            return guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
+        verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
+        if scaler is not None:
+            if verdict == "ok":
+                scaler.update(overflow=False)
+            self.state.loss_scale = scaler.scale
+        return verdict
+
+    def _step_metrics(self, batch: Batch, loss: float, lr: float, grad_norm: float, verdict: str) -> dict:
+        state, run = self.state, self.run
         now = time.perf_counter()
-        tokens_per_s = batch.global_batch * seq_len / (now - t0)
+        tokens_per_s = batch.global_batch * self.spec.seq_len / (now - self.t0)
         # position: where the next step's samples start, so an audit of metrics.jsonl alone
         # can tell which samples each committed step trained on (resume, resize, skip).
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch.global_batch,
-                   "position": state.position, "tokens": state.tokens_seen, "time": time.time(), "step_time": now - t0,
-                   "data_wait": data_wait, "checkpoint_s": checkpoint_s, "tokens_per_s": tokens_per_s,
-                   "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * world.world_size)}
-        t0, checkpoint_s = now, 0.0
-        if scaler is not None:
-            metrics["loss_scale"] = scaler.scale
-        if guard is not None:
-            metrics["skipped_steps"] = guard.skipped
+                   "position": state.position, "tokens": state.tokens_seen, "time": time.time(),
+                   "step_time": now - self.t0, "data_wait": self.data_wait, "checkpoint_s": self.checkpoint_s, "tokens_per_s": tokens_per_s,
+                   "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)}
+        self.t0, self.checkpoint_s = now, 0.0
+        if self.scaler is not None:
+            metrics["loss_scale"] = self.scaler.scale
+        if self.guard is not None:
+            metrics["skipped_steps"] = self.guard.skipped
             if verdict == "ok":
-                guard.after_healthy_step(state)
-        if cfg.train.audit_samples:
-            metrics["samples"] = _samples_of_step(model, batch.indices)
-        if evals is not None and (state.step == last or state.step % cfg.train.eval_every == 0):
-            metrics["val_loss"] = evals.loss(model, cfg.train.micro_batch_size)
-            metrics["val_bpb"] = evals.bits_per_byte(metrics["val_loss"])
-            t0 = time.perf_counter()  # evaluation is not step time
-        for hook in hooks:
-            hook.on_step_end(run, step, metrics)
-        run.history.append(metrics)
+                self.guard.after_healthy_step(state)
+        if self.cfg.train.audit_samples:
+            metrics["samples"] = _samples_of_step(self.model.dp_rank, batch.indices)
+        return metrics
 
-        if checkpointer.due(state.step, last):
+    def _after_step(self, step: int, metrics: dict) -> None:
+        """Evaluation, the hooks, then a checkpoint or a report to the cluster."""
+        cfg, state = self.cfg, self.state
+        if self.evals is not None and (state.step == self.last or state.step % cfg.train.eval_every == 0):
+            metrics["val_loss"] = self.evals.loss(self.model, cfg.train.micro_batch_size)
+            metrics["val_bpb"] = self.evals.bits_per_byte(metrics["val_loss"])
+            self.t0 = time.perf_counter()  # evaluation is not step time
+        for hook in self.hooks:
+            hook.on_step_end(self.run, step, metrics)
+        self.run.history.append(metrics)
+        if self.checkpointer.due(state.step, self.last):
             save_start = time.perf_counter()
-            if guard is not None:
-                guard.save_history(state)
-            checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": tokenizer_sha256},
-                              metrics)
-            t0 = time.perf_counter()
-            checkpoint_s = t0 - save_start  # outside step_time: reported with the next step
-            last_report = time.monotonic()
-        elif cfg.train.report_every_s > 0 and world.agree(
-                time.monotonic() - last_report >= cfg.train.report_every_s, "rank0"):
-            env.report(metrics)
-            last_report = time.monotonic()
-        if checkpointer.failing_since is not None and world.rank == 0:
-            print(f"WARNING: no checkpoint has been written since step {checkpointer.failing_since}: "
+            if self.guard is not None:
+                self.guard.save_history(state)
+            self.checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": self.spec.tokenizer_sha256},
+                                   metrics)
+            self.t0 = time.perf_counter()
+            self.checkpoint_s = self.t0 - save_start  # outside step_time: reported with the next step
+            self.last_report = time.monotonic()
+        elif cfg.train.report_every_s > 0 and self.world.agree(
+                time.monotonic() - self.last_report >= cfg.train.report_every_s, "rank0"):
+            self.env.report(metrics)
+            self.last_report = time.monotonic()
+        if self.checkpointer.failing_since is not None and self.world.rank == 0:
+            print(f"WARNING: no checkpoint has been written since step {self.checkpointer.failing_since}: "
                   "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
-    checkpointer.wait()
-    return metrics
 
 
-def _verdict(step: int, loss: float, grad_norm: float, cfg: Config, guard: Optional[Guard],
-             scaler: Optional[LossScaler]) -> str:
-    """"ok", "skip", "rollback" (the guard's), or "overflow": an fp16 overflow of the gradients
-    (a finite loss), which halves the loss scale and skips the step, unless the scale falls
-    below train.loss_scale_min: a divergence, rolled back (or, with the guard off, a stop)."""
-    if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
-        scaler.update(overflow=True)
-        if scaler.scale >= cfg.train.loss_scale_min:
-            return "overflow"
-        if guard is None:
-            raise FloatingPointError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
-                                     f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
-        return guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
-    verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
-    if scaler is not None and verdict == "ok":
-        scaler.update(overflow=False)
-    return verdict
-
-
-def _samples_of_step(model: ParallelModel, indices: list[int]) -> list[int]:
+def _samples_of_step(dp_rank: int, indices: list[int]) -> list[int]:
     """The global sample indices the whole step trained on. Ranks of one data-parallel rank's
     tensor/pipeline group hold the same rows, so each dp rank's rows count once."""
     if not dist.is_initialized():
         return sorted(indices)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (model.dp_rank, indices))
+    dist.all_gather_object(gathered, (dp_rank, indices))
     return sorted(i for rows in dict(gathered).values() for i in rows)

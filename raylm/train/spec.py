@@ -1,10 +1,11 @@
-"""A run resolved once, on the driver: its config checked against the model's shape rules and
-the parallel layout, filled in from its data (vocabulary, seq_len, absolute paths), and the
-datasets it reads. Workers receive the `RunSpec` whole; each checks that it sees the same
-data (one manifest read, compared by digest) instead of deriving anything again. Where a
-run's directory is (`run_uri`, `local_run_dir`) is also derived here, for the driver and workers.
+"""A run resolved once, on the driver: its config filled in from its data (vocabulary, seq_len,
+absolute paths), checked against the model's shape rules, its parallel layout resolved for every
+world size the run may have, and the datasets it reads. Workers receive the `RunSpec` whole; each
+checks that it sees the same data (one manifest read, compared by digest) and reads the layout of
+its world size instead of deriving anything again. Where a run's directory is (`run_uri`,
+`local_run_dir`) is also derived here, for the driver and workers.
 
-This is the one place where "resolve" happens; the config module knows neither the model nor
+This is the one place where "resolve" happens; the config package knows neither the model nor
 the layout, and the model and the layout know nothing of the data.
 """
 
@@ -22,7 +23,7 @@ from raylm.data.manifest import Manifest, load_dataset_tokenizer
 from raylm.data.storage import StorageError
 from raylm.data.stream import BatchSchedule, Datasets
 from raylm.model.sizes import check_model_config
-from raylm.parallel.layout import check_parallel_config
+from raylm.parallel.layout import ParallelDims, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class RunSpec:
     datasets: Datasets
     tokenizer_json: str
     """The datasets' tokenizer, saved into every checkpoint (generation and export need it)."""
+    layouts: dict[int, ParallelDims]
+    """The layout's degrees for every world size the run may have (an elastic run's range)."""
 
     @property
     def seq_len(self) -> int:
@@ -49,13 +52,32 @@ class RunSpec:
     def tokenizer_sha256(self) -> str:
         return self.datasets.manifest.tokenizer.sha256
 
+    def layout(self, world_size: int) -> ParallelDims:
+        """The resolved layout of a world of `world_size` ranks."""
+        try:
+            return self.layouts[world_size]
+        except KeyError:
+            p = self.config.parallel
+            raise ConfigError(f"this run was resolved for {sorted(self.layouts)} worker(s) (parallel.num_workers="
+                              f"{p.num_workers}, parallel.min_workers={p.min_workers}), but it runs on "
+                              f"{world_size}") from None
+
+    def with_config(self, cfg: Config) -> "RunSpec":
+        """Another run on the same data (a sweep's trial): `cfg` filled in and checked as
+        `resolve_run` does, without reading the data again."""
+        cfg = _fill_from_data(cfg, self.datasets.manifest, announce=False)
+        return dataclasses.replace(self, config=cfg, layouts=resolve_layouts(cfg, self.seq_len))
+
     def to_dict(self) -> dict:
         return {"config": config_to_dict(self.config), "datasets": self.datasets.to_dict(),
-                "tokenizer_json": self.tokenizer_json}
+                "tokenizer_json": self.tokenizer_json,
+                "layouts": [dataclasses.asdict(dims) for dims in self.layouts.values()]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunSpec":
-        return cls(config_from_dict(d["config"]), Datasets.from_dict(d["datasets"]), d["tokenizer_json"])
+        layouts = [ParallelDims(**dims) for dims in d["layouts"]]
+        return cls(config_from_dict(d["config"]), Datasets.from_dict(d["datasets"]), d["tokenizer_json"],
+                   {dims.world_size: dims for dims in layouts})
 
     def check_same_data(self, where: str) -> None:
         """Read the manifests again here (a worker) and compare: the same storage access and the
@@ -73,27 +95,52 @@ class RunSpec:
 
 
 def check_config(cfg: Config) -> None:
-    """The config against the model's shape rules and the parallel layout's (before the data has
-    supplied the vocabulary; they run again with it)."""
+    """What can be checked of `cfg` before its data is read: the model's shape rules and the
+    layout at every world size (the vocabulary and seq_len, which the data decides, unchecked)."""
     check_model_config(cfg.model, need_vocab=False)
-    check_parallel_config(cfg.parallel, cfg.model, cfg.parallel.num_workers, cfg.train.seq_len)
+    for world_size in world_sizes(cfg):
+        resolve_layout(cfg.parallel, cfg.model, world_size, cfg.train.seq_len)
 
 
 def resolve_run(cfg: Config, announce: bool = False) -> RunSpec:
-    """Check `cfg`, read its datasets once (verifying every shard when data.verify) and fill in
-    what the data decides. `announce` prints what was filled in (on the driver)."""
-    check_config(cfg)
+    """Read `cfg`'s dataset manifests, fill in what the data decides, check the model and resolve
+    the layout for every world size (with the batch split), then verify every shard when
+    data.verify (the one slow part, last). `announce` prints what was filled in (on the driver)."""
     cfg = _absolute_paths(cfg)
     datasets = Datasets.load(cfg.data, cfg.storage)
+    cfg = _fill_from_data(cfg, datasets.manifest, announce)
+    layouts = resolve_layouts(cfg, datasets.manifest.seq_len)
     if cfg.data.verify:
         for uri, manifest in zip(datasets.uris, datasets.manifests):
             verify_or_raise(uri, cfg.storage, manifest)
     tokenizer = load_dataset_tokenizer(datasets.uris[0], cfg.storage, datasets.manifest)
-    cfg = _fill_from_data(cfg, datasets.manifest, announce)
+    return RunSpec(cfg, datasets, tokenizer.to_json(), layouts)
+
+
+def world_sizes(cfg: Config) -> range:
+    """Every world size the run may have: num_workers, or an elastic run's [min_workers, num_workers]."""
+    parallel = cfg.parallel
+    return range(parallel.min_workers or parallel.num_workers, parallel.num_workers + 1)
+
+
+def resolve_layouts(cfg: Config, seq_len: int) -> dict[int, ParallelDims]:
+    """The layout of every world size the run may have, each checked, and each splitting every
+    global batch the run goes through into whole micro-batches per data-parallel rank: an elastic
+    resize keeps the global batch and recomputes gradient accumulation, and so does each stage of
+    a batch ramp-up."""
     check_model_config(cfg.model)
-    check_parallel_config(cfg.parallel, cfg.model, cfg.parallel.num_workers, cfg.train.seq_len)
-    check_world_sizes(cfg, datasets.manifest.seq_len)
-    return RunSpec(cfg, datasets, tokenizer.to_json())
+    sizes = world_sizes(cfg)
+    layouts = {n: resolve_layout(cfg.parallel, cfg.model, n, seq_len) for n in sizes}
+    micro = cfg.train.micro_batch_size
+    for global_batch in batch_schedule(cfg, seq_len).sizes():
+        bad = [n for n, dims in layouts.items() if global_batch % (dims.dp * micro)]
+        if bad:
+            parallel = cfg.parallel
+            raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, "
+                              f"pp={parallel.pp}, train.micro_batch_size={micro}); choose a global batch (and "
+                              f"batch_rampup sizes) that every size in [{sizes.start}, {sizes.stop - 1}] divides, "
+                              "or narrow the range")
+    return layouts
 
 
 def absolute(uri: str) -> str:
@@ -160,23 +207,3 @@ def batch_schedule(cfg: Config, seq_len: int) -> BatchSchedule:
         raise ConfigError(f"train.batch_rampup: start {ramp.start} must be below the global batch {final} and reach "
                           f"it in whole increments of {ramp.increment}")
     return BatchSchedule(final, ramp.start, ramp.increment, ramp.samples)
-
-
-def check_world_sizes(cfg: Config, seq_len: int) -> None:
-    """Every world size the run may have must split every global batch size it goes through into
-    whole micro-batches: an elastic resize keeps the global batch and recomputes gradient
-    accumulation, and so does each stage of a batch ramp-up."""
-    parallel = cfg.parallel
-    sizes = range(parallel.min_workers or parallel.num_workers, parallel.num_workers + 1)
-    for global_batch in batch_schedule(cfg, seq_len).sizes():
-        bad = []
-        for n in sizes:
-            dp = n // (parallel.tp * parallel.pp)
-            if n % (parallel.tp * parallel.pp) or global_batch % (dp * cfg.train.micro_batch_size):
-                bad.append(n)
-        if bad:
-            raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, "
-                              f"pp={parallel.pp}, train.micro_batch_size={cfg.train.micro_batch_size}); choose "
-                              f"a global batch (and batch_rampup sizes) that every size in "
-                              f"[{sizes.start}, {sizes.stop - 1}] divides, or narrow the range")
-

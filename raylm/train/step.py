@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from raylm.config import Config
 from raylm.parallel.fsdp import set_micro_batch_sync
-from raylm.parallel.layout import num_stages
+from raylm.parallel.layout import ParallelDims, num_stages
 from raylm.parallel.mesh import ParallelMesh
 from raylm.parallel.parallelize import describe_layout, parallelize
 from raylm.parallel.world import World
@@ -192,10 +192,11 @@ class ParallelModel:
             dist.all_reduce(squares, group=self.mesh.pp.get_group())
         norm = squares.sqrt()
         if max_norm > 0:
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            if coef < 1.0:
-                for group in groups.values():
-                    torch._foreach_mul_(group, coef)
+            # On the device (no host sync), in float64 as a Python float would be: gradients
+            # scaled by exactly the coefficient the host would compute; 1 leaves them as they are.
+            coef = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)
+            for group in groups.values():
+                torch._foreach_mul_(group, coef)
         return norm
 
     def train(self, mode: bool = True) -> None:
@@ -263,9 +264,10 @@ class PipelineModel(ParallelModel):
         return self._run(tokens, micro_batch_size, backward=False)
 
 
-def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World) -> ParallelModel:
-    """The model with the run's layout applied, ready for steps."""
-    built = parallelize(model_factory, cfg, world)
+def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World,
+                dims: ParallelDims) -> ParallelModel:
+    """The model with the run's layout (`dims`, resolved for this world) applied, ready for steps."""
+    built = parallelize(model_factory, cfg, world, dims)
     if built.stages:
         model: ParallelModel = PipelineModel(built.stages, cfg, world, built.mesh)
         model.layout["pp_layers"] = built.pp_layers

@@ -4,7 +4,7 @@ nodes of real `ray start` processes on 127.0.0.2-4).
 A run is a `raylm train` driver process joined to the cluster, as `ray job submit` would start
 it; the test kills a worker process or a whole node by PID while it trains, and checks what the
 run left behind: metrics.jsonl (with each step's sample indices), events.jsonl and the losses
-of an uninterrupted run. Checkpoint crashes, a full disk and retention are in test_checkpoint.py.
+of an uninterrupted run. Checkpoint crashes, a full disk and retention are in tests/train/checkpoint/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from raylm.config import load_config
 from raylm.data.stream import Datasets
 from tests.support.order import epoch_samples
 from cluster.chaos import TrainDriver, train_worker
-from raylm.train.records import read_jsonl
+from raylm.train.observe.records import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
 from tests.support.clusters import local_cluster as local_cluster_body
 from tests.support.fixtures import write_corpus

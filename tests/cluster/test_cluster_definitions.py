@@ -15,8 +15,8 @@ import torch
 import yaml
 
 from raylm.config import load_config
-from raylm.parallel.plan import run_plan
-from raylm.submit import check_job_config
+from raylm.parallel.planner.plan import run_plan
+from raylm.launch.submit import check_job_config
 
 REPO = Path(__file__).resolve().parents[2]
 AWS = REPO / "cluster" / "aws-a100.yaml"

@@ -27,9 +27,9 @@ import pytest
 from cluster.local import LocalCluster
 from raylm.config import StorageConfig
 from raylm.data import storage as store
-from raylm.submit import SubmitError, load_runtime_env, next_submission_id
-from raylm.train.checkpoint import checkpoint_uris, latest_complete
-from raylm.train.records import read_jsonl
+from raylm.launch.submit import SubmitError, load_runtime_env, next_submission_id
+from raylm.train.checkpoint.format import checkpoint_uris, latest_complete
+from raylm.train.observe.records import read_jsonl
 from tests.support.clusters import local_cluster as local_cluster_body
 from tests.support.fixtures import write_corpus
 

@@ -14,12 +14,12 @@ from raylm.config import ConfigError, ModelConfig, load_config
 from raylm.export.adapters import adapter_for
 from raylm.export.hf import export_hf, import_hf
 from raylm.export.hf_tokenizer import byte_tokenizer_json
-from raylm.generate import generate, load_for_inference
-from raylm.tokenizer import ByteTokenizer
-from raylm.train import checkpoint
+from raylm.inference.generate import generate
+from raylm.inference.load import load_for_inference
+from raylm.data.tokenizer import ByteTokenizer
+from raylm.train.checkpoint import format as checkpoint
 from raylm.train.hooks import Hook
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
+from raylm.train.loop import train_local
 from tests.train.test_loop import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +43,7 @@ def trained(tiny_dataset, tmp_path_factory) -> dict[str, str]:
     runs = {}
     for name, extra in FAMILIES.items():
         runs[name] = str(tmp_path_factory.mktemp("runs") / name)
-        train(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0", *extra),
-              LocalEnv(runs[name]))
+        train_local(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0", *extra), runs[name])
     return runs
 
 
@@ -147,7 +146,7 @@ def test_training_continues_from_an_imported_checkpoint(tiny_dataset, tmp_path):
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.tensorboard=false",
         "schedule.warmup_steps=1", "checkpoint.every_steps=3"])
     start = CheckStart()
-    final = train(cfg, LocalEnv(run), hooks=(start,))
+    final = train_local(cfg, run, hooks=(start,))
     assert start.step == 0
     for name, value in imported.state_dict().items():
         assert torch.equal(start.weights[name], value), name
@@ -183,8 +182,7 @@ def _cli_error(argv: list[str], capsys) -> str:
 @pytest.mark.slow
 def test_cli_errors_for_unexportable_model_missing_checkpoint_and_unimportable_model(tiny_dataset, tmp_path, capsys):
     run = str(tmp_path / "parallel-block")
-    train(tiny_config(tiny_dataset, "model.parallel_block=true", "train.steps=2", "train.eval_every=0"),
-          LocalEnv(run))
+    train_local(tiny_config(tiny_dataset, "model.parallel_block=true", "train.steps=2", "train.eval_every=0"), run)
     err = _cli_error(["export", run, "--output", str(tmp_path / "out")], capsys)
     assert "model.parallel_block=True" in err
     assert not os.path.exists(tmp_path / "out")  # nothing written

@@ -27,7 +27,7 @@ import yaml
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from raylm.train.checkpoint import MANIFEST
+from raylm.train.checkpoint.format import MANIFEST
 from tests.fuzz.conftest import examples, time_limit
 from tests.fuzz.strategies import BYTE_MUTATIONS, MARKER, TAGGED, byte_mutation
 from tests.support.checkpoints import make_run

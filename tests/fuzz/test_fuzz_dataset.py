@@ -26,7 +26,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from raylm.data.manifest import MANIFEST_FILE, TOKENS_COLUMN
-from raylm.tokenizer import TOKENIZER_FILE, tokenizer_from_json
+from raylm.data.tokenizer import TOKENIZER_FILE, tokenizer_from_json
 from tests.fuzz.conftest import examples, time_limit
 from tests.fuzz.strategies import BYTE_MUTATIONS, byte_mutation
 from tests.support.cli import Outcome, assert_clean_refusal, run_main

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from raylm.config import ConfigError, ModelConfig, config_from_dict
 from raylm.train.spec import check_config
-from raylm.model.presets import MODEL_SIZES, preset
+from raylm.config.presets import MODEL_SIZES, preset
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import Transformer
 

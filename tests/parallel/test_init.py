@@ -20,6 +20,7 @@ from raylm.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from raylm.model.sizes import count_params
 from raylm.model.transformer import ParamInit, Transformer
 from raylm.parallel.world import World
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import build_model
 from tests.support.distributed import run_distributed
 from tests.support.memory import startup_peak
@@ -61,7 +62,9 @@ def gathered_weights(cfg: Config) -> dict[str, np.ndarray]:
     """The parameters this rank holds, each gathered whole (collectives: every rank calls it);
     numpy arrays, which pickle by value (a tensor would be handed over in shared memory that
     its process takes with it on exit)."""
-    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
+    world = World.current()
+    model = build_model(lambda: Transformer(cfg.model), cfg, world,
+                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
     out = {}
     for name, param in model.model.named_parameters():
         whole = param.full_tensor() if isinstance(param, DTensor) else param

@@ -17,6 +17,7 @@ import torch
 from raylm.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import ParallelModel, build_model
 from raylm.train.optim import build_optimizer
 from tests.support.distributed import run_distributed
@@ -76,7 +77,9 @@ def global_batch(step: int) -> torch.Tensor:
 
 
 def build(cfg: Config) -> tuple[ParallelModel, torch.optim.Optimizer]:
-    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
+    world = World.current()
+    model = build_model(lambda: Transformer(cfg.model), cfg, world,
+                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
     return model, build_optimizer(model.parts, cfg.optim)
 
 

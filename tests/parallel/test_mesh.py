@@ -10,7 +10,7 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_dict
 from raylm.model.transformer import Transformer
-from raylm.parallel.layout import check_parallel_config, parallel_dims
+from raylm.parallel.layout import ParallelDims, resolve_layout
 from raylm.parallel.pipeline import (PIPELINE_SCHEDULES, balanced_split, even_split, layer_split, simulated_bubble, stage_ids,
                                      stage_module)
 from raylm.train.spec import check_config
@@ -24,7 +24,7 @@ def parallel(**fields) -> ParallelConfig:
 
 
 def test_dp_shard_is_inferred_from_the_world_size() -> None:
-    dims = parallel_dims(parallel(dp_replicate=2, tp=2, pp=2), 16)
+    dims = ParallelDims.of(parallel(dp_replicate=2, tp=2, pp=2), 16)
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (2, 2, 2, 2, 4)
 
 
@@ -45,12 +45,12 @@ def test_dp_shard_is_inferred_from_the_world_size() -> None:
 ])
 def test_invalid_layouts_say_why(fields: dict, world_size: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_parallel_config(parallel(**fields), MODEL, world_size)
+        resolve_layout(parallel(**fields), MODEL, world_size)
 
 
 def test_tied_embeddings_cannot_be_pipelined() -> None:
     with pytest.raises(ConfigError, match="untie them or set parallel.pp=1"):
-        check_parallel_config(parallel(pp=2), dataclasses.replace(MODEL, tie_embeddings=True), 2)
+        resolve_layout(parallel(pp=2), dataclasses.replace(MODEL, tie_embeddings=True), 2)
 
 
 def test_config_validation_checks_the_layout_against_num_workers() -> None:

@@ -1,7 +1,7 @@
 """Cross-layout resume: a checkpoint saved under one layout resumes under another (and in a
 single process) with the losses of an uninterrupted single-process run.
 
-Three steps under the saving layout, a DCP checkpoint through `raylm.train.checkpoint`, then
+Three steps under the saving layout, a DCP checkpoint through `raylm.train.checkpoint.format`, then
 two more steps under the resuming layout; the reference is `tests.parallel.test_layouts`'s
 single-process run of the same five steps.
 """
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
 from raylm.train.step import cross_entropy
-from raylm.train import checkpoint
+from raylm.train.checkpoint import format as checkpoint
 from tests.support.distributed import run_distributed
 from tests.parallel.test_layouts import (MICRO_BATCH, RTOL, STEPS, TP_SP, build, global_batch, make_config, reference,
                                          run_steps)

@@ -15,11 +15,12 @@ import torch
 from raylm.config import CONFIG_FILE, Config, config_to_yaml, load_config
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
-from raylm.tokenizer import TOKENIZER_FILE, ByteTokenizer
-from raylm.train.checkpoint import MANIFEST
-from raylm.train.checkpointer import Checkpointer
-from raylm.train.local_env import LocalEnv
+from raylm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from raylm.train.checkpoint.format import MANIFEST
+from raylm.train.checkpoint.policy import Checkpointer
+from raylm.train.env import LocalEnv
 from raylm.train.optim import build_optimizer
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import ParallelModel, build_model
 
 TOKENIZER_SHA = "byte-tokenizer-of-the-tests"
@@ -34,7 +35,9 @@ def tiny_config(*overrides: str) -> Config:
 
 def build(cfg: Config) -> tuple[ParallelModel, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = build_model(lambda: Transformer(cfg.model), cfg, World.current())
+    world = World.current()
+    model = build_model(lambda: Transformer(cfg.model), cfg, world,
+                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
     return model, build_optimizer(model.parts, cfg.optim)
 
 

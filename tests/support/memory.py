@@ -18,8 +18,9 @@ from torch.distributed.tensor import DTensor
 from raylm.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
-from raylm.train import checkpoint
+from raylm.train.checkpoint import format as checkpoint
 from raylm.train.optim import build_optimizer
+from raylm.parallel.layout import resolve_layout
 from raylm.train.step import build_model
 from tests.support.checkpoints import TOKENIZER_SHA, save_checkpoint, train_steps
 
@@ -50,7 +51,9 @@ def startup_peak(model_cfg: ModelConfig, sharding: str, whole: bool = False) -> 
     if whole:
         params = list(Transformer(model_cfg).parameters())
     else:
-        params = list(build_model(lambda: Transformer(cfg.model), cfg, World.current()).model.parameters())
+        world = World.current()
+        dims = resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len)
+        params = list(build_model(lambda: Transformer(cfg.model), cfg, world, dims).model.parameters())
     seconds = time.perf_counter() - start
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in params)
     return {"peak_mib": _status_mib("VmHWM") - before, "held_mib": held / 2**20, "seconds": seconds}
@@ -62,7 +65,8 @@ def load_peak(model_cfg: ModelConfig, sharding: str, run_dir: str) -> dict[str, 
     memory during the load alone (MiB): DCP reads into this rank's shards in place."""
     cfg = _config(model_cfg, sharding)
     world = World.current()
-    model = build_model(lambda: Transformer(cfg.model), cfg, world)
+    model = build_model(lambda: Transformer(cfg.model), cfg, world,
+                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
     optimizer = build_optimizer(model.parts, cfg.optim)
     train_steps(model, optimizer, range(1), vocab=model_cfg.vocab_size)
     path = save_checkpoint(run_dir, cfg, 1, model, optimizer)

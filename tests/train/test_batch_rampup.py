@@ -10,9 +10,8 @@ import pytest
 
 from raylm.config import ConfigError
 from raylm.data.stream import BatchSchedule
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.records import read_jsonl
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 from raylm.train.spec import resolve_run
 from tests.support.distributed import run_distributed
 from tests.train.test_loop import tiny_config
@@ -42,14 +41,14 @@ def _rows(run_dir: str) -> dict[int, dict]:
 
 def test_same_samples_in_order_and_an_exact_resume_mid_ramp(tiny_dataset, tmp_path):
     straight = str(tmp_path / "straight")
-    train(tiny_config(tiny_dataset, "train.steps=10", *RAMP), LocalEnv(straight))
+    train_local(tiny_config(tiny_dataset, "train.steps=10", *RAMP), straight)
     rows = _rows(straight)
     assert [rows[s]["global_batch"] for s in range(1, 11)] == SIZES
     samples = [i for s in range(1, 11) for i in rows[s]["samples"]]
     assert samples == list(range(sum(SIZES)))  # every sample once, in the order of a constant batch
     stopped = str(tmp_path / "stopped")
-    train(tiny_config(tiny_dataset, "train.steps=10", "train.stop_at_step=4", *RAMP), LocalEnv(stopped))
-    train(tiny_config(tiny_dataset, "train.steps=10", *RAMP), LocalEnv(stopped))  # resumes at step 4, mid-ramp
+    train_local(tiny_config(tiny_dataset, "train.steps=10", "train.stop_at_step=4", *RAMP), stopped)
+    train_local(tiny_config(tiny_dataset, "train.steps=10", *RAMP), stopped)  # resumes at step 4, mid-ramp
     again = _rows(stopped)
     for step in range(1, 11):
         assert again[step]["samples"] == rows[step]["samples"], step
@@ -57,7 +56,7 @@ def test_same_samples_in_order_and_an_exact_resume_mid_ramp(tiny_dataset, tmp_pa
 
 
 def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
-    train(tiny_config(dataset, *extra), LocalEnv(run_dir))
+    train_local(tiny_config(dataset, *extra), run_dir)
 
 
 @pytest.mark.slow
@@ -66,7 +65,7 @@ def test_a_resize_mid_ramp_keeps_the_schedule_and_the_samples(tiny_dataset, tmp_
     run_distributed(_train_ranks, 2, tiny_dataset, straight, "train.steps=10", *RAMP)
     resized = str(tmp_path / "resized")
     run_distributed(_train_ranks, 2, tiny_dataset, resized, "train.steps=10", "train.stop_at_step=4", *RAMP)
-    train(tiny_config(tiny_dataset, "train.steps=10", *RAMP), LocalEnv(resized))  # 1 rank from step 4
+    train_local(tiny_config(tiny_dataset, "train.steps=10", *RAMP), resized)  # 1 rank from step 4
     want, got = _rows(straight), _rows(resized)
     assert [got[s]["global_batch"] for s in range(1, 11)] == SIZES
     for step in range(1, 11):

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from raylm.config import ConfigError, load_config
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.records import read_jsonl
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 
 
 def tiny_config(dataset, *extra):
@@ -29,7 +28,7 @@ def losses(run_dir):
 
 
 def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
-    final = train(tiny_config(tiny_dataset, "train.steps=30", "checkpoint.every_steps=0"), LocalEnv(str(tmp_path)))
+    final = train_local(tiny_config(tiny_dataset, "train.steps=30", "checkpoint.every_steps=0"), str(tmp_path))
     with open(tmp_path / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == list(range(1, 31))
@@ -45,8 +44,7 @@ def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
 def test_tensorboard_holds_every_steps_metrics(tiny_dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.tensorboard=true"),
-          LocalEnv(str(tmp_path)))
+    train_local(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.tensorboard=true"), str(tmp_path))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
@@ -59,10 +57,10 @@ def test_tensorboard_holds_every_steps_metrics(tiny_dataset, tmp_path):
 def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
     # Dropout on: resuming must also restore the RNG to reproduce the losses.
     common = ("train.steps=12", "checkpoint.every_steps=3", "model.dropout=0.1")
-    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "straight")))
-    train(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), LocalEnv(str(tmp_path / "stopped")))
+    train_local(tiny_config(tiny_dataset, *common), str(tmp_path / "straight"))
+    train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), str(tmp_path / "stopped"))
     assert max(losses(tmp_path / "stopped")) == 6
-    train(tiny_config(tiny_dataset, *common), LocalEnv(str(tmp_path / "stopped")))
+    train_local(tiny_config(tiny_dataset, *common), str(tmp_path / "stopped"))
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "stopped")
     assert sorted(resumed) == list(range(1, 13))
     for step in range(7, 13):
@@ -71,11 +69,11 @@ def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
 
 def test_model_vocab_smaller_than_tokenizer_is_refused(tiny_dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"model.vocab_size=100 is smaller than the dataset's tokenizer vocabulary \(257"):
-        train(tiny_config(tiny_dataset, "model.vocab_size=100", "train.steps=2"), LocalEnv(str(tmp_path)))
+        train_local(tiny_config(tiny_dataset, "model.vocab_size=100", "train.steps=2"), str(tmp_path))
 
 
 def test_resume_refuses_a_checkpoint_of_another_tokenizer(tiny_dataset, tmp_path):
-    train(tiny_config(tiny_dataset, "train.steps=2", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+    train_local(tiny_config(tiny_dataset, "train.steps=2", "train.eval_every=0"), str(tmp_path))
     state_file = tmp_path / "checkpoint_00000002" / "train_state.json"
     state = json.loads(state_file.read_text())
     state["tokenizer_sha256"] = "0" * 64
@@ -87,12 +85,12 @@ def test_resume_refuses_a_checkpoint_of_another_tokenizer(tiny_dataset, tmp_path
                                              "sha256": hashlib.sha256(state_file.read_bytes()).hexdigest()}
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=r"cannot resume.*\n  tokenizer: saved sha256 000000000000"):
-        train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=0"), LocalEnv(str(tmp_path)))
+        train_local(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=0"), str(tmp_path))
 
 
 def test_global_batch_that_does_not_split_is_a_clear_error(tiny_dataset, tmp_path):
     with pytest.raises(ValueError, match="micro_batch_size=3"):
-        train(tiny_config(tiny_dataset, "train.micro_batch_size=3", "train.steps=2"), LocalEnv(str(tmp_path)))
+        train_local(tiny_config(tiny_dataset, "train.micro_batch_size=3", "train.steps=2"), str(tmp_path))
 
 
 def test_z_loss_adds_palms_term_to_the_training_loss_only(tiny_dataset, tmp_path):
@@ -102,9 +100,8 @@ def test_z_loss_adds_palms_term_to_the_training_loss_only(tiny_dataset, tmp_path
     log_z = torch.logsumexp(logits, dim=-1)
     assert training_loss(0.0) is cross_entropy
     assert torch.allclose(training_loss(1e-2)(logits, targets), cross_entropy(logits, targets) + 1e-2 * (log_z ** 2).mean())
-    plain = train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4"), LocalEnv(str(tmp_path / "a")))
-    with_z = train(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4", "train.z_loss=1e-2"),
-                   LocalEnv(str(tmp_path / "b")))
+    plain = train_local(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4"), str(tmp_path / "a"))
+    with_z = train_local(tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=4", "train.z_loss=1e-2"), str(tmp_path / "b"))
     first = lambda run: read_jsonl(str(tmp_path / run / "metrics.jsonl"))[0]["loss"]  # noqa: E731
     assert first("b") > first("a") + 1e-3  # same weights at step 1: the difference is the z term
     assert with_z["val_loss"] != plain["val_loss"]  # the updates differ, the measure does not

@@ -8,9 +8,8 @@ import os
 import pytest
 
 from raylm.config import ConfigError
-from raylm.train.local_env import LocalEnv
-from raylm.train.loop import train
-from raylm.train.records import read_jsonl
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 from tests.train.test_loop import tiny_config
 
 COMMON = ("train.eval_every=0", "train.tensorboard=false", "checkpoint.every_steps=4", "schedule.name=constant",
@@ -19,9 +18,9 @@ COMMON = ("train.eval_every=0", "train.tensorboard=false", "checkpoint.every_ste
 
 def test_a_new_lr_and_skip_range_take_effect_and_are_recorded(tiny_dataset, tmp_path):
     run = str(tmp_path / "run")
-    train(tiny_config(tiny_dataset, "train.steps=4", *COMMON), LocalEnv(run))
-    train(tiny_config(tiny_dataset, "train.steps=8", *COMMON, "optim.lr=2e-3", "data.skip=[[32, 48]]",
-                      "optim.grad_clip=0.5"), LocalEnv(run))
+    train_local(tiny_config(tiny_dataset, "train.steps=4", *COMMON), run)
+    train_local(tiny_config(tiny_dataset, "train.steps=8", *COMMON, "optim.lr=2e-3", "data.skip=[[32, 48]]",
+                      "optim.grad_clip=0.5"), run)
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
     assert rows[4]["lr"] == pytest.approx(1e-2) and rows[5]["lr"] == pytest.approx(2e-3)
     assert rows[4]["position"] == 32 and rows[5]["position"] == 56  # [32, 48) left out
@@ -38,8 +37,8 @@ def test_a_new_lr_and_skip_range_take_effect_and_are_recorded(tiny_dataset, tmp_
 ])
 def test_a_changed_shape_is_refused_listing_every_key(tiny_dataset, tmp_path, change, keys):
     run = str(tmp_path / "run")
-    train(tiny_config(tiny_dataset, "train.steps=4", *COMMON), LocalEnv(run))
+    train_local(tiny_config(tiny_dataset, "train.steps=4", *COMMON), run)
     with pytest.raises(ConfigError, match="cannot resume") as refused:
-        train(tiny_config(tiny_dataset, "train.steps=8", *COMMON, *change), LocalEnv(run))
+        train_local(tiny_config(tiny_dataset, "train.steps=8", *COMMON, *change), run)
     for key in keys:
         assert key in str(refused.value)

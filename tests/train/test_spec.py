@@ -13,10 +13,10 @@ from raylm.config import ConfigError
 from raylm.data import storage
 from raylm.data.prepare import prepare_dataset
 from raylm.data.storage import StorageError
-from raylm.tokenizer import ByteTokenizer
+from raylm.data.tokenizer import ByteTokenizer
 from raylm.train.spec import RunSpec, resolve_run
 from tests.support.fixtures import write_corpus
-from tests.test_tokenizer import llama_like_tokenizer_json
+from tests.data.test_tokenizer import llama_like_tokenizer_json
 from tests.train.test_loop import tiny_config
 
 

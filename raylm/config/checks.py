@@ -1,0 +1,80 @@
+"""Cross-field checks of a config: what the config alone can tell (ranges, fields that contradict
+each other). The model's shape rules and the parallel layout's are checked against it when a run
+is resolved (`raylm.train.spec`), which knows the model, the layout and the data."""
+
+from __future__ import annotations
+
+from raylm.config.schema import Config
+from raylm.errors import ConfigError
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's type cannot express (the config alone)."""
+    m, t = cfg.model, cfg.train
+    positive = {"train.steps": t.steps, "train.micro_batch_size": t.micro_batch_size,
+                "parallel.num_workers": cfg.parallel.num_workers, "data.chunk_rows": cfg.data.chunk_rows}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    ramp = t.batch_rampup
+    if ramp is not None and min(ramp.start, ramp.increment, ramp.samples) <= 0:
+        raise ConfigError(f"train.batch_rampup: start, increment and samples must be positive, got {ramp}")
+    if (t.global_batch_size is None) == (t.global_batch_tokens is None):
+        raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
+                          "(set the other to null)")
+    if t.seq_len is not None and t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if cfg.data.path and cfg.data.mixture:
+        raise ConfigError("set data.path or data.mixture, not both")
+    if t.z_loss < 0 or (t.z_loss and cfg.parallel.loss_parallel):
+        raise ConfigError(f"train.z_loss must be >= 0 and cannot be combined with parallel.loss_parallel "
+                          f"(the logits stay sharded by vocabulary there), got {t.z_loss}")
+    g = cfg.guard
+    guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.rollback_after": g.rollback_after,
+                      "guard.rollback_window": g.rollback_window, "guard.max_rollbacks": g.max_rollbacks,
+                      "guard.stop_window": g.stop_window}
+    for key, value in guard_positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if not 0.0 < g.lr_factor <= 1.0:
+        raise ConfigError(f"guard.lr_factor must be in (0, 1], got {g.lr_factor}")
+    if g.norms_every < 0:
+        raise ConfigError(f"guard.norms_every must be >= 0, got {g.norms_every}")
+    if g.min_history < 2 or g.snapshot_every < 1:
+        raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
+                          f"{g.min_history} and {g.snapshot_every}")
+    if cfg.data.shard_cache_mb < 0:
+        raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")
+    r = cfg.run
+    if min(r.watchdog_startup_s, r.watchdog_factor, r.watchdog_min_s) < 0:
+        raise ConfigError("run.watchdog_startup_s, run.watchdog_factor and run.watchdog_min_s must be >= 0")
+    cpus = cfg.parallel.cpus_per_worker
+    if cpus != "auto" and cpus <= 0:
+        raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")
+    for i, pair in enumerate(cfg.data.skip):
+        if len(pair) != 2 or not 0 <= pair[0] < pair[1]:
+            raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")
+    s = cfg.schedule
+    if s.warmup_steps < 0 or s.warmup_steps > t.steps:
+        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={t.steps}]")
+    if not 0.0 < s.decay_fraction <= 1.0:
+        raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr must be positive, got {cfg.optim.lr}")
+    if s.name in ("cosine", "wsd") and s.min_lr > cfg.optim.lr:
+        raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above optim.lr ({cfg.optim.lr}): the {s.name} "
+                          "schedule would rise while it decays; lower schedule.min_lr or raise optim.lr")
+    if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
+        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
+                          f"got {t.eval_every} and {t.eval_batches}")
+
+
+def global_batch_sequences(cfg: Config, seq_len: int) -> int:
+    """The global batch in sequences, from whichever of the two settings is given."""
+    t = cfg.train
+    if t.global_batch_size is not None:
+        return t.global_batch_size
+    if t.global_batch_tokens % seq_len:
+        raise ConfigError(f"train.global_batch_tokens ({t.global_batch_tokens}) is not a multiple "
+                          f"of seq_len ({seq_len})")
+    return t.global_batch_tokens // seq_len

@@ -1,0 +1,209 @@
+"""A config from YAML and dotted overrides, and back: every value checked against its field's type,
+unknown keys refused with the valid ones named, named model sizes expanded under explicit keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import reprlib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from raylm.config.checks import validate
+from raylm.config.presets import preset
+from raylm.config.schema import Config, ModelConfig
+from raylm.errors import ConfigError
+
+# Values quoted in errors: a YAML file can alias one list into 10^9 leaves; a message shows a few.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 3, 4, 4, 80, 80
+
+
+def type_name(tp: Any) -> str:
+    """An annotation as a config key's type reads in errors and help: 'fp32' | 'bf16', list[int]."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{type_name(typing.get_args(tp)[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, building nested dataclasses from dicts."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not {type_name(tp)}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{key}: expected null, got {_QUOTE.repr(value)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not one of {type_name(tp)}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {_QUOTE.repr(value)}")
+        (arm,) = typing.get_args(tp)
+        return [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {_QUOTE.repr(value)}")
+        return build_dataclass(tp, value, key)
+    if tp is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:  # an int; or a string, as YAML 1.1 reads "3e-4" (no dot)
+            number = float(value)
+        except (ValueError, OverflowError):
+            pass
+        else:  # "1e400" and ".inf" are no setting's meaning; nan compares false with every bound
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: expected a finite number, got {_QUOTE.repr(value)}")
+            return number
+    if tp is bool or tp is int:
+        if type(value) is tp:
+            return value
+    elif tp is not float and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {_QUOTE.repr(value)}")
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Each field's annotation, resolved (the schema module uses postponed annotations)."""
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(cls: type, key: object, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    key = key if isinstance(key, str) else _QUOTE.repr(key)  # YAML reads `1:` and `on:` as an int and True
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    where = prefix or "the top level"
+    return ConfigError(f"unknown key {prefix + '.' if prefix else ''}{key}{hint}; "
+                       f"valid keys in {where}: {', '.join(names)}")
+
+
+def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
+    if cls is ModelConfig and values.get("size"):  # named sizes are defaults under explicit keys
+        values = {**preset(_coerce(values["size"], str, f"{prefix}.size")), **values}
+    hints = field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise _unknown_key(cls, key, prefix)
+        kwargs[key] = _coerce(value, hints[key], f"{prefix}.{key}" if prefix else key)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing := [name for name in required if name not in kwargs]:
+        raise ConfigError(f"{prefix or 'config'}: missing {', '.join(missing)} (required: {', '.join(required)})")
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["model.n_layers=4", "optim.lr=3e-4"]` -> nested dict, values parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            raise ConfigError(f"override {key}: the value {raw!r} is not valid YAML ({e})") from None
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def merge_trees(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_trees(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults, then the YAML file at `path`, then dotted `overrides`; validated."""
+    tree: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({e})") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # `!!int "12x"`; nested too deep
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
+        tree = loaded or {}
+    tree = merge_trees(tree, parse_overrides(overrides or []))
+    cfg = build_dataclass(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    cfg = build_dataclass(Config, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def flat_keys(tree: dict, prefix: str = "") -> dict:
+    """A config tree as dotted key -> leaf value."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, list]:
+    """Dotted key -> [old value, new value] for every leaf that differs between two config trees."""
+    changes: dict[str, list] = {}
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b:
+            changes[prefix + key] = [a, b]
+    return changes
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

@@ -1,0 +1,342 @@
+"""The typed configuration of a raylm run: one dataclass per section, the whole run in `Config`.
+
+One `Config` describes a run from a laptop to a cluster. Field docstrings (the string literal
+under each field) are the help text shown by `raylm train --help-config` (`raylm.config.describe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+CONFIG_FILE = "config.yaml"  # the resolved config, in every run directory and checkpoint
+
+# Choices that other modules enumerate (`typing.get_args`) rather than repeat.
+LRScheduleName = Literal["cosine", "linear", "inverse_sqrt", "wsd", "constant"]
+Sharding = Literal["none", "optimizer", "gradients", "full"]
+ActivationCheckpointing = Literal["none", "full", "every_k"]
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                               "zbv_zero_bubble", "dualpipev"]
+
+
+@dataclass
+class ModelConfig:
+    size: Optional[str] = None
+    """Named size (see `raylm.config.presets.MODEL_SIZES`); its values are defaults that the
+    other keys given next to it override."""
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None
+    """Key/value heads: None or n_heads for MHA, 1 for MQA, a divisor of n_heads for GQA."""
+    vocab_size: Optional[int] = None
+    """None takes the prepared dataset's vocabulary size (padded to vocab_multiple);
+    an explicit value smaller than the tokenizer's vocabulary is an error."""
+    vocab_multiple: int = 1
+    """Pad the embedding table to a multiple of this (64 speeds up GPU matmuls)."""
+    max_seq_len: int = 256
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    pos_embedding: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    mlp: Literal["swiglu", "gelu", "relu"] = "swiglu"
+    ffn_hidden: Optional[int] = None
+    """MLP hidden width; None gives 4*d_model (gelu, relu) or the LLaMA 2/3 * 4*d_model
+    rounded up to ffn_multiple (swiglu)."""
+    ffn_multiple: int = 64
+    parallel_block: bool = False
+    """PaLM-style block: attention and MLP read the same normed input and are summed."""
+    tie_embeddings: bool = False
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class MixtureComponent:
+    path: str
+    """Prepared dataset directory or s3:// URI."""
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Prepared dataset (directory or s3:// URI written by `raylm prepare`)."""
+    mixture: list[MixtureComponent] = field(default_factory=list)
+    """Weighted datasets to interleave instead of `path` (weights are normalised)."""
+    seed: int = 0
+    """Seeds the sample order: the order is a pure function of (manifests, seed, epoch)."""
+    chunk_rows: int = 64
+    """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
+    loader: Literal["auto", "ray", "local"] = "auto"
+    """`ray` streams rows through Ray Data: one reader actor per rank (on the rank's node when it
+    has room) prefetches in the background; `local` reads with pyarrow on a thread of the
+    training process. auto: `ray` on a joined cluster, `local` on a Ray that raylm starts on this
+    machine (Ray Data's actors would cost a one-machine run seconds of start-up and buy nothing)
+    and in runs without Ray."""
+    verify: bool = True
+    """Check every shard's checksum and row count on the driver before training starts
+    (reads the dataset once; turn off for datasets too large to read up front)."""
+    prefetch_chunks: int = 4
+    shard_cache_mb: int = 1024
+    """Each reading process keeps whole shards in memory when the split fits in this many MiB
+    (one fetch per shard); a larger split is read by the row groups each batch needs. 0: never cache."""
+    skip: list[list[int]] = field(default_factory=list)
+    """Global sample ranges [start, end) never fed to the model (rolling past bad data)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    """Applied to 2-D parameters (weight matrices, embeddings) only, never to biases or norm gains."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass
+class ScheduleConfig:
+    name: LRScheduleName = "cosine"
+    warmup_steps: int = 100
+    min_lr: float = 3e-5
+    """Floor of cosine and wsd decay."""
+    final_lr_fraction: float = 0.1
+    """`linear`: decay to this fraction of lr at the last step (OPT used 0.1)."""
+    decay_fraction: float = 0.2
+    """`wsd`: the final fraction of steps spent decaying to min_lr."""
+
+
+@dataclass
+class BatchRampup:
+    """Megatron's --rampup-batch-size: the global batch grows from `start` by `increment` in
+    equal shares of `samples`, then stays at the configured global batch (PaLM, GPT-3)."""
+
+    start: int
+    increment: int
+    samples: int
+    """Samples consumed over the whole ramp."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch_size: Optional[int] = 32
+    """Sequences per optimizer step, across all data-parallel ranks."""
+    global_batch_tokens: Optional[int] = None
+    """Alternative to global_batch_size: tokens per optimizer step (a multiple of seq_len)."""
+    batch_rampup: Optional[BatchRampup] = None
+    """Grow the global batch at the start, e.g. {start: 8, increment: 8, samples: 4096}; every size
+    must split over the data-parallel ranks in whole micro-batches."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; accumulation fills the global batch."""
+    seq_len: Optional[int] = None
+    """Tokens per training sequence; None takes the dataset's seq_len."""
+    stop_at_step: Optional[int] = None
+    """End this invocation after this step, with a checkpoint, leaving the schedule to
+    train.steps (time-boxed or preemptible jobs; the next invocation resumes)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """bf16/fp16 run the forward under autocast; weights and optimizer stay fp32. fp16 (and
+    parallel.param_dtype=fp16) adds dynamic loss scaling."""
+    loss_scale_initial: float = 65536.0
+    """fp16: the first loss scale (torch.amp.GradScaler's default)."""
+    loss_scale_growth_interval: int = 2000
+    """fp16: clean steps before the scale doubles; an overflow halves it and skips the step."""
+    loss_scale_min: float = 1.0
+    """fp16: a scale below this is a divergence, not an overflow (metaseq's alarm): the guard rolls
+    back (or, with the guard off, the run stops)."""
+    seed: int = 1337
+    eval_every: int = 100
+    """Validation loss on the held-out split every N steps (and at the last step); 0: never."""
+    eval_batches: int = 8
+    log_every: int = 1
+    """Steps between progress lines; metrics.jsonl gets every step."""
+    report_every_s: float = 30.0
+    """Seconds between metrics-only reports to Ray Train (Tune sees these); 0: only with
+    checkpoints. Each report holds every rank about a second (Ray's cross-rank barrier and its
+    one-slot result queue, drained once per controller poll), so reports go by time, not steps."""
+    z_loss: float = 0.0
+    """PaLM's z-loss weight (1e-4 in PaLM): adds z_loss * log(Z)^2 to the training loss (the
+    reported `loss` includes it; `val_loss` is plain cross entropy). 0: off."""
+    compile: bool = False
+    peak_tflops: Optional[float] = None
+    """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
+    tensorboard: bool = True
+    trackers: list[Literal["mlflow", "wandb"]] = field(default_factory=list)
+    """Experiment trackers besides metrics.jsonl and TensorBoard (extra `tracking`); their
+    credentials and endpoints come from the environment only (see raylm/train/observe/trackers.py)."""
+    audit_samples: bool = False
+    """Add to each step's metrics.jsonl row the sorted global indices of the samples it trained
+    on, gathered from every data-parallel rank: the record that proves no sample was lost or
+    repeated across restarts and resizes. Costs a gather per step; for tests and audits."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 500
+    """Save every N steps (and at the last step); 0 saves only at the end."""
+    every_minutes: Optional[float] = None
+    """Also save when this many minutes have passed since the last save (rank 0's clock)."""
+    on_unusable: Literal["fail", "start_over"] = "fail"
+    """When the run directory holds finished checkpoints and none is usable (corrupt, unparseable,
+    a checksum mismatch): `fail` stops, naming each; `start_over` trains from step 0 beside them."""
+    resume: Literal["auto", "never", "required"] = "auto"
+    """`auto` resumes from the run's latest complete checkpoint when there is one; `required`
+    fails without one; `never` fails if the run directory already holds one (a fresh run).
+    Restarts after a failure or resize always resume from the latest complete checkpoint."""
+    keep_last: Optional[int] = None
+    """Keep only this many most recent checkpoints (None keeps all) ..."""
+    keep_every: Optional[int] = None
+    """... plus every checkpoint whose step is a multiple of this."""
+    async_save: bool = False
+    """Stage the state in memory and write it in the background (DCP async_save on a process
+    group of its own); training continues while the checkpoint is written and published."""
+    write_attempts: int = 3
+    """Attempts to write a checkpoint (with backoff) before the failure counts."""
+    allow_failures: bool = False
+    """Keep training when a checkpoint cannot be written, warning on every step until one
+    succeeds. Off (the default): training stops with the error; it never goes on silently."""
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = 2
+    """Ray Train workers (processes); one per GPU with use_gpu. The most workers when elastic."""
+    min_workers: Optional[int] = None
+    """Elastic: run on as few as this many workers when nodes drop, growing back to num_workers
+    when capacity returns (each resize restarts from the latest checkpoint)."""
+    resize_check_s: float = 10.0
+    """Elastic: how often Ray Train looks for capacity to grow into."""
+    use_gpu: bool = False
+    """GPUs and NCCL; otherwise CPU and gloo."""
+    cpus_per_worker: Union[float, Literal["auto"]] = "auto"
+    """CPUs each worker reserves, and its torch threads. auto: a local Ray started by raylm gives
+    the workers all the machine's cores (cores ÷ num_workers, at least 1); on a joined cluster,
+    1 (GPU workers need few, and a CPU cluster's node size is not known before placement)."""
+    dp_replicate: int = 1
+    """Data-parallel replicas; with dp_shard > 1 and sharding != none this is HSDP: shard within
+    a group of dp_shard ranks (a node), replicate across groups."""
+    dp_shard: int = -1
+    """Data-parallel ranks that shard parameters/gradients/optimizer state (per `sharding`);
+    -1 infers it: world size / (dp_replicate * tp * pp)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row splits); divides n_heads, n_kv_heads,
+    the MLP width and the vocabulary."""
+    pp: int = 1
+    """Pipeline-parallel degree: ranks that each hold a contiguous group of layers."""
+    sharding: Sharding = "none"
+    """none: DDP (replicate over every data-parallel rank); optimizer: ZeRO-1, gradients:
+    ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py)."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute blocks' activations in backward: none, every block (full), or every
+    ac_every-th block (every_k)."""
+    ac_every: int = 2
+    """every_k: checkpoint blocks whose index is a multiple of this."""
+    param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Dtype FSDP2/replicate compute in (parameters are cast for forward/backward; the sharded
+    master copy and the optimizer stay fp32). Needs torch.distributed; fp16 adds dynamic loss scaling (train.loss_scale_*)."""
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype of gradient reductions across data-parallel ranks."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 sharding only)."""
+    sequence_parallel: bool = False
+    """With tp > 1: shard norms and the residual stream along the sequence (needs seq_len % tp == 0)."""
+    loss_parallel: bool = False
+    """With tp > 1: cross entropy on vocabulary-sharded logits, never gathering them."""
+    pp_schedule: PipelineScheduleName = "1f1b"
+    """torch.distributed.pipelining schedule. gpipe, 1f1b: one stage per rank; interleaved_1f1b,
+    looped_bfs, interleaved_zero_bubble: pp_virtual_stages >= 2 per rank (looped);
+    zbv_zero_bubble, dualpipev: exactly 2 per rank in a V."""
+    pp_microbatches: Optional[int] = None
+    """Micro-batches per pipeline step; None: local batch / train.micro_batch_size."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank (model chunks); total stages = pp * pp_virtual_stages."""
+    pp_layer_split: list[int] = field(default_factory=list)
+    """Layers per stage in order, e.g. [3, 5] (sums to model.n_layers); empty: by pp_balance."""
+    pp_balance: Literal["params", "layers"] = "params"
+    """Without pp_layer_split: contiguous stages with balanced parameter counts (the embedding
+    counts on the first stage, norm and head on the last) or balanced layer counts."""
+
+
+@dataclass
+class StorageConfig:
+    endpoint_url: Optional[str] = None
+    """S3-compatible endpoint (e.g. http://127.0.0.1:8333); None uses AWS's."""
+    region: Optional[str] = None
+    """Region; None takes AWS_REGION / AWS_DEFAULT_REGION / the profile, else us-east-1."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "raylm"
+    storage_path: str = "runs"
+    """Where run directories live: a local directory or s3:// URI."""
+    ray_address: Optional[str] = None
+    """None or "local" starts a local Ray; "auto" or host:port joins a running cluster."""
+    ray_num_cpus: Optional[int] = None
+    """Logical CPUs of a local Ray started by raylm (None: enough for the workers and data)."""
+    dashboard: bool = False
+    """Start Ray's dashboard (its address printed at start) and State API with a local Ray. Off,
+    a local run starts about 2.5 s sooner and steps faster: the dashboard's processes take CPU
+    from the training on a small machine. A joined cluster's dashboard is the cluster's."""
+    max_failures: int = 3
+    """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
+    health_check: bool = True
+    """Self-test each worker at start (allocation, matmul, all-reduce against known values)."""
+    watchdog_startup_s: float = 600.0
+    """Seconds a (re)started worker may take to its first step; also what the first checkpoint or
+    evaluation may add."""
+    watchdog_factor: float = 20.0
+    """Fail a worker that makes no step within this × the median step time (at least
+    watchdog_min_s), naming what is pending; 0 disables the watchdog."""
+    watchdog_min_s: float = 120.0
+    """The shortest limit between steps."""
+    verbose: bool = False
+    """Show Ray Train's and Ray Data's own progress logs (each report, dataset executions);
+    off, the console holds raylm's progress lines, events and warnings."""
+    straggler_factor: float = 3.0
+    """Report ranks whose rank-local step time exceeds this × the median rank's; 0 disables."""
+
+
+@dataclass
+class GuardConfig:
+    """The stability guard: what OPT's and PaLM's teams did by hand when the loss spiked."""
+
+    enabled: bool = True
+    window: int = 128
+    """Recent healthy steps whose loss and grad norm give the rolling mean and deviation."""
+    sigmas: float = 6.0
+    """A step whose loss or grad norm exceeds the rolling mean by this many deviations is an outlier."""
+    min_history: int = 20
+    """Healthy steps seen before any step is judged an outlier (the start of a run moves fast)."""
+    rollback_after: int = 3
+    """This many outliers within rollback_window steps roll the run back (one alone is skipped)."""
+    rollback_window: int = 50
+    snapshot_every: int = 25
+    """Steps between in-memory snapshots of the healthy state (model, optimizer, RNG) to roll
+    back to; one is also kept from the start of the invocation."""
+    lr_factor: float = 1.0
+    """Multiply the LR by this at each rollback (PaLM and OPT lowered it; 1 keeps it)."""
+    max_rollbacks: int = 3
+    """This many rollbacks within stop_window steps stop the run with an error naming them."""
+    stop_window: int = 1000
+    norms_every: int = 100
+    """Every N steps, per-layer activation and parameter norms as metrics (act_norm/*,
+    param_norm/*); 0: never. Works with the guard on or off."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)

@@ -1,0 +1,117 @@
+"""A trained checkpoint, found and checked, as a plain single-process model with its tokenizer and
+config (local or s3:// checkpoints and runs): what generation, evaluation and export start from."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+import warnings
+from typing import Iterator, Optional
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_from_dict
+from raylm.data import storage
+from raylm.model.sizes import count_params
+from raylm.model.transformer import Transformer
+from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.resume import read_saved_config
+from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
+
+
+def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> str:
+    """A checkpoint directory, or the newest usable one inside a run directory (local or s3://)."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1]
+    if checkpoint.is_checkpoint_name(name) or storage.exists(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg):
+        return uri  # a checkpoint, whole or not: check_sound says what is wrong with it
+    latest, unusable = checkpoint.scan(uri, storage_cfg)
+    if latest is None:
+        unfinished = [(u, f"no {checkpoint.MANIFEST} (the save did not finish)") for u in checkpoint.checkpoint_uris(
+            uri, storage_cfg) if not storage.exists(storage.join(u, checkpoint.MANIFEST), storage_cfg)]
+        why = "".join(f"\n  {name}: {problem}" for name, problem in unusable + unfinished)
+        raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one" +
+                                (f"; its checkpoints cannot be used:{why}" if why else ""))
+    return latest
+
+
+@contextlib.contextmanager
+def local_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Iterator[str]:
+    """The checkpoint at `uri` as a local directory: itself, or a temporary copy of an s3:// one
+    (DCP reads files)."""
+    if not storage.is_s3(uri):
+        yield uri
+        return
+    with tempfile.TemporaryDirectory(prefix="raylm-checkpoint-") as directory:
+        storage.copy_dir(uri, directory, storage_cfg)
+        yield directory
+
+
+def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[Transformer, Tokenizer, Config]:
+    # One process is the point here; DCP warns that it assumes so.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    resolved = resolve_checkpoint(uri, storage_cfg)
+    with local_checkpoint(resolved, storage_cfg) as directory:
+        # Every checksum, before any file is parsed.
+        checkpoint.check_sound(directory, resolved, require_manifest=True)
+        try:
+            cfg = config_from_dict(read_saved_config(directory))
+        except ConfigError as e:
+            raise ConfigError(f"{uri}: the checkpoint's {CONFIG_FILE} cannot be used: {e}") from e
+        model = _build_model(cfg, directory, resolved)
+        checkpoint.load_model_weights(directory, model, check=False)
+        tokenizer = read_checkpoint_tokenizer(directory, resolved)
+    model.eval()
+    return model, tokenizer, cfg
+
+
+def read_checkpoint_tokenizer(directory: str, uri: str) -> Tokenizer:
+    """The tokenizer saved in the local checkpoint `directory` (`uri` names it in errors)."""
+    with open(os.path.join(directory, TOKENIZER_FILE), "rb") as f:
+        data = f.read()
+    try:
+        return tokenizer_from_json(data.decode("utf-8"), name=storage.join(uri, TOKENIZER_FILE))
+    except ValueError as e:  # not UTF-8, not JSON, not a tokenizer
+        raise checkpoint.CheckpointError(f"{uri}: its {TOKENIZER_FILE} cannot be used: {e}") from None
+
+
+def _build_model(cfg: Config, directory: str, uri: str) -> Transformer:
+    """The model the saved config describes, built only when the checkpoint's tensors can fill
+    it: a config.yaml that claims more parameters than were saved (corrupt, or forged along with
+    the manifest) must not make this process allocate them."""
+    with open(os.path.join(directory, METADATA_FILE), "rb") as f:
+        entries = read_metadata(f.read()).state_dict_metadata  # parsed once already by check_sound
+    saved = sum(math.prod(e.size) for name, e in entries.items()
+                if name.startswith("model.") and isinstance(e, TensorStorageMetadata))
+    m = cfg.model
+    # The one allocation the saved tensors do not bound: the RoPE table, max_seq_len x head_dim.
+    rope_bytes = 4 * m.max_seq_len * (m.d_model // max(1, m.n_heads)) if m.pos_embedding == "rope" else 0
+    available = _available_memory()
+    if available is not None and 2 * rope_bytes > available:
+        raise checkpoint.CheckpointError(
+            f"{uri}: its {CONFIG_FILE} gives model.max_seq_len={m.max_seq_len:,}, whose RoPE table needs "
+            f"{rope_bytes / 2**30:,.1f} GiB, more than half this machine's available memory "
+            f"({available / 2**30:,.1f} GiB): the config does not belong to these weights")
+    try:
+        claimed = count_params(m)
+        if claimed <= saved:
+            return Transformer(m)
+    except (ValueError, ArithmeticError, RuntimeError, MemoryError) as e:  # sizes no model can have
+        raise checkpoint.CheckpointError(f"{uri}: the model its {CONFIG_FILE} describes cannot be built "
+                                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    raise checkpoint.CheckpointError(f"{uri}: its {CONFIG_FILE} describes a model of {claimed:,} parameters, "
+                                     f"its tensors hold {saved:,}: the config does not belong to these weights")
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes the kernel says can be allocated without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

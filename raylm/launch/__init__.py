@@ -1,0 +1,36 @@
+"""Running on Ray Train: the one package that imports `ray.train`.
+
+    driver.py    checks a run, starts or joins Ray (`raylm.ray_runtime`), sizes the worker group
+                 and runs Ray Train's data-parallel trainer; imports no torch
+    worker.py    the function every worker runs: the Ray Train environment of the loop
+                 (`raylm.train.loop.train`), the worker's self-test and hooks
+    backend.py   the torch backend: the process group, its rendezvous bound to the node's address
+    scaling.py   the worker group's size on a Ray raylm started (no autoscaler to ask)
+    recovery.py  the record of worker failures (`events.jsonl`), in Train's controller
+    watchdog.py  the progress watchdog's view of the cluster, and its way to fail the group
+    submit.py    `raylm submit`: a run as a Ray job, followed to its end
+
+Ray Train's internals raylm relies on, and why (each use keeps Ray's own behaviour when the
+internal is missing, except where noted):
+
+- `ray.train.v2.api.data_parallel_trainer.DataParallelTrainer`: what `TorchTrainer` is, without
+  its module's torch import (the driver and the controller never need torch).
+- `DataParallelTrainer._create_default_callbacks`: leave out `DatasetsCallback`
+  (`ray.train.v2._internal.callbacks.datasets`; raylm hands the trainer no Ray Datasets) and,
+  on a Ray raylm started without a dashboard, `PlacementGroupCleanerCallback`
+  (`..._internal.callbacks.placement_group_callback`): processes a run has no use for.
+- `DataParallelTrainer._initialize_and_run_controller(scaling_policy=...)` and
+  `ray.train.v2._internal.execution.scaling_policy.FixedScalingPolicy` (its
+  `after_controller_start`, `_maybe_send_resource_request`, `_send_resource_request`): a
+  fixed-size policy that asks no autoscaler on a one-machine Ray.
+- `ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator`: start the
+  coordinator early, and have an elastic run's see the nodes that just joined.
+- `ray.train.torch.config`: `_set_torch_distributed_env_vars`, `_setup_torch_process_group`,
+  `_shutdown_torch`, `TorchConfigContextManager`: Ray's own process-group setup, reused by the
+  node-bound backend; `ray.train.v2._internal.util.TrainingFramework` and
+  `ray.train.constants`' shutdown timeout names (required: the backend does not load without them).
+- `ray.train.v2._internal.execution.context.get_train_context()`'s training thread runner and
+  its exception queue, with `ray.train.v2._internal.exceptions.UserExceptionWithTraceback`: how
+  the watchdog fails a worker whose training thread is stuck.
+- `ray.train.v2._internal.execution.context`'s module logger: silenced per report unless verbose.
+"""

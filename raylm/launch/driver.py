@@ -1,0 +1,176 @@
+"""The driver's side of a run on Ray: check the run, start or join Ray, size the worker group, and
+have every worker run `train` (`raylm.launch.worker`).
+
+Nothing here imports torch: the driver and Train's controller, which unpickles what the driver
+hands it, need none, and on a small machine each import of it is seconds before the first step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from raylm.config import CONFIG_FILE, Config, config_to_yaml
+from raylm.data import storage
+from raylm.launch.backend import NodeBoundTorchConfig
+from raylm.launch.recovery import RecoveryLog
+from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
+from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from raylm.train.preflight import preflight
+from raylm.train.spec import local_run_dir, resolve_run, run_uri, storage_root
+
+
+def _train_fn_per_worker(loop_config: dict) -> None:
+    # The driver pickles this function by reference: the training code is imported in the worker.
+    from raylm.launch.worker import train_worker
+
+    train_worker(loop_config)
+
+
+def with_machine_defaults(cfg: Config) -> Config:
+    """`cfg` with its `auto` choices that depend on where the run goes decided and printed:
+    parallel.cpus_per_worker and data.loader (see their help)."""
+    parallel, data = cfg.parallel, cfg.data
+    joined = joins_cluster(cfg.run.ray_address)
+    if parallel.cpus_per_worker == "auto":
+        cores = os.cpu_count() or 1
+        if joined:
+            cpus, why = 1, "on a joined cluster"
+        else:
+            cpus, why = max(1, cores // parallel.num_workers), f"{cores} cores ÷ {parallel.num_workers} workers"
+        print(f"raylm: parallel.cpus_per_worker=auto → {cpus} ({why}); each worker runs {cpus} torch thread(s)",
+              flush=True)
+        parallel = dataclasses.replace(parallel, cpus_per_worker=float(cpus))
+    if data.loader == "auto":
+        loader = "ray" if joined else "local"
+        print(f"raylm: data.loader=auto → {loader} ({'on a joined cluster' if joined else 'one machine'})", flush=True)
+        data = dataclasses.replace(data, loader=loader)
+    return dataclasses.replace(cfg, parallel=parallel, data=data)
+
+
+def launch(cfg: Config) -> dict:
+    """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
+    import ray.train
+
+    spec = resolve_run(with_machine_defaults(cfg), announce=True)
+    cfg = spec.config
+    uri = run_uri(cfg)
+    # Before Ray starts, so that a refusal is one clear error and no worker's work.
+    if restore := preflight(spec, uri):
+        print(f"raylm: resuming from {restore}", flush=True)
+    parallel = cfg.parallel
+    threads = max(1, int(parallel.cpus_per_worker))
+    own_ray = start_ray(cfg.run.ray_address,
+                        cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
+                        threads, dashboard=cfg.run.dashboard)
+    # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.launch.scaling).
+    fixed_on_own_ray = own_ray and not parallel.min_workers
+    if not fixed_on_own_ray:
+        start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
+    storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
+
+    root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
+    trainer = _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(
+        _train_fn_per_worker,
+        train_loop_config={"run": spec.to_dict()},
+        backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(parallel.min_workers, parallel.num_workers) if parallel.min_workers else parallel.num_workers,
+            use_gpu=parallel.use_gpu, resources_per_worker={"CPU": parallel.cpus_per_worker},
+            elastic_resize_monitor_interval_s=parallel.resize_check_s),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
+            # Train's print patch tees every print into its logger as well: lines came out twice.
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                             "OMP_NUM_THREADS": str(threads)}},
+            # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
+    )
+    trainer.fit()
+    return last_metrics(local_run_dir(cfg))
+
+
+def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> type:
+    """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
+    config) without the parts that a raylm run has no use for:
+
+    - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
+      to the trainer to its workers. raylm gives none (each worker reads its own shards,
+      `raylm.data.stream`), and the actor was a process importing Ray Data at start (1.4 s of
+      CPU while the workers start) and waking 100 times a second all run.
+    - for a fixed-size run on a Ray that this process started (`fixed_on_own_ray`), the scaling
+      policy's requests to an autoscaler there is none of (`raylm.launch.scaling`); an elastic run
+      keeps Ray's policy, which sizes the group from the coordinator's view of the nodes.
+    - on a Ray that this process started (`own_ray`) without a `dashboard`: the placement-group
+      cleaner, an actor that asks the State API (the dashboard) every second whether the
+      controller lives, to remove the run's placement group should it die while Ray goes on; this
+      Ray ends with this process and takes the placement group with it, and without the State API
+      the cleaner would only warn each second.
+
+    On a Ray whose internals moved, a part not found is kept, as Ray Train would run it."""
+    # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    unused: list[type] = []
+    policy: Optional[type] = None
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        unused.append(DatasetsCallback)
+        if own_ray and not dashboard:
+            from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+            unused.append(PlacementGroupCleanerCallback)
+    except ImportError:
+        pass
+    if fixed_on_own_ray:
+        try:
+            from raylm.launch.scaling import OwnRayFixedScalingPolicy
+
+            policy = OwnRayFixedScalingPolicy
+        except ImportError:
+            pass
+
+    class RaylmTrainer(DataParallelTrainer):
+        def _create_default_callbacks(self):
+            return [callback for callback in super()._create_default_callbacks()
+                    if not isinstance(callback, tuple(unused))]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if policy is not None:
+                controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return RaylmTrainer
+
+
+def last_metrics(directory: str) -> dict:
+    rows = read_jsonl(os.path.join(directory, METRICS_FILE))
+    return rows[-1] if rows else {}
+
+
+def start_autoscaling_coordinator(elastic: bool) -> None:
+    """Start Ray's autoscaling coordinator, or find it running, before Ray Train's controller.
+
+    The controller asks this detached actor for the workers' resources before it starts them and
+    waits for the answer: started here, the actor's process comes up beside the controller's
+    instead of after it (1.5 s of a local start on 2 cores). An `elastic` run also has it re-read
+    the cluster's nodes: the run starts with as many workers as the coordinator says fit, and it
+    re-reads them only every 20 s, so a run started just after a node (re)joined began smaller
+    than the cluster and restarted to grow a minute later. The actor and its `recompute` are Ray
+    internals: on a Ray without them the run still starts, as Ray Train would start it."""
+    import ray
+
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator)
+
+        coordinator = get_or_create_autoscaling_coordinator()
+        if elastic:
+            ray.get(coordinator.get_reserved_resources.remote("raylm-launch", recompute=True), timeout=10)
+    except Exception as e:  # noqa: BLE001 - Ray Train starts the coordinator itself, with its older view
+        print(f"raylm: could not prepare Ray's autoscaling coordinator ({e!r}); "
+              f"{'the run may start smaller and grow' if elastic else 'Ray Train starts it'}", flush=True)

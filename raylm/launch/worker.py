@@ -1,0 +1,100 @@
+"""The workers' side of a run on Ray: the run's environment on a Ray Train worker (devices,
+checkpoints through `ray.train.report`, the run directory) and the function every worker runs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from typing import ContextManager, Iterator, Optional
+
+import torch
+
+from raylm.config import Config
+from raylm.data import storage
+from raylm.parallel.world import World
+from raylm.launch.watchdog import progress_watchdog
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self_test
+from raylm.train.loop import train
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
+from raylm.train.checkpoint.resume import open_latest
+from raylm.train.spec import RunSpec, local_run_dir, run_uri
+
+
+class RayTrainEnv:
+    """Checkpoints through `ray.train.report`. Every start of the worker group, the first and
+    each restart after a failure or resize, resumes from the newest complete checkpoint in the
+    run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
+    its controller's next poll, so a worker killed just after a save would lose a checkpoint
+    that is complete on storage."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = local_run_dir(cfg)
+        self.checkpoint_root = run_uri(cfg)
+
+    def device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    @contextlib.contextmanager
+    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
+        import ray.train
+
+        def fetch(uri: str) -> ContextManager[str]:  # a download from S3; local ones in place
+            fs, path = storage.filesystem_for(uri, self.cfg.storage)
+            return ray.train.Checkpoint(path, filesystem=fs).as_directory()
+
+        world = World.current(self.device())
+        events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
+        with open_latest(self.checkpoint_root, self.cfg.storage, fetch, lambda ok: world.agree(ok, "all"),
+                         allow_none_usable, events) as directory:
+            yield directory
+
+    @contextlib.contextmanager
+    def staging_dir(self, step: int) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+            yield tmp
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        import ray.train
+
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=checkpoint.dir_name(step))
+        if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
+            for name in (METRICS_FILE, EVENTS_FILE):  # the local mirror's records, beside the checkpoints
+                if os.path.exists(os.path.join(self.run_dir, name)):
+                    with open(os.path.join(self.run_dir, name), "rb") as f:
+                        storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
+        return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
+
+    def report(self, metrics: dict) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+
+def train_worker(loop_config: dict) -> None:
+    import ray
+
+    spec = RunSpec.from_dict(loop_config["run"])
+    cfg = spec.config
+    if not cfg.run.verbose:  # each report and each dataset execution: Ray's own bookkeeping
+        from ray.train.v2._internal.execution import context as train_context
+
+        # The "Reporting training result" line's logger is named by its file, outside "ray.train".
+        for name in ("ray.train", "ray.data", train_context.__file__):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    env = RayTrainEnv(cfg)
+    context = ray.get_runtime_context()
+    node_id = context.get_node_id()
+    # Only the driver's storage access was checked before the workers started.
+    spec.check_same_data(f"worker on node {node_id} ({ray.util.get_node_ip_address()})")
+    if cfg.run.health_check:
+        self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
+    hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
+    watchdog = progress_watchdog(cfg)  # last: a hang in another hook counts against the step
+    train(spec, env, (*hooks, watchdog) if watchdog else hooks)

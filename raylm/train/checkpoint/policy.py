@@ -1,0 +1,185 @@
+"""The save policy: when to checkpoint, and saving safely (the format is `raylm.train.checkpoint.format`)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ContextManager, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+
+from raylm.config import CheckpointConfig, StorageConfig
+from raylm.data import storage
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.format import CheckpointWriteError, FileEntry
+
+if TYPE_CHECKING:
+    from raylm.parallel.world import World
+    from raylm.train.step import ParallelModel
+
+
+class CheckpointEnv(Protocol):
+    """What saving needs of the loop's environment (`TrainEnv` has it)."""
+
+    checkpoint_root: str  # where published checkpoints live (local path or s3:// URI)
+
+    def staging_dir(self, step: int) -> ContextManager[str]:
+        """A local directory for this rank's part of the checkpoint of `step`."""
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
+
+
+def _local_state_bytes(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> int:
+    tensors = [p for part in model.parts for p in part.parameters()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors)
+
+
+def _check_space(uri: str, needed: int) -> None:
+    free = storage.free_bytes(uri)
+    if free is not None and free < needed:
+        raise OSError(28, f"not enough free space for a checkpoint at {uri}: {free / 1e6:.1f} MB free, "
+                          f"about {needed / 1e6:.1f} MB needed")
+
+
+@dataclass
+class _Pending:
+    """An async save in flight: its staging directory stays open until it is published."""
+
+    step: int
+    directory: str
+    stack: ExitStack
+    entries: Future  # this rank's FileEntry per file, once written and hashed
+    metrics: dict
+    steps_during_write: int = 0  # training steps that began while it was being written
+
+
+class Checkpointer:
+    """When to save, and saving safely: all ranks agree that their part was written before the
+    checkpoint is published; failed writes are retried, then stop training unless
+    `allow_failures`, in which case every later step warns until a save succeeds.
+
+    With `async_save`, a save returns once the state is staged in memory; each later step asks
+    whether every rank's write has finished and then publishes it, and training does not end
+    before it is published. The manifest records how many steps ran during the write.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, storage_cfg: StorageConfig, env: CheckpointEnv,
+                 model: "ParallelModel", optimizer: torch.optim.Optimizer, world: "World", files: dict[str, str]):
+        self.cfg, self.storage_cfg, self.env = cfg, storage_cfg, env
+        self.model, self.optimizer, self.world, self.files = model, optimizer, world, files
+        self.last_save = time.monotonic()
+        self.failing_since: Optional[int] = None
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.pending: Optional[_Pending] = None
+        self.async_group: Optional[dist.ProcessGroup] = None
+        if cfg.async_save:
+            # DCP's background writes need collectives of their own: on the training group they
+            # would interleave with the step's (gloo fails with a size mismatch).
+            self.async_group = dist.new_group(backend="gloo") if self.distributed else None
+
+    def due(self, step: int, last: int) -> bool:
+        c = self.cfg
+        if step == last or (c.every_steps > 0 and step % c.every_steps == 0):
+            return True
+        if c.every_minutes is None:
+            return False
+        return self.world.agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
+
+    def _space_needed(self) -> tuple[int, int]:
+        """Bytes this rank writes, and bytes of the whole checkpoint."""
+        local = _local_state_bytes(self.model, self.optimizer)
+        total = torch.tensor([local], device=self.world.device, dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(total)
+        return local, int(total.item())
+
+    def save(self, step: int, train_state: dict, metrics: dict) -> None:
+        c, root = self.cfg, self.env.checkpoint_root
+        self.wait()  # one async save in flight at a time
+        local, total = self._space_needed()
+        error: Optional[BaseException] = None
+        for attempt in range(c.write_attempts):
+            error = None
+            stack = ExitStack()
+            directory = stack.enter_context(self.env.staging_dir(step))
+            entries: Optional[Future] = None
+            try:
+                _check_space(directory, int(1.1 * local))
+                if self.world.rank == 0:
+                    _check_space(root, int(1.1 * total))
+                entries = checkpoint.save(directory, self.model, self.optimizer, self.world, train_state,
+                                          self.files, c.async_save, self.async_group)
+            except OSError as e:
+                error = e
+            if self.world.agree(error is None, "all"):
+                pending = _Pending(step, directory, stack, entries, metrics)
+                if c.async_save:
+                    self.pending = pending
+                else:
+                    self._finish(pending)
+                self.last_save = time.monotonic()
+                return
+            stack.close()
+            if attempt + 1 < c.write_attempts:
+                time.sleep(min(30.0, 2.0 ** attempt))
+        self._failed(step, error)
+
+    def poll(self) -> None:
+        """Called before each step: publish the async save in flight if every rank has finished
+        writing it; otherwise the step runs while it is written."""
+        if self.pending is None:
+            return
+        if self.world.agree(self.pending.entries.done(), "all"):
+            self.wait()
+        else:
+            self.pending.steps_during_write += 1
+
+    def wait(self) -> None:
+        """Finish the async save in flight, if any (blocking)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._finish(pending)
+
+    def _finish(self, pending: _Pending) -> None:
+        """Publish a written save once every rank agrees that its part is whole."""
+        error = None
+        entries: dict[str, FileEntry] = {}
+        try:
+            entries = pending.entries.result()
+        except OSError as e:
+            error = e
+        if self.world.agree(error is None, "all"):
+            self._publish(pending, entries)
+        else:
+            pending.stack.close()
+            self._failed(pending.step, error)
+
+    def _failed(self, step: int, error: Optional[BaseException]) -> None:
+        reason = error or "another rank could not write its part"
+        if not self.cfg.allow_failures:
+            raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {self.env.checkpoint_root} "
+                                       f"({reason}). Training stops so that it never runs unprotected; free space "
+                                       "or fix storage, then resume") from error
+        self.failing_since = self.failing_since or step
+
+    def _publish(self, pending: _Pending, entries: dict[str, FileEntry]) -> None:
+        c, root, storage_cfg = self.cfg, self.env.checkpoint_root, self.storage_cfg
+        with pending.stack:
+            uri = self.env.publish(pending.step, pending.directory, pending.metrics)
+        gathered: list = [entries]
+        if self.distributed:
+            gathered = [None] * self.world.world_size
+            dist.all_gather_object(gathered, entries)  # also: every rank's part is published
+        if self.world.rank == 0:
+            extra = {"steps_during_write": pending.steps_during_write} if c.async_save else {}
+            checkpoint.finalize(uri, {k: v for rank_entries in gathered for k, v in rank_entries.items()},
+                                storage_cfg, extra)
+            names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
+            for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
+                storage.delete_dir(storage.join(root, name), storage_cfg)
+        self.failing_since = None

@@ -1,0 +1,184 @@
+"""Resuming: which checkpoint to resume from, and what may change when a run resumes.
+
+`open_latest` hands out the newest checkpoint whose every file matches its manifest (checksums
+included), passing over corrupt ones by name (stderr and a "checkpoint_skipped" event); when
+finished checkpoints exist and none is usable it refuses rather than start again from step 0.
+`latest_usable` is the same choice by the cheap checks, for the driver.
+
+What may change: DCP loads by name and ignores entries the new model does not ask for, so a
+model with fewer layers, or the same tensors split into other heads, would load silently and
+train on weights that mean something else. The driver compares the checkpoint's saved config
+with the new one before any worker starts, and refuses listing every difference among the keys
+that fix the meaning of the saved state (resolved configs: vocab_size and seq_len filled from
+the data):
+
+- the model's shape: d_model, n_layers, n_heads, n_kv_heads (unset means n_heads), vocab_size,
+  norm, pos_embedding, mlp, ffn_hidden, parallel_block, tie_embeddings, bias; ffn_multiple
+  when ffn_hidden is unset (it then decides the MLP width), vocab_multiple when vocab_size is
+  unset, and max_seq_len with learned positions (the position table's size);
+- train.seq_len: the data position counts sequences of this length;
+- the tokenizer (its sha256, recorded in train_state.json): token ids mean other text.
+
+Everything else may change: the run's length, LR, schedule, intervals, batch size, parallel
+layout, dropout, norm_eps and rope_theta (numerics and a deliberate context-extension knob,
+not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import yaml
+
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_changes, config_to_dict
+from raylm.data import storage
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.format import TRAIN_STATE, CheckpointError, UnusableCheckpointsError
+from raylm.train.observe.records import EVENTS_FILE, append_event
+
+CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume
+
+_SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "vocab_size", "norm", "pos_embedding", "mlp", "ffn_hidden",
+               "parallel_block", "tie_embeddings", "bias")
+
+
+def _fixed_values(tree: dict, other: dict) -> dict[str, Any]:
+    """The values of `tree` that a resume must keep, by dotted key. Conditional keys count when
+    their condition holds in either tree (`other` is the tree it is compared with)."""
+    model, other_model = tree.get("model") or {}, other.get("model") or {}
+    values = {f"model.{k}": model.get(k) for k in _SHAPE_KEYS}
+    values["model.n_kv_heads"] = model.get("n_kv_heads") or model.get("n_heads")
+    if model.get("ffn_hidden") is None or other_model.get("ffn_hidden") is None:
+        values["model.ffn_multiple"] = model.get("ffn_multiple")
+    if model.get("vocab_size") is None or other_model.get("vocab_size") is None:
+        values["model.vocab_multiple"] = model.get("vocab_multiple")
+    if "learned" in (model.get("pos_embedding"), other_model.get("pos_embedding")):
+        values["model.max_seq_len"] = model.get("max_seq_len")
+    values["train.seq_len"] = (tree.get("train") or {}).get("seq_len")
+    return values
+
+
+def check_resume_compatible(saved: dict, new: dict, saved_tokenizer_sha256: Optional[str] = None,
+                            new_tokenizer_sha256: Optional[str] = None) -> None:
+    """Raise ConfigError listing every key whose change would make the saved state mean
+    something else (see the module docstring); `saved` and `new` are config trees as in
+    config.yaml. The tokenizers are compared when both hashes are given."""
+    old_values, new_values = _fixed_values(saved, new), _fixed_values(new, saved)
+    differences = [f"{key}: saved {old_values[key]!r}, now {new_values[key]!r}"
+                   for key in sorted(old_values) if old_values[key] != new_values[key]]
+    if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:
+        differences.append(f"tokenizer: saved sha256 {saved_tokenizer_sha256[:12]}, "
+                           f"now {new_tokenizer_sha256[:12]}")
+    if differences:
+        raise ConfigError("cannot resume: the checkpoint's saved state means something else under the new config "
+                          f"({len(differences)} difference(s)):\n  " + "\n  ".join(differences) +
+                          "\nKeep these as saved, or start a new run (another run.name). The run length, LR, "
+                          "schedule, intervals and parallel layout may change on resume.")
+
+
+def read_saved_config(checkpoint_uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict:
+    """The config tree saved in the checkpoint at `checkpoint_uri` (local or s3://)."""
+    uri = storage.join(checkpoint_uri, CONFIG_FILE)
+    try:
+        tree = yaml.safe_load(storage.read_bytes(uri, storage_cfg))
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{uri} is not valid YAML: {e}") from e
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{uri} does not hold a config (a mapping of sections)")
+    return tree
+
+
+def check_resume(checkpoint_uri: str, new: dict, tokenizer_sha256: str,
+                               storage_cfg: Optional[StorageConfig] = None) -> None:
+    """Refuse what a resume from the checkpoint at `checkpoint_uri` may not change
+    (`check_resume_compatible`, against the config and tokenizer saved in it)."""
+    state_uri = storage.join(checkpoint_uri, TRAIN_STATE)
+    try:
+        saved_tokenizer = json.loads(storage.read_bytes(state_uri, storage_cfg))["tokenizer_sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{state_uri} is not valid ({type(e).__name__}: {e})") from e
+    check_resume_compatible(read_saved_config(checkpoint_uri, storage_cfg), new, saved_tokenizer, tokenizer_sha256)
+
+
+# Keys that differ between any two invocations without being a change of the run.
+_NOT_CHANGES = ("run.ray_address", "run.ray_num_cpus", "train.stop_at_step", "checkpoint.resume")
+
+
+def changes_since(checkpoint_dir: str, cfg: Config, storage_cfg: Optional[StorageConfig] = None) -> dict[str, list]:
+    """What changed since the checkpoint at `checkpoint_dir` was written (dotted key -> [old, new]):
+    the operator's changes that a resume records (`record_config_change`)."""
+    changes = config_changes(read_saved_config(checkpoint_dir, storage_cfg), config_to_dict(cfg))
+    return {key: change for key, change in changes.items() if key not in _NOT_CHANGES}
+
+
+def record_config_change(run_dir: str, step: int, changes: dict[str, list]) -> None:
+    """An event, and a row of the run's config history (config_history.jsonl)."""
+    row = {"event": "config_changed", "time": time.time(), "step": step, "changes": changes}
+    append_event(os.path.join(run_dir, EVENTS_FILE), row)
+    append_event(os.path.join(run_dir, CONFIG_HISTORY_FILE), row)
+    print(f"raylm: resuming at step {step} with changed " +
+          ", ".join(f"{key} {old!r} → {new!r}" for key, (old, new) in changes.items()), flush=True)
+
+
+def _report(run_uri: str, skipped: list[tuple[str, str]], found: bool, allow_none_usable: bool,
+            events_path: Optional[str]) -> None:
+    for uri, reason in skipped if events_path else ():
+        print(f"raylm: skipping checkpoint {uri}: {reason}", file=sys.stderr, flush=True)
+        append_event(events_path, {"event": "checkpoint_skipped", "time": time.time(), "uri": uri, "reason": reason})
+    if not found and skipped and not allow_none_usable:
+        listing = "\n  ".join(f"{uri}: {reason}" for uri, reason in skipped)
+        raise UnusableCheckpointsError(
+            f"{run_uri} holds {len(skipped)} finished checkpoint(s) and none is usable:\n  {listing}\n"
+            "Training will not silently start again from step 0: repair or remove them, or set "
+            "checkpoint.on_unusable=start_over to train from step 0 beside them.")
+
+
+def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, allow_none_usable: bool = False,
+                  events_path: Optional[str] = None) -> Optional[str]:
+    """The newest usable checkpoint to resume from by the cheap checks (sizes), or None when
+    the run has none (for the driver: what the workers will try first).
+
+    Finished checkpoints passed over (an unparseable manifest, train state or metadata, a file
+    missing or of the wrong size) are reported when `events_path` (the run's events.jsonl) is
+    given, on stderr and as "checkpoint_skipped" events: pass it from the one process that keeps
+    the run's record. When finished checkpoints exist and none is usable, raises
+    UnusableCheckpointsError naming each, unless `allow_none_usable` (training then starts from
+    step 0 beside them).
+    """
+    latest, skipped = checkpoint.scan(run_uri, storage_cfg)
+    _report(run_uri, skipped, latest is not None, allow_none_usable, events_path)
+    return latest
+
+
+@contextlib.contextmanager
+def open_latest(run_uri: str, storage_cfg: Optional[StorageConfig] = None,
+                fetch: Callable[[str], ContextManager[str]] = contextlib.nullcontext,
+                agree: Callable[[bool], bool] = lambda ok: ok, allow_none_usable: bool = False,
+                events_path: Optional[str] = None) -> Iterator[Optional[str]]:
+    """The checkpoint to resume from, as a local directory whose every file matches its
+    manifest, checksums included; None when the run has none. As `latest_usable`, and a
+    checkpoint whose files do not match (a corrupted shard of the right size) is passed over
+    for the previous one too. `fetch(uri)` gives a local directory for a checkpoint (a download
+    from s3://; local ones are used in place); `agree(ok)` is one decision for every rank
+    (World.agree(ok, "all")), so that all ranks resume from the same checkpoint.
+    """
+    skipped: list[tuple[str, str]] = []
+    for uri in checkpoint.checkpoint_uris(run_uri, storage_cfg):
+        if not storage.exists(storage.join(uri, checkpoint.MANIFEST), storage_cfg):
+            continue  # an unfinished save
+        problem = checkpoint.incomplete_reason(uri, storage_cfg)
+        if agree(problem is None):
+            with fetch(uri) as directory:
+                problem = checkpoint.local_problem(directory)
+                if agree(problem is None):
+                    _report(run_uri, skipped, True, allow_none_usable, events_path)
+                    yield directory
+                    return
+        skipped.append((uri, problem or "another rank found it unusable"))
+    _report(run_uri, skipped, False, allow_none_usable, events_path)
+    yield None

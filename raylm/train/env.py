@@ -1,0 +1,74 @@
+"""Where the training loop meets storage and the cluster: the `TrainEnv` protocol, and `LocalEnv`,
+the loop on plain files without Ray (tests, benchmarks, sweeps' trials, debugging). The Ray
+Train one is `raylm.launch.worker.RayTrainEnv`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import ContextManager, Iterator, Optional, Protocol
+
+import torch
+
+from raylm.parallel.world import World
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.resume import open_latest
+from raylm.train.observe.records import EVENTS_FILE
+
+
+class TrainEnv(Protocol):
+    run_dir: str  # local directory for metrics.jsonl and TensorBoard (rank 0 writes)
+    checkpoint_root: str  # where published checkpoints live (local path or s3:// URI)
+
+    def device(self) -> torch.device:
+        """The device this rank trains on."""
+
+    def restore_dir(self, allow_none_usable: bool = False) -> ContextManager[Optional[str]]:
+        """A local directory holding the newest usable checkpoint to resume from (every rank the
+        same), or None; finished checkpoints all unusable are an error unless allowed."""
+
+    def staging_dir(self, step: int) -> ContextManager[str]:
+        """A local directory for this rank's part of the checkpoint of `step`."""
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
+
+    def report(self, metrics: dict) -> None:
+        """Progress for the cluster's bookkeeping (not every step: it may block)."""
+
+
+class LocalEnv:
+    """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk).
+
+    Resuming takes the newest checkpoint whose files all match its manifest (checksums
+    included); rank 0 reports each one passed over (stderr and events.jsonl). Finished
+    checkpoints that are all unusable stop the run unless `allow_none_usable`."""
+
+    def __init__(self, run_dir: str, use_gpu: bool = False):
+        self.run_dir, self.use_gpu = run_dir, use_gpu
+        self.checkpoint_root = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+
+    def device(self) -> torch.device:
+        if self.use_gpu:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+
+    @contextlib.contextmanager
+    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
+        world = World.current(self.device())
+        events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
+        with open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
+                         allow_none_usable=allow_none_usable, events_path=events) as directory:
+            yield directory
+
+    @contextlib.contextmanager
+    def staging_dir(self, step: int) -> Iterator[str]:
+        directory = os.path.join(self.run_dir, checkpoint.dir_name(step))
+        yield directory  # ranks share the disk: each writes its part in place
+
+    def publish(self, step: int, directory: str, metrics: dict) -> str:
+        return directory
+
+    def report(self, metrics: dict) -> None:
+        pass

@@ -1,0 +1,46 @@
+"""The validation loss the loop reports (`val_loss`, `val_bpb`): fixed held-out batches."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raylm.data.stream import TokenStream
+from raylm.data.tokenizer import bits_per_byte, token_byte_lengths, tokenizer_from_json
+from raylm.train.spec import RunSpec
+from raylm.train.step import ParallelModel
+
+
+class ValidationSet:
+    """The first `train.eval_batches` global batches of the val split, in file order, so every
+    evaluation and every world size sees the same tokens.
+
+    Bits per byte compare runs with different tokenizers: the mean loss in nats over every
+    target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
+    text stands for none; `raylm eval` also leaves its loss out, so it reads slightly lower)."""
+
+    def __init__(self, spec: RunSpec, model: ParallelModel):
+        cfg = spec.config
+        source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
+        stream = TokenStream(source, spec.global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
+        self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
+                        for b in stream.batches(0, 0, cfg.train.eval_batches)]
+        token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))
+        whole = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")  # every rank's rows
+        targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, cfg.train.eval_batches)]
+        n_bytes = sum(int(token_bytes[t].sum()) for t in targets)
+        self.targets_per_byte = sum(t.size for t in targets) / n_bytes if n_bytes else None
+
+    def bits_per_byte(self, loss: float) -> Optional[float]:
+        return bits_per_byte(loss, 1 / self.targets_per_byte) if self.targets_per_byte else None
+
+    def loss(self, model: ParallelModel, micro_batch_size: int) -> float:
+        model.train(False)
+        try:
+            device = model.world.device
+            losses = [model.eval_loss(b.to(device), micro_batch_size) for b in self.batches]
+            return float(torch.stack(losses).mean())  # reported: the one host sync of an evaluation
+        finally:
+            model.train(True)

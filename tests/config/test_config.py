@@ -1,0 +1,92 @@
+import pytest
+import yaml
+
+from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, flat_keys, load_config
+from raylm.config.describe import describe_fields
+from raylm.train.spec import check_config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"n_layers": 6}, "optim": {"lr": 1e-3}}))
+    cfg = load_config(path, ["model.n_layers=2", "optim.lr=3e-4", "train.precision=bf16"])
+    assert cfg.model.n_layers == 2
+    assert cfg.optim.lr == 3e-4
+    assert cfg.train.precision == "bf16"
+    assert cfg.model.d_model == Config().model.d_model
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["data.mixture=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]"])
+    again = config_from_dict(config_to_dict(cfg))
+    assert again == cfg
+    assert again.data.mixture[0].weight == 0.7
+
+
+def test_unknown_key_names_it_and_suggests():
+    with pytest.raises(ConfigError, match=r"unknown key model\.n_layer .*did you mean 'n_layers'"):
+        load_config(None, ["model.n_layer=4"])
+    with pytest.raises(ConfigError, match="unknown key modle"):
+        load_config(None, ["modle.n_layers=4"])
+
+
+def test_wrong_type_names_key_and_valid_values():
+    with pytest.raises(ConfigError, match=r"model\.n_layers: expected int, got 'four'"):
+        load_config(None, ["model.n_layers=four"])
+    with pytest.raises(ConfigError, match=r"model\.norm: 'batchnorm' is not one of 'rmsnorm' \| 'layernorm'"):
+        load_config(None, ["model.norm=batchnorm"])
+    with pytest.raises(ConfigError, match=r"train\.steps: expected int, got True"):
+        load_config(None, ["train.steps=true"])
+
+
+def test_cross_field_errors():
+    with pytest.raises(ConfigError, match="exactly one of train.global_batch_size"):
+        load_config(None, ["train.global_batch_tokens=4096"])
+    with pytest.raises(ConfigError, match=r"schedule.min_lr \(0.001\) is above optim.lr \(0.0003\)"):
+        load_config(None, ["optim.lr=3e-4", "schedule.min_lr=1e-3"])
+    load_config(None, ["optim.lr=3e-4", "schedule.min_lr=1e-3", "schedule.name=linear"])  # no floor there
+
+
+def test_model_and_layout_rules_are_checked_against_the_config():
+    with pytest.raises(ConfigError, match="divisible by model.n_heads"):
+        check_config(load_config(None, ["model.d_model=100", "model.n_heads=3"]))
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        check_config(load_config(None, ["model.n_kv_heads=3"]))
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_named_size_is_defaults_under_explicit_keys():
+    cfg = load_config(None, ["model.size=125m", "model.n_layers=2"])
+    assert cfg.model.d_model == 768
+    assert cfg.model.n_layers == 2
+
+
+def test_help_lists_every_key_with_docs():
+    text = describe_fields()
+    assert "  sharding: " in text and "ZeRO-1" in text
+    assert "global_batch_tokens" in text
+
+
+def test_example_configs_load_check_and_keep_every_value():
+    import pathlib
+
+    paths = sorted(pathlib.Path("configs").glob("*.yaml"))
+    assert pathlib.Path("configs/demo-cpu.yaml") in paths
+    for path in paths:
+        written = yaml.safe_load(path.read_text())
+        if "model" not in written and "train" not in written:
+            continue  # not a run config (a sweep config names one as its base)
+        cfg = load_config(path)
+        check_config(cfg)
+        loaded = flat_keys(config_to_dict(cfg))
+        for key, value in flat_keys(written).items():
+            assert key in loaded, f"{path}: {key} missing from the loaded config"
+            expected = float(value) if isinstance(loaded[key], float) and isinstance(value, (int, str)) else value
+            assert loaded[key] == expected, f"{path}: {key} is {loaded[key]!r}, the file says {value!r}"

@@ -1,0 +1,104 @@
+"""`raylm eval`: bits-per-byte accounting, the whole split on 1 and 2 Ray workers, resuming from
+the parts already written, and a dataset of another tokenizer refused."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raylm.cli import main
+from raylm.data.manifest import load_manifest
+from raylm.data.prepare import prepare_dataset
+from raylm.inference.evaluate import evaluate
+from raylm.data.tokenizer import bits_per_byte, token_byte_lengths
+from raylm.inference.load import load_for_inference
+from raylm.data.tokenizer import ByteTokenizer, train_bpe
+from raylm.train.loop import train_local
+from tests.support.fixtures import write_corpus
+from tests.train.test_loop import tiny_config
+
+TEXT = "Naïve café, ünïcode: ✓ 🙂 — and plain ASCII.\n"
+
+
+def test_token_bytes_count_every_utf8_byte_once(tmp_path):
+    byte = ByteTokenizer()
+    lengths = token_byte_lengths(byte)
+    assert lengths[byte.eot_id] == 0 and lengths[:256].tolist() == [1] * 256
+
+    corpus = write_corpus(tmp_path / "text", documents=30)
+    bpe = train_bpe([corpus], 300, str(tmp_path / "tok.json"))
+    lengths = token_byte_lengths(bpe)
+    ids = bpe.encode(TEXT * 3)
+    assert len(ids) < len((TEXT * 3).encode())  # merges happened: tokens of several bytes
+    # Byte-level tokens that cut a character in two still count exactly the bytes they hold.
+    assert sum(lengths[i] for i in ids) == len((TEXT * 3).encode())
+    assert lengths[bpe.eot_id] == 0
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_dataset, tmp_path_factory) -> str:
+    run = str(tmp_path_factory.mktemp("eval") / "run")
+    train_local(tiny_config(tiny_dataset, "train.steps=4", "checkpoint.every_steps=4", "train.eval_every=0"), run)
+    return run
+
+
+def _reference(run: str, dataset: str) -> tuple[float, float]:
+    """Loss and bits-per-byte of the whole val split, computed plainly in one process."""
+    model, tokenizer, _ = load_for_inference(run)
+    manifest = load_manifest(dataset)
+    rows = np.concatenate([pq.read_table(os.path.join(dataset, s.file)).column("tokens").combine_chunks()
+                           .flatten().to_numpy().reshape(-1, manifest.row_tokens)
+                           for s in manifest.splits["val"].shards])
+    tokens = torch.from_numpy(rows.astype(np.int64))
+    with torch.no_grad():
+        nats = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    text = tokens[:, 1:].flatten() != tokenizer.eot_id  # byte tokens: one byte each, end-of-text none
+    return float(nats.double().mean()), bits_per_byte(float(nats[text].double().sum()), int(text.sum()))
+
+
+@pytest.mark.slow
+def test_whole_split_gives_the_same_result_on_1_and_2_workers_and_resumes(
+        ray_session, trained_run, tiny_dataset, tmp_path, capsys):
+    one = evaluate(trained_run, tiny_dataset, output=str(tmp_path / "one.json"), workers=1, rows_per_part=16)
+    main(["eval", trained_run, "--data", tiny_dataset, "--output", str(tmp_path / "two.json"), "--workers", "2",
+          "--rows-per-part", "16"])
+    with open(tmp_path / "two.json") as f:
+        two = json.load(f)
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{"):]) == two  # the CLI prints the result it wrote
+    val = load_manifest(tiny_dataset).splits["val"]
+    assert one["parts"] == two["parts"] == sum(math.ceil(s.rows / 16) for s in val.shards) > 2
+    assert (one["workers"], two["workers"]) == (1, 2)
+    for key in ("tokens", "bytes", "loss", "perplexity", "bits_per_byte"):
+        assert one[key] == two[key], key  # not approximately: the same sums in the same order
+    assert one["tokens"] == val.tokens and one["bytes"] == val.tokens - val.documents
+    loss, bpb = _reference(trained_run, tiny_dataset)
+    assert one["loss"] == pytest.approx(loss, rel=1e-5) and one["bits_per_byte"] == pytest.approx(bpb, rel=1e-5)
+    assert one["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+
+    # An interrupted evaluation: parts on disk are reused, only the missing one is evaluated.
+    parts = sorted(os.listdir(tmp_path / "two.parts"))
+    assert len(parts) == two["parts"]
+    os.remove(tmp_path / "two.parts" / parts[1])
+    again = evaluate(trained_run, tiny_dataset, output=str(tmp_path / "two.json"), workers=2, rows_per_part=16)
+    assert again["parts_reused"] == two["parts"] - 1 and again["workers"] == 1
+    assert {k: again[k] for k in ("loss", "bits_per_byte")} == {k: two[k] for k in ("loss", "bits_per_byte")}
+
+
+@pytest.mark.slow
+def test_dataset_of_another_tokenizer_is_refused(ray_session, trained_run, tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "text", documents=20)
+    train_bpe([corpus], 300, str(tmp_path / "tok.json"))
+    other = str(tmp_path / "bpe-data")
+    prepare_dataset([corpus], other, tokenizer=str(tmp_path / "tok.json"), seq_len=32, val_fraction=0.2)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", trained_run, "--data", other, "--output", str(tmp_path / "r.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error:") and "tokenizer" in err and "prepare the data with the checkpoint's" in err
+    assert not os.path.exists(tmp_path / "r.json")

@@ -1,0 +1,36 @@
+"""The `auto` choices a launch makes from where the run goes: each worker's CPUs (and torch
+threads), and the data loader."""
+
+import os
+
+import pytest
+
+from raylm.config import ConfigError, load_config
+from raylm.launch.driver import with_machine_defaults
+
+
+def test_auto_gives_a_local_run_every_core_and_the_in_process_loader(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cores = os.cpu_count()
+    one = with_machine_defaults(load_config(None, ["parallel.num_workers=1"]))
+    assert one.parallel.cpus_per_worker == cores and one.data.loader == "local"
+    out = capsys.readouterr().out
+    assert f"parallel.cpus_per_worker=auto → {cores} ({cores} cores ÷ 1 workers)" in out
+    assert "data.loader=auto → local (one machine)" in out
+    many = with_machine_defaults(load_config(None, [f"parallel.num_workers={cores * 2}"]))
+    assert many.parallel.cpus_per_worker == 1  # never below one
+
+
+def test_an_explicit_value_wins_and_a_joined_cluster_gets_one_cpu_and_ray_data(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    explicit = with_machine_defaults(load_config(None, ["parallel.cpus_per_worker=0.5", "data.loader=ray"]))
+    assert explicit.parallel.cpus_per_worker == 0.5 and explicit.data.loader == "ray"
+    assert capsys.readouterr().out == ""
+    joined = with_machine_defaults(load_config(None, ["parallel.num_workers=1", "run.ray_address=auto"]))
+    assert joined.parallel.cpus_per_worker == 1 and joined.data.loader == "ray"
+    out = capsys.readouterr().out
+    assert "cpus_per_worker=auto → 1 (on a joined cluster)" in out and "data.loader=auto → ray (on a joined cluster)" in out
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside `ray job submit`
+    assert with_machine_defaults(load_config(None, [])).data.loader == "ray"
+    with pytest.raises(ConfigError, match="parallel.cpus_per_worker must be positive or auto"):
+        load_config(None, ["parallel.cpus_per_worker=0"])

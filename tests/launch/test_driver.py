@@ -1,0 +1,94 @@
+"""End to end on a local Ray cluster: Ray Train workers, Ray Data streaming, DCP checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from raylm.config import ConfigError, load_config
+from raylm.launch.driver import launch
+
+pytestmark = pytest.mark.slow
+
+
+def ray_config(dataset, storage, *extra):
+    return load_config(None, [
+        f"data.path={dataset}", "data.chunk_rows=8", "run.storage_path=" + str(storage),
+        "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_batches=2",
+        "optim.lr=1e-2", "schedule.warmup_steps=2", "schedule.min_lr=1e-3", "parallel.num_workers=2",
+        "run.max_failures=0", *extra])
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path, monkeypatch):
+    # Relative paths, as a user types them: workers run in other directories.
+    monkeypatch.chdir(tmp_path)
+    launch(ray_config(os.path.relpath(tiny_dataset), "runs", "run.name=falls", "train.steps=20",
+                      "train.eval_every=10", "checkpoint.every_steps=10"))
+    tmp_path = tmp_path / "runs"
+    run_dir = tmp_path / "falls"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.5
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= rows[0].keys()
+    assert [r["step"] for r in rows if "val_loss" in r] == [10, 20]
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.model.vocab_size == 257 and saved.train.seq_len == 32
+    assert any(name.startswith("events.") for name in os.listdir(run_dir / "tensorboard"))
+    assert {"checkpoint_00000010", "checkpoint_00000020"} <= set(os.listdir(run_dir))
+
+    out = subprocess.run([sys.executable, "-m", "raylm.cli", "generate", "--checkpoint", str(run_dir),
+                          "--prompt", "The king", "--max-new-tokens", "60", "--seed", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The king") and len(out.stdout.strip()) > len("The king") + 30
+
+
+def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=4", "train.eval_every=0", "model.dropout=0.1")
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=straight", *common))
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "train.stop_at_step=4"))
+    assert [r["step"] for r in metrics(tmp_path / "resumed")] == [1, 2, 3, 4]
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=never but .*resumed already holds checkpoints"):
+        launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "checkpoint.resume=never"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint.resume=required but .*nothing holds no complete"):
+        launch(ray_config(tiny_dataset, tmp_path, "run.name=nothing", *common, "checkpoint.resume=required"))
+    launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common))
+    straight = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight")}
+    resumed = {r["step"]: r["loss"] for r in metrics(tmp_path / "resumed")}
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
+
+
+def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
+    """On a 2-core machine every process and import before the first step delays it. Only the
+    training workers need torch (each import of it elsewhere was 2 s), and a fixed-size run on a Ray
+    it started has no autoscaler for Ray's autoscaling coordinator to talk to (the coordinator was a
+    process importing Ray Data at start-up, 2.5 s of CPU, and waking 100 times a second all run).
+    Checked in a real run of the CLI, as a user starts it, by a callback that Ray Train runs in the
+    driver and in its controller."""
+    probe = tmp_path / "probe.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.run_probe.RunProbe",
+           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": root, "RAY_ADDRESS": ""}
+    out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
+                          f"run.storage_path={tmp_path}", "run.name=probe", "model.d_model=32", "model.n_layers=1",
+                          "model.n_heads=2", "model.max_seq_len=32", "train.steps=2", "train.global_batch_size=4",
+                          "train.micro_batch_size=2", "train.eval_every=0", "schedule.warmup_steps=1",
+                          "checkpoint.every_steps=2", "parallel.num_workers=2", "parallel.cpus_per_worker=1"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "done: step 2" in out.stdout
+    records = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [r["where"] for r in records] == ["driver", "controller, workers started", "controller, run finished"]
+    assert records[1]["pid"] != records[0]["pid"]
+    assert [r for r in records if r["torch"]] == []
+    assert [r["named_actors"] for r in records[1:]] == [[], []]

@@ -1,0 +1,89 @@
+"""Prepare to S3, train from S3 with the run on S3, resume from S3 (real SeaweedFS, real Ray)."""
+
+import json
+
+import pytest
+
+from raylm.config import load_config
+from raylm.data import storage
+from raylm.data.manifest import DatasetError
+from raylm.data.storage import StorageError
+from raylm.data.prepare import prepare_dataset
+from raylm.launch.driver import launch
+from raylm.train.checkpoint import format as checkpoint
+from tests.support.fixtures import write_corpus
+from tests.support.order import locate
+
+pytestmark = pytest.mark.slow
+
+
+def s3_config(s3_server, data, runs, *extra):
+    return load_config(None, [
+        f"data.path={data}", f"run.storage_path={runs}", f"storage.endpoint_url={s3_server.endpoint_url}",
+        "data.chunk_rows=8", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "optim.lr=1e-2",
+        "schedule.warmup_steps=1", "schedule.min_lr=1e-3", "parallel.num_workers=2", "run.max_failures=0",
+        "train.tensorboard=false", *extra])
+
+
+@pytest.fixture(scope="module")
+def s3_dataset(ray_session, s3_server, tmp_path_factory):
+    corpus = write_corpus(tmp_path_factory.mktemp("s3corpus"), documents=40)
+    bucket = "s3://raylm-train-data"
+    storage.ensure_bucket(bucket, s3_server.storage)
+    for name in storage.list_files(corpus):  # the inputs themselves live on S3 too
+        with open(f"{corpus}/{name}", "rb") as f:
+            storage.write_bytes(f"{bucket}/text/{name}", f.read(), s3_server.storage)
+    prepare_dataset([f"{bucket}/text"], f"{bucket}/prepared", tokenizer="byte", seq_len=32,
+                    storage=s3_server.storage, shard_rows=100)
+    return f"{bucket}/prepared"
+
+
+def test_train_from_s3_with_run_on_s3_then_resume(s3_server, s3_bucket, s3_dataset):
+    runs = f"{s3_bucket}/runs"
+    launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=3",
+                     "train.stop_at_step=3"))
+    run = f"{runs}/r"
+    assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000003"
+    launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=3"))
+    rows = [json.loads(line) for line in storage.read_bytes(f"{run}/metrics.jsonl", s3_server.storage).splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000006"
+    saved = storage.read_bytes(f"{run}/config.yaml", s3_server.storage).decode()
+    assert s3_server.server.secret_key not in saved and s3_server.server.access_key not in saved
+
+
+def test_corrupted_shard_on_s3_is_refused_by_name(s3_server, s3_bucket, tmp_path):
+    data = f"{s3_bucket}/prepared"
+    corpus = write_corpus(tmp_path / "text", documents=20)
+    prepare_dataset([corpus], data, tokenizer="byte", seq_len=32, storage=s3_server.storage, shard_rows=50)
+    shard = f"{data}/train-00001.parquet"
+    raw = bytearray(storage.read_bytes(shard, s3_server.storage))
+    raw[len(raw) // 2] ^= 0xFF
+    storage.write_bytes(shard, bytes(raw), s3_server.storage)
+    with pytest.raises(DatasetError, match="train-00001.parquet"):
+        launch(s3_config(s3_server, data, f"{s3_bucket}/runs", "train.steps=2"))
+
+
+def test_missing_bucket_is_a_clear_error_naming_the_uri(s3_server, tmp_path):
+    with pytest.raises(StorageError, match="s3://no-such-bucket-raylm/data.*bucket 'no-such-bucket-raylm' does not exist"):
+        launch(s3_config(s3_server, "s3://no-such-bucket-raylm/data", str(tmp_path), "train.steps=2"))
+
+
+@pytest.mark.parametrize("engine", ["local", "ray"])
+def test_stream_from_s3_covers_the_epoch_once_at_any_world_size(s3_server, s3_dataset, engine):
+    from raylm.config import DataConfig
+    from raylm.data.stream import Datasets, TokenStream
+
+    data = DataConfig(path=s3_dataset, chunk_rows=8)
+    datasets = Datasets.load(data, s3_server.storage)
+    source, manifests = datasets.open_split("train", data, s3_server.storage), datasets.manifests
+    rows = manifests[0].splits["train"].rows
+    steps = rows // 6
+    per_size = {}
+    for dp_size in (1, 2, 3):
+        streams = [list(TokenStream(source, 6, r, dp_size, [], engine).batches(0, 0, steps)) for r in range(dp_size)]
+        per_size[dp_size] = [[g for b in step for g in b.indices] for step in zip(*streams)]
+    assert per_size[1] == per_size[2] == per_size[3]
+    located = [locate(source.order, g) for step in per_size[1] for g in step]
+    assert len(located) == len(set(located)) == steps * 6

@@ -1,0 +1,148 @@
+"""Checkpoint safety: completeness, crash mid-write, a full disk, retention."""
+
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.format import CheckpointWriteError
+from raylm.train.loop import train_local
+from tests.support.checkpoints import flip_byte
+from tests.train.test_loop import losses, tiny_config
+
+
+def checkpoints(run_dir):
+    return sorted(n for n in os.listdir(run_dir) if n.startswith(checkpoint.PREFIX))
+
+
+def test_crash_mid_write_resumes_from_the_previous_complete_checkpoint(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0")
+    train_local(tiny_config(tiny_dataset, *common), str(tmp_path / "straight"))
+    run = tmp_path / "crashed"
+    train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), str(run))
+    # What a crash while writing step 6 leaves: a shard cut short and no final manifest.
+    step6 = run / "checkpoint_00000006"
+    os.remove(step6 / checkpoint.MANIFEST)
+    shard = next(p for p in step6.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert "no checkpoint_manifest.json" in checkpoint.incomplete_reason(str(step6))
+    assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000004")
+
+    train_local(tiny_config(tiny_dataset, *common), str(run))
+    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    for step in (5, 6, 7, 8):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+    # The recovery is on record, and the redone steps appear once in the metrics.
+    with open(run / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 9))
+    with open(run / "events.jsonl") as f:
+        (event,) = [json.loads(line) for line in f]
+    assert event["event"] == "resumed" and event["from_step"] == 4 and event["steps_lost"] == 2
+
+
+def test_manifest_records_every_file_and_detects_a_changed_one(tiny_dataset, tmp_path):
+    train_local(tiny_config(tiny_dataset, "train.steps=2", "train.eval_every=0"), str(tmp_path))
+    ckpt = tmp_path / "checkpoint_00000002"
+    listed = json.loads((ckpt / checkpoint.MANIFEST).read_text())["files"]
+    assert {".metadata", "train_state.json", "config.yaml", "tokenizer.json", "rng/rank_00000.pt"} <= set(listed)
+    assert checkpoint.incomplete_reason(str(ckpt)) is None
+    (ckpt / "config.yaml").write_text("changed")
+    assert "config.yaml" in checkpoint.incomplete_reason(str(ckpt))
+
+
+def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
+    train_local(tiny_config(tiny_dataset, "train.steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+                      "checkpoint.keep_every=4", "train.eval_every=0"), str(tmp_path))
+    assert checkpoints(tmp_path) == ["checkpoint_00000004", "checkpoint_00000008",
+                                     "checkpoint_00000009", "checkpoint_00000010"]
+    assert checkpoint.retained(["checkpoint_00000001"], 0, None) == {"checkpoint_00000001"}
+    # Ray Train keeps a file in the run directory whose name starts alike: not a checkpoint.
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert checkpoint.latest_complete(str(tmp_path)) == str(tmp_path / "checkpoint_00000010")
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 256 KiB filesystem (tmpfs): too small for a checkpoint of the test model."""
+    mount = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    yield mount
+    if subprocess.run(["umount", str(mount)]).returncode != 0:
+        subprocess.run(["umount", "-l", str(mount)], check=True)  # detach now, free when unused
+
+
+def test_full_disk_stops_training_with_a_clear_error(tiny_dataset, tiny_filesystem, tmp_path):
+    run = tiny_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "train.tensorboard=false", "checkpoint.write_attempts=2")
+    with pytest.raises(CheckpointWriteError, match=r"step 3: no checkpoint could be written .* not enough free space"):
+        train_local(cfg, str(run))
+    assert max(losses(run)) == 3  # stopped at the failed save, not one step later
+    assert checkpoint.latest_complete(str(run)) is None
+
+
+def test_allowed_failures_continue_but_warn_every_step(tiny_dataset, tiny_filesystem, capsys):
+    run = tiny_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "checkpoint.write_attempts=1", "checkpoint.allow_failures=true")
+    train_local(cfg, str(run))
+    out = capsys.readouterr().out
+    assert max(losses(run)) == 6
+    assert out.count("WARNING: no checkpoint has been written since step 3") == 4  # steps 3, 4, 5, 6
+    assert checkpoint.latest_complete(str(run)) is None
+
+
+def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
+    train_local(tiny_config(dataset, *extra), run_dir)
+
+
+@pytest.mark.slow
+def test_async_saves_resume_like_sync_saves_on_two_ranks(tiny_dataset, tmp_path):
+    from tests.support.distributed import run_distributed
+
+    common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0", "train.tensorboard=false")
+    run_distributed(_train_ranks, 2, tiny_dataset, str(tmp_path / "sync"), *common)
+    resumed = tmp_path / "async"
+    run_distributed(_train_ranks, 2, tiny_dataset, str(resumed), *common, "checkpoint.async_save=true",
+                    "train.stop_at_step=6")
+    assert checkpoints(resumed) == ["checkpoint_00000002", "checkpoint_00000004", "checkpoint_00000006"]
+    written_during = {n: json.loads((resumed / n / checkpoint.MANIFEST).read_text())["steps_during_write"]
+                      for n in checkpoints(resumed)}
+    # Step 5 trained (and updated the weights) while step 4's checkpoint was being written; the
+    # last save is waited for at the end, with no step during it.
+    assert written_during["checkpoint_00000004"] >= 1 and written_during["checkpoint_00000006"] == 0
+    # What a crash while step 6's checkpoint was written leaves: no manifest. The resume takes
+    # step 4's, and reproduces the synchronous run: the background write saw step 4's state.
+    os.remove(resumed / "checkpoint_00000006" / checkpoint.MANIFEST)
+    run_distributed(_train_ranks, 2, tiny_dataset, str(resumed), *common, "checkpoint.async_save=true")
+    sync, async_ = losses(tmp_path / "sync"), losses(resumed)
+    assert sorted(async_) == list(range(1, 9))
+    for step in range(1, 9):
+        assert async_[step] == pytest.approx(sync[step], rel=1e-6), step
+    with open(resumed / "events.jsonl") as f:
+        (event,) = [json.loads(line) for line in f]
+    assert event["event"] == "resumed" and event["from_step"] == 4
+
+
+def test_resume_passes_over_a_corrupted_checkpoint_for_the_previous_one(tiny_dataset, tmp_path):
+    common = ("train.steps=8", "checkpoint.every_steps=2", "train.eval_every=0")
+    train_local(tiny_config(tiny_dataset, *common), str(tmp_path / "straight"))
+    run = tmp_path / "corrupted"
+    train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=6"), str(run))
+    flip_byte(str(run / "checkpoint_00000006" / "__0_0.distcp"))  # same size: only its checksum tells
+    train_local(tiny_config(tiny_dataset, *common), str(run))
+    straight, resumed = losses(tmp_path / "straight"), losses(run)
+    for step in (5, 6, 7, 8):
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-6)
+    with open(run / "events.jsonl") as f:
+        skipped, resumed_event = [json.loads(line) for line in f]
+    assert skipped["event"] == "checkpoint_skipped" and skipped["uri"] == str(run / "checkpoint_00000006")
+    assert skipped["reason"].startswith("__0_0.distcp has sha256")
+    assert resumed_event["event"] == "resumed" and resumed_event["from_step"] == 4

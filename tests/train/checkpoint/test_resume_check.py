@@ -1,0 +1,56 @@
+"""Resuming refuses a config that would give the saved state another meaning, listing every
+difference, and lets everything else change (checked against a real checkpoint's config.yaml)."""
+
+import pytest
+
+from raylm.config import ConfigError, config_to_dict
+from raylm.train.checkpoint.resume import check_resume, check_resume_compatible, read_saved_config
+from tests.support.checkpoints import TOKENIZER_SHA, make_run, tiny_config
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[str, dict]:
+    (ckpt,) = make_run(str(tmp_path_factory.mktemp("resume_check") / "run"), (2,))
+    return ckpt, read_saved_config(ckpt)
+
+
+def test_saved_config_is_the_run_config(saved):
+    _, tree = saved
+    assert tree == config_to_dict(tiny_config())
+
+
+@pytest.mark.parametrize("overrides, keys", [
+    (("model.n_layers=1",), ["model.n_layers"]),
+    # Same parameter count, other heads: DCP would load it silently.
+    (("model.n_heads=4",), ["model.n_heads", "model.n_kv_heads"]),
+    (("model.d_model=64", "model.mlp=gelu", "train.seq_len=8", "model.max_seq_len=8"),
+     ["model.d_model", "model.mlp", "train.seq_len"]),
+    (("model.pos_embedding=learned", "model.max_seq_len=32"), ["model.max_seq_len", "model.pos_embedding"]),
+])
+def test_changes_of_meaning_are_refused_listing_every_key(saved, overrides, keys):
+    ckpt, tree = saved
+    new = config_to_dict(tiny_config(*overrides))
+    with pytest.raises(ConfigError) as refused:
+        check_resume_compatible(tree, new)
+    message = str(refused.value)
+    assert f"({len(keys)} difference(s))" in message
+    for key in keys:
+        assert f"\n  {key}: saved " in message
+    with pytest.raises(ConfigError, match="cannot resume"):
+        check_resume(ckpt, new, TOKENIZER_SHA)
+
+
+def test_run_length_lr_schedule_intervals_and_layout_may_change(saved):
+    ckpt, tree = saved
+    new = config_to_dict(tiny_config("train.steps=5000", "optim.lr=3e-3", "schedule.name=wsd", "schedule.warmup_steps=7",
+                                     "checkpoint.every_steps=50", "train.eval_every=9", "parallel.num_workers=4",
+                                     "parallel.sharding=full", "train.global_batch_size=64", "model.dropout=0.1",
+                                     "model.rope_theta=500000", "model.max_seq_len=64"))
+    check_resume_compatible(tree, new)
+    check_resume(ckpt, new, TOKENIZER_SHA)
+
+
+def test_another_tokenizer_is_refused(saved):
+    ckpt, tree = saved
+    with pytest.raises(ConfigError, match=r"1 difference\(s\)\):\n  tokenizer: saved sha256 byte-tokeniz, now 0123456789ab"):
+        check_resume(ckpt, tree, "0123456789abcdef")

@@ -1,0 +1,73 @@
+"""Commands that take a run or a checkpoint accept s3:// as they accept a local path, and fail
+with a clean `raylm: error:` and status (real SeaweedFS, the real CLI in a subprocess)."""
+
+import pytest
+
+from raylm.data import storage
+from raylm.inference.generate import generate_text
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.resume import read_saved_config
+from tests.support.checkpoints import make_run, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def s3_run(s3_server, s3_bucket, tmp_path):
+    """A run with checkpoints at steps 2 and 4, written by the checkpointer, then uploaded."""
+    local = tmp_path / "run"
+    make_run(str(local), (2, 4))
+    run = f"{s3_bucket}/runs/tiny"
+    storage.copy_dir(str(local), run, s3_server.storage)
+    return local, run
+
+
+def test_generate_and_verify_a_run_on_s3(s3_server, s3_run):
+    local, run = s3_run
+    endpoint = ("--endpoint-url", s3_server.endpoint_url)
+    assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000004"
+    assert read_saved_config(f"{run}/checkpoint_00000004", s3_server.storage) == read_saved_config(
+        str(local / "checkpoint_00000004"))
+
+    generated = run_cli("generate", "--checkpoint", run, "--prompt", "The king", "--max-new-tokens", "12",
+                        "--temperature", "0", *endpoint, env=s3_server.env)
+    assert generated.returncode == 0, generated.stderr
+    # Greedy: the run on S3 gives exactly what its local original gives.
+    assert generated.stdout == "The king" + generate_text(str(local), "The king", 12, temperature=0.0) + "\n"
+    assert len(generated.stdout) > len("The king\n")
+
+    verified = run_cli("checkpoint", "verify", run, *endpoint, env=s3_server.env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    lines = verified.stdout.splitlines()
+    assert len(lines) == 2 * 7 and all(line.startswith("OK   s3://") for line in lines)
+    assert f"OK   {run}/checkpoint_00000004/__0_0.distcp" in lines
+
+
+def test_corrupted_checkpoint_on_s3_fails_cleanly(s3_server, s3_run):
+    _, run = s3_run
+    endpoint = ("--endpoint-url", s3_server.endpoint_url)
+    shard = f"{run}/checkpoint_00000004/__0_0.distcp"
+    raw = bytearray(storage.read_bytes(shard, s3_server.storage))
+    raw[len(raw) // 2] ^= 0xFF  # same size: only the checksum tells
+    storage.write_bytes(shard, bytes(raw), s3_server.storage)
+
+    verified = run_cli("checkpoint", "verify", run, *endpoint, env=s3_server.env)
+    assert verified.returncode == 1
+    assert f"FAIL {run}/checkpoint_00000004: __0_0.distcp has sha256" in verified.stdout
+    assert f"OK   {run}/checkpoint_00000002: whole (6 files)" in verified.stdout
+
+    generated = run_cli("generate", "--checkpoint", run, *endpoint, env=s3_server.env)
+    assert generated.returncode == 1
+    assert generated.stderr.startswith(f"raylm: error: checkpoint {run}/checkpoint_00000004 cannot be used: "
+                                       "__0_0.distcp has sha256")
+    from_older = run_cli("generate", "--checkpoint", f"{run}/checkpoint_00000002", "--max-new-tokens", "3",
+                         *endpoint, env=s3_server.env)
+    assert from_older.returncode == 0, from_older.stderr
+
+    for args in (("generate", "--checkpoint", "s3://no-such-bucket-raylm/runs/x"),
+                 ("checkpoint", "verify", "s3://no-such-bucket-raylm/runs/x")):
+        missing = run_cli(*args, *endpoint, env=s3_server.env)
+        assert missing.returncode == 2 and missing.stderr.startswith("raylm: error: ")
+        assert "bucket 'no-such-bucket-raylm' does not exist" in missing.stderr
+    for result in (verified, generated, from_older, missing):
+        assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
