@@ -7,12 +7,12 @@ from raylm.config.load import (build_dataclass, config_changes, config_from_dict
                                flat_keys, load_config, merge_trees, parse_overrides)
 from raylm.config.schema import (CONFIG_FILE, ActivationCheckpointing, BatchRampup, CheckpointConfig, Config,
                                  DataConfig, GuardConfig, LRScheduleName, MixtureComponent, ModelConfig, OptimConfig,
-                                 ParallelConfig, PipelineScheduleName, RunConfig, ScheduleConfig, Sharding,
-                                 StorageConfig, TrainConfig)
+                                 ParallelConfig, PipelineScheduleName, ProfileConfig, RunConfig, ScheduleConfig,
+                                 Sharding, StorageConfig, TrainConfig)
 from raylm.errors import ConfigError
 
 __all__ = ["CONFIG_FILE", "ActivationCheckpointing", "BatchRampup", "CheckpointConfig", "Config", "ConfigError",
            "DataConfig", "GuardConfig", "LRScheduleName", "MixtureComponent", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "PipelineScheduleName", "RunConfig", "ScheduleConfig", "Sharding", "StorageConfig",
+           "ParallelConfig", "PipelineScheduleName", "ProfileConfig", "RunConfig", "ScheduleConfig", "Sharding", "StorageConfig",
            "TrainConfig", "build_dataclass", "config_changes", "config_from_dict", "config_to_dict", "config_to_yaml",
            "flat_keys", "global_batch_sequences", "load_config", "merge_trees", "parse_overrides", "validate"]

@@ -1,4 +1,5 @@
-"""Data parallelism on FSDP2's machinery, and activation checkpointing, applied per block.
+"""Data parallelism on FSDP2's machinery, and activation checkpointing (full, every k-th block, or
+selective: per operator), applied per block.
 
 Every data-parallel layout uses FSDP2's per-parameter DTensor sharding, so TP and PP compose
 with all of them and every layout's checkpoint is a DCP state dict of DTensors under the plain
@@ -36,6 +37,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from raylm.config import ActivationCheckpointing, Sharding
 from raylm.model.transformer import embeddings_tied
@@ -102,14 +104,48 @@ def set_micro_batch_sync(model: nn.Module, sharding: Sharding, last: bool) -> No
         model.set_reshard_after_backward(last or sharding == "full")
 
 
+# Selective checkpointing keeps the outputs of these ops (torchtitan's op-level policy): the
+# matmuls and attention kernels that hold nearly all of a block's FLOPs, and sequence
+# parallelism's reduce-scatter (a collective not to repeat in backward). Backward then recomputes
+# only the cheap ops between them: norms, RoPE, the MLP's activation and product, residual adds,
+# casts. Every matmul is kept, not torchtitan's every other one (counted in call order, it keeps
+# wq, wv, w1, w2 and recomputes wk, wo, w3): that would run about 40% of an MHA SwiGLU block's
+# matmul FLOPs twice, and which projections it keeps would change with the order of the model's
+# code; memory between this and `full` is what every_k trades for. SDPA's math path (the s x s
+# scores) is composite, so its pieces are recomputed: Korthikanti et al.'s selective recompute.
+# The kept bytes are `raylm.parallel.planner.memory.selective_layer_bytes`.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,  # a Linear with a bias
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _keep_matmuls(ctx: SelectiveCheckpointContext, op: torch._ops.OpOverload, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple:
+    """A fresh pair per checkpointed forward: its cache holds that forward's kept outputs."""
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
 def apply_ac(model: nn.Module, mode: ActivationCheckpointing, every: int) -> None:
     """Recompute chosen blocks' activations in backward (composable, so FQNs do not change).
 
     every_k checkpoints blocks whose global index is a multiple of `every`, so the choice does not
-    depend on how a pipeline splits the layers.
+    depend on how a pipeline splits the layers. selective checkpoints every block but keeps its
+    matmul and attention outputs (`_SAVED_OPS`).
     """
     if mode == "none":
         return
     for layer_id, block in model.layers.items():
-        if mode == "full" or int(layer_id) % every == 0:
+        if mode == "selective":
+            checkpoint(block, context_fn=_selective_contexts)
+        elif mode == "full" or int(layer_id) % every == 0:
             checkpoint(block)

@@ -139,6 +139,12 @@ def _check_pipeline(parallel: ParallelConfig, model: ModelConfig) -> None:
                           "after the input gradients, which gives wrong gradients with sharding=full (FSDP2 "
                           "re-sharding parameters after forward) in torch 2.13: use sharding=gradients or "
                           "optimizer with it")
+    if parallel.pp_schedule in SPLIT_BACKWARD_SCHEDULES and parallel.activation_checkpointing != "none":
+        # torch 2.13's composable checkpoint rebuilds a block once per backward pass, and can only once.
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule} runs each stage's backward in two passes "
+                          "(input, then weight gradients), and a checkpointed block cannot be recomputed twice: "
+                          f"set parallel.activation_checkpointing=none (got {parallel.activation_checkpointing}) "
+                          "or choose 1f1b or interleaved_1f1b")
     if model.tie_embeddings:
         raise ConfigError("model.tie_embeddings shares the embedding with the output head, which live on the "
                           f"first and last pipeline stages: untie them or set parallel.pp=1 (pp={parallel.pp})")

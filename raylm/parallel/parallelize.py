@@ -1,5 +1,5 @@
-"""Parallelize a plain model from outside, torchtitan's order: pipeline split, then per part
-tensor parallel, activation checkpointing, compile, and data parallel (FSDP2 `fully_shard` or
+"""Parallelize a plain model from outside, nearly torchtitan's order: pipeline split, then per part
+activation checkpointing, tensor parallel, compile, and data parallel (FSDP2 `fully_shard` or
 FSDP2-based `replicate`) last. The model knows nothing of it.
 
 All of it happens on the meta device: no rank ever holds the whole model. Each part is then
@@ -56,11 +56,14 @@ def describe_layout(cfg: Config, mesh: ParallelMesh) -> dict:
 
 
 def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh) -> None:
-    """Apply TP, activation checkpointing, compile and data parallelism to one (meta) part, in place."""
+    """Apply activation checkpointing, TP, compile and data parallelism to one (meta) part, in place."""
     parallel = cfg.parallel
+    # Checkpointing first: a recompute calls the block again with the inputs its checkpoint took, so
+    # its hook must run before sequence parallelism's slice of the first block's input, or the
+    # recompute would slice that input twice.
+    apply_ac(part, parallel.activation_checkpointing, parallel.ac_every)
     if mesh.tp is not None:
         apply_tp(part, mesh.tp, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
-    apply_ac(part, parallel.activation_checkpointing, parallel.ac_every)
     if cfg.train.compile:  # per block: the repeated structure compiles once; names stay the same
         for block in part.layers.values():
             block.compile()

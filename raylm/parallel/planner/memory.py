@@ -45,8 +45,13 @@ always turns on with TP; `parallel.sequence_parallel=False` gives the paper's 10
 The 34 is generalised from the config (MLP width and kind, GQA; dropout masks only when
 dropout > 0). By default `flash_attention=True` drops the 5·a·s²·b score terms: raylm's attention
 is `scaled_dot_product_attention`, whose GPU kernels keep no s x s scores. Full checkpointing
-keeps each block's input (2·s·b·h) plus one block's activations during recompute. 1F1B keeps
-min(pp, microbatches) microbatches in flight on the first stage; the last stage adds the logits.
+keeps each block's input (2·s·b·h) plus one block's activations during recompute. Selective
+checkpointing (raylm/parallel/fsdp.py) keeps each block's input and the outputs of its matmuls and
+attention, in the paper's units s·b·h·(10 + 4·kv + 4·f/h) for SwiGLU (2·f/h for a GeLU or ReLU
+MLP), kv the key/value heads over the heads and f the MLP width: 22·s·b·h for the paper's GeLU 4h
+block, against 34 (`selective_layer_bytes`); no scores and no dropout masks, which it recomputes.
+1F1B keeps min(pp, microbatches) microbatches in flight on the first stage; the last stage adds
+the logits.
 """
 
 from __future__ import annotations
@@ -194,6 +199,30 @@ def layer_activation_bytes(shape: ModelShape, seq_len: int, micro_batch_size: in
     return s * b * h * whole + (s * b * h * split + scores) / tp
 
 
+def selective_layer_bytes(shape: ModelShape, seq_len: int, micro_batch_size: int, tp: int,
+                          precision: Precision, sequence_parallel: bool = True) -> float:
+    """One block's kept activations under selective checkpointing, for one microbatch: what its
+    policy saves (the matmuls' and attention's outputs) plus the block's input.
+
+    In units of s·b·h·2 bytes: the block input (2), Q, K and V (2 + 4·kv), the attention output
+    (2; its log-sum-exp, 4 bytes per head and token, is left out), the MLP's up projections (4·f/h
+    for SwiGLU's two, 2·f/h for one) and the outputs of the two row-split projections, wo and w2
+    (2 + 2). Under TP those two are partial sums of the whole sequence, kept before their
+    reduction, so they never divide by tp; with sequence parallelism their reduce-scattered
+    outputs are kept too (2 + 2, divided by tp like the block input).
+    """
+    s, b, h = seq_len, micro_batch_size, shape.d_model
+    u = precision.activation_bytes / 2  # the paper counts 2 bytes per element
+    kv = shape.n_kv_heads / shape.n_heads
+    ratio = shape.ffn_hidden / h
+    up = 4 * ratio if shape.mlp == "swiglu" else 2 * ratio
+    split = (2 + 4 * kv + 2 + up) * u  # whole heads and MLP columns per TP rank
+    partial_sums = (2 + 2) * u
+    sp = sequence_parallel and tp > 1
+    sequence = (2 + (4 if sp else 0)) * u
+    return s * b * h * (partial_sums + split / tp + sequence / (tp if sp else 1))
+
+
 @dataclass
 class MemoryEstimate:
     """Per-GPU bytes on the worst pipeline stage."""
@@ -233,8 +262,16 @@ def _stage_params(shape: ModelShape, dims: ParallelDims, stage: int) -> tuple[in
 
 
 def checkpointed_blocks(parallel: ParallelConfig, mode: str, blocks: int) -> int:
-    """How many of a stage's `blocks` keep only their input under checkpointing `mode`."""
-    return {"none": 0, "full": blocks, "every_k": math.ceil(blocks / parallel.ac_every)}[mode]
+    """How many of a stage's `blocks` recompute activations in backward under checkpointing `mode`:
+    full and every_k keep only those blocks' inputs; selective recomputes the cheap ops of every
+    block (and, under TP, the all-gathers of its matmuls' inputs)."""
+    return {"none": 0, "full": blocks, "every_k": math.ceil(blocks / parallel.ac_every), "selective": blocks}[mode]
+
+
+def recomputed_matmuls(parallel: ParallelConfig, mode: str, blocks: int) -> float:
+    """The fraction of a stage's block matmuls that run again in backward: selective keeps every
+    one (its recompute, norms and elementwise ops, is outside a FLOP count)."""
+    return 0.0 if mode == "selective" else checkpointed_blocks(parallel, mode, blocks) / blocks
 
 
 def _activations(shape: ModelShape, parallel: ParallelConfig, dims: ParallelDims, precision: Precision,
@@ -245,8 +282,12 @@ def _activations(shape: ModelShape, parallel: ParallelConfig, dims: ParallelDims
     full = layer_activation_bytes(shape, seq_len, micro_batch_size, dims.tp, precision, flash_attention, sp)
     layer_input = seq_len * micro_batch_size * shape.d_model * precision.activation_bytes / (dims.tp if sp else 1)
     checkpointed = checkpointed_blocks(parallel, mode, blocks)
-    stored = checkpointed * layer_input + (blocks - checkpointed) * full
-    recompute = full if checkpointed else 0.0  # one block's activations rebuilt at a time
+    if mode == "selective":
+        stored = blocks * selective_layer_bytes(shape, seq_len, micro_batch_size, dims.tp, precision, sp)
+    else:
+        stored = checkpointed * layer_input + (blocks - checkpointed) * full
+    # One block's activations rebuilt at a time (under selective fewer: it reuses the kept outputs).
+    recompute = full if checkpointed else 0.0
     act = in_flight * stored + recompute
     if stage == dims.pp - 1:  # logits, plus fp32 log-probabilities and their gradient for the loss
         logits = seq_len * micro_batch_size * shape.vocab * (precision.activation_bytes + 8)

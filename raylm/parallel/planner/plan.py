@@ -22,11 +22,12 @@ dp x micro_batch_size.
 
 Ranking: feasible layouts first, by a step-time proxy = compute + communication, with no overlap
 assumed: compute = flops_per_token x global batch tokens / (gpus x peak FLOP/s), times 4/3 for
-recomputed blocks and (m + pp - 1) / m for the 1F1B bubble with m microbatches; communication =
-bytes over NVLink within a node and over the network across nodes (`Hardware`). At equal step
-time to two significant figures the simpler layout wins (`_complexity`: fewer model-parallel
-dimensions, then smaller pp and tp, plain data parallel before HSDP, less sharding). Infeasible
-layouts follow, closest to fitting first.
+blocks whose matmuls are recomputed (full, every_k; selective recomputes none) and
+(m + pp - 1) / m for the 1F1B bubble with m microbatches; communication = bytes over NVLink
+within a node and over the network across nodes (`Hardware`). At equal step time to two
+significant figures the simpler layout wins (`_complexity`: fewer model-parallel dimensions, then
+smaller pp and tp, plain data parallel before HSDP, less sharding). Infeasible layouts follow,
+closest to fitting first.
 
 GB means 1e9 bytes, the ZeRO paper's unit; `parse_memory` accepts GiB too.
 """
@@ -45,8 +46,9 @@ from raylm.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.config.presets import MODEL_SIZES, preset
 from raylm.model.sizes import count_params, flops_per_token
-from raylm.parallel.planner.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, MemoryEstimate, checkpointed_blocks,
-                                   estimate_communication, estimate_memory, get_precision, layout_dims)
+from raylm.parallel.planner.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, MemoryEstimate,
+                                   estimate_communication, estimate_memory, get_precision, layout_dims,
+                                   recomputed_matmuls)
 from raylm.parallel.layout import check_layout
 
 DEFAULT_VOCAB = 50272  # OPT's (GPT-2's BPE padded); named sizes leave vocab_size to the dataset
@@ -140,7 +142,7 @@ def _evaluate(model_cfg: ModelConfig, layout: ParallelConfig, precision: str, se
                              flash_attention=flash_attention, dims=dims)
     comm = estimate_communication(model_cfg, layout, precision, seq_len, micro_batch_size, m, gpus_per_node, dims)
     blocks = math.ceil(model_cfg.n_layers / dims.pp)
-    recomputed = checkpointed_blocks(layout, layout.activation_checkpointing, blocks) / blocks
+    recomputed = recomputed_matmuls(layout, layout.activation_checkpointing, blocks)
     compute = (flops_per_token(model_cfg, seq_len) * global_seqs * seq_len / (dims.world_size * hardware.peak_flops)
                * (1 + recomputed / 3) * (m + dims.pp - 1) / m)
     reasons = []
@@ -164,7 +166,8 @@ def plan(model_cfg: ModelConfig, gpus: int, gpus_per_node: int, gpu_memory_bytes
     """Every candidate layout, estimated and ranked (see the module docstring).
 
     global_batch_tokens None means one micro-batch per GPU: gpus x micro_batch_size x seq_len.
-    activation_checkpointing applies to every layout; `auto` uses none where it fits, else full.
+    activation_checkpointing applies to every layout; `auto` uses none where it fits, else selective,
+    else full.
     """
     get_precision(precision)
     for name, value in (("micro_batch_size", micro_batch_size), ("gpu_memory_bytes", gpu_memory_bytes)):
@@ -182,7 +185,7 @@ def plan(model_cfg: ModelConfig, gpus: int, gpus_per_node: int, gpu_memory_bytes
     if tokens % seq_len:
         raise ConfigError(f"global_batch_tokens {tokens} is not a multiple of seq_len {seq_len}")
     limit = gpu_memory_bytes * (1 - headroom)
-    modes = ["none", "full"] if activation_checkpointing == "auto" else [activation_checkpointing]
+    modes = ["none", "selective", "full"] if activation_checkpointing == "auto" else [activation_checkpointing]
     dtypes, _ = precision_settings(precision)
     rows = []
     for layout in enumerate_layouts(gpus, gpus_per_node, model_cfg.n_heads, model_cfg.n_layers, model_cfg.n_kv_heads):
@@ -204,7 +207,7 @@ def plan(model_cfg: ModelConfig, gpus: int, gpus_per_node: int, gpu_memory_bytes
 def format_table(rows: Sequence[PlanRow], top: Optional[int] = 10) -> str:
     """A ranked table, per-GPU memory terms in GB: act is without checkpointing, act-ckpt with full
     checkpointing, and total uses the layout's ckpt mode."""
-    head = (f"{'#':>3} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'sharding':<9} {'ckpt':<7}"
+    head = (f"{'#':>3} {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'pp':>3} {'sharding':<9} {'ckpt':<9}"
             f"{'params':>7} {'grads':>6} {'optim':>6} {'master':>6} {'act':>7} {'act-ckpt':>8} {'buffers':>7}"
             f"{'total':>8} {'comm':>8} {'step s':>8}  fits")
     lines = [head, "-" * len(head)]
@@ -213,7 +216,7 @@ def format_table(rows: Sequence[PlanRow], top: Optional[int] = 10) -> str:
         gb = [x / 1e9 for x in (mem.params, mem.grads, mem.optimizer, mem.master, mem.activations_no_checkpointing,
                                 mem.activations_full_checkpointing, mem.buffers, mem.total, row.comm.total)]
         lines.append(f"{i:>3} {lay.dp_replicate:>6} {lay.dp_shard:>8} {lay.tp:>3} {lay.pp:>3} {lay.sharding:<9} "
-                     f"{lay.activation_checkpointing:<7}{gb[0]:>7.2f} {gb[1]:>6.2f} {gb[2]:>6.2f} {gb[3]:>6.2f} "
+                     f"{lay.activation_checkpointing:<9}{gb[0]:>7.2f} {gb[1]:>6.2f} {gb[2]:>6.2f} {gb[3]:>6.2f} "
                      f"{gb[4]:>7.2f} {gb[5]:>8.2f} {gb[6]:>7.2f}{gb[7]:>8.2f} {gb[8]:>8.1f} {row.step_s:>8.2f}  "
                      f"{'yes' if row.feasible else 'no: ' + row.reason}")
     if top and len(rows) > top:
@@ -298,8 +301,12 @@ def model_from_arg(model: str, vocab_size: Optional[int] = None) -> tuple[ModelC
 def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len: Optional[int] = None,
              global_batch_tokens: Optional[int] = None, precision: str = "mixed", micro_batch_size: int = 1,
              output: Optional[str] = None, activation_checkpointing: str = "none",
-             vocab_size: Optional[int] = None, top: int = 10) -> str:
-    """`raylm plan`: the ranked table and recommended block as text; the block also goes to `output`."""
+             vocab_size: Optional[int] = None, top: int = 10) -> tuple[str, bool]:
+    """`raylm plan`: the ranked table and recommended block as text, and whether any layout fits;
+    the block also goes to `output` (a YAML file)."""
+    if output is not None and (Path(output).is_dir() or not Path(output).parent.is_dir()):
+        problem = "is a directory" if Path(output).is_dir() else "is in a directory that does not exist"
+        raise ConfigError(f"--output {output} {problem}: give the path of the YAML file to write")
     cfg, config_seq_len, notes = model_from_arg(model, vocab_size)
     seq_len = seq_len or config_seq_len or cfg.max_seq_len
     memory = parse_memory(gpu_memory)
@@ -319,4 +326,4 @@ def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len
             lines.append(f"# wrote {output}")
     else:
         lines.append("No layout fits: try more GPUs, activation checkpointing, or a smaller micro-batch.")
-    return "\n".join(lines)
+    return "\n".join(lines), bool(rows and rows[0].feasible)
