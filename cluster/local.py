@@ -56,7 +56,10 @@ from raylm.ray_runtime import LOCAL_RAY_ENV, ensure_auth_token
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: an elastic Train run gives up on a lost node sooner.
-BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+# RAY_agent_register_timeout_ms: a raylet aborts (a C++ check) when its dashboard agent has not
+# reported its ports within this; on a machine loaded far past its cores that took longer than
+# Ray's default, and the node never came back.
+BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20", "RAY_agent_register_timeout_ms": "300000"}
 NODE_MARKER = "RAYLM_LOCAL_CLUSTER_NODE"  # value: the node's temp dir, unique per node
 _PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
@@ -378,10 +381,14 @@ class LocalCluster:
     def _launch(self, nodes: list[Node]) -> None:
         """Run `ray start` for `nodes` concurrently; return once Ray reports each one alive.
 
-        `ray start` gives a raylet 30 s (fixed in Ray) to register; on a loaded machine that
-        can fail, so a failed start is cleaned up and tried again while time is left."""
+        What says a node is up is the GCS listing it alive, and that is what this waits for, until
+        a deadline that grows with the machine's load (`_deadline`). `ray start` gives a raylet a
+        fixed 30 s to register and exits with an error when it is late; on a loaded machine its
+        raylet then registers a little later all the same, so a failed `ray start` whose raylet
+        runs is waited for, not killed; one whose raylet died is cleaned up and tried again."""
         previous = self.node_ids() if self.gcs_port is not None else {}
-        deadline = time.monotonic() + self.start_timeout_s
+        budget = self._deadline()
+        deadline = time.monotonic() + budget
         pending, logs = list(nodes), {}
         for attempt in range(1, _START_ATTEMPTS + 1):
             started = [(node, *self._spawn(node)) for node in pending]
@@ -394,13 +401,13 @@ class LocalCluster:
                     proc.kill()  # what it already started carries the node's marker: found below
                     proc.wait()
                     code = None
-                if code == 0:
+                if code == 0 or self._raylet_running(node):
                     continue
                 kill_process_trees(self._roots(node))
                 if attempt == _START_ATTEMPTS or time.monotonic() > deadline:
                     raise LocalClusterError(f"`ray start` of node {node.index} ({node.ip}) "
-                                            f"{'timed out' if code is None else f'exited with {code}'} "
-                                            f"(attempt {attempt}):\n{_tail(log_path)}")
+                                            f"{'timed out' if code is None else f'exited with {code}'} and its "
+                                            f"raylet is not running (attempt {attempt}):\n{_tail(log_path)}")
                 pending.append(node)
             if not pending:
                 break
@@ -408,11 +415,27 @@ class LocalCluster:
             try:
                 _wait(lambda: self.node_ids().get(node.index) not in (None, previous.get(node.index)),
                       max(1.0, deadline - time.monotonic()),
-                      lambda: f"node {node.index} ({node.ip}) has not registered with the GCS")
+                      lambda: f"node {node.index} ({node.ip}) is not ALIVE in the GCS's node table at "
+                              f"{self.address} after {budget:.0f} s (the deadline grows with the load: "
+                              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
             except TimeoutError as e:
                 raise LocalClusterError(f"{e}; see {node.temp_dir}/session_latest/logs\n"
                                         f"{_tail(logs[node.index])}") from None
             self.processes(node.index)
+
+    def _deadline(self) -> float:
+        """Seconds to give a start: `start_timeout_s` on an idle machine, up to 4 times that as
+        the load average exceeds the cores (processes then wait their turn for a core)."""
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        return self.start_timeout_s * min(4.0, max(1.0, load))
+
+    def _raylet_running(self, node: Node) -> bool:
+        for pid in self.processes(node.index):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[0].endswith(b"/raylet"):
+                        return True
+        return False
 
 
 def _wait(done: Callable[[], bool], timeout_s: float, describe: Callable[[], str]) -> float:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Optional
 
 from raylm.config import ConfigError, StorageConfig, config_to_yaml, load_config
 from raylm.config.describe import describe_fields
-from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
-from raylm.ray_runtime import in_ray_job
+from raylm.errors import DeterministicError
 from raylm.launch.submit import SubmitError, check_job_config
-from raylm.train.checkpoint.format import CheckpointError
-from raylm.train.resilience.guard_stop import GuardStopped
+from raylm.ray_runtime import in_ray_job
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -29,14 +28,14 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> None:
     from raylm.data.prepare import prepare_dataset
-    from raylm.ray_runtime import start_ray
 
-    if args.ray_address:  # else prepare_dataset gets a Ray (RAY_ADDRESS's, or a local one) once its inputs check out
-        start_ray(args.ray_address)
+    # Ray Data's execution plans and progress blocks: its bookkeeping, shown with --verbose.
+    for name, quiet in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR)):
+        logging.getLogger(name).setLevel(logging.INFO if args.verbose else quiet)
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
                                storage=_storage(args), max_documents=args.max_documents,
-                               overwrite=args.overwrite)
+                               overwrite=args.overwrite, ray_address=args.ray_address)
     # `documents` counts end-of-text tokens: one document split by position ends in neither split.
     one_document = manifest.split_rule == "position"
     if one_document:
@@ -100,6 +99,41 @@ def cmd_submit(args: argparse.Namespace) -> None:
     sys.exit(submit(args.config, args.overrides, args.address, wait=not args.no_wait, env=dict(args.env)))
 
 
+def _positive_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _parsed(text, float, "a number")
+    if not value >= 0 or value == float("inf"):  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _parsed(text, float, "a number")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1): the train split needs some of the data, got {text!r}")
+    return value
+
+
+def _parsed(text: str, kind: type, name: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line naming the argument (no usage dump)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"raylm: error: {message} (see {self.prog} --help)\n")
+
+
 def _name_value(item: str) -> tuple[str, str]:
     name, sep, value = item.partition("=")
     if not sep or not name:
@@ -110,6 +144,9 @@ def _name_value(item: str) -> tuple[str, str]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from raylm.inference.generate import generate_text
 
+    if not args.prompt:
+        raise ConfigError("--prompt is empty: generation continues a prompt of at least one character "
+                          "(the default is a newline)")
     print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                                       args.top_k, args.seed, _storage(args)))
 
@@ -144,11 +181,15 @@ def cmd_data(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     from raylm.parallel.planner.plan import run_plan
 
-    print(run_plan(model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                   gpu_memory=args.gpu_memory, seq_len=args.seq_len,
-                   global_batch_tokens=args.global_batch_tokens, precision=args.precision,
-                   micro_batch_size=args.micro_batch_size, output=args.output,
-                   activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size))
+    text, fits = run_plan(model=args.model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                          gpu_memory=args.gpu_memory, seq_len=args.seq_len,
+                          global_batch_tokens=args.global_batch_tokens, precision=args.precision,
+                          micro_batch_size=args.micro_batch_size, output=args.output,
+                          activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size)
+    print(text)
+    if not fits:  # a script that goes on to train with the plan must stop here
+        print("raylm: error: no layout fits (see the table above)", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -196,28 +237,29 @@ def cmd_eval(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
 
-    parser = argparse.ArgumentParser(prog="raylm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="raylm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prepare", help="tokenize and pack text into Parquet shards (a Ray Data job)")
     p.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories, local or s3://; "
                    "omitted: the built-in corpus (this Python's standard library sources)")
     p.add_argument("--output", required=True, help="dataset directory or s3:// prefix")
     p.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path/URI")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--seq-len", type=_positive_int, default=256)
+    p.add_argument("--val-fraction", type=_fraction, default=0.1)
     p.add_argument("--lines-as-documents", action="store_true", help=".txt: one document per line")
-    p.add_argument("--max-documents", type=int, help="stop after this many documents")
+    p.add_argument("--max-documents", type=_positive_int, help="stop after this many documents")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
+    p.add_argument("--verbose", action="store_true", help="also show Ray Data's own progress and plans")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_prepare)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")
-    tsub = p.add_subparsers(dest="action", required=True)
+    tsub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer with Hugging Face tokenizers")
     t.add_argument("--input", nargs="+", required=True)
-    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--vocab-size", type=_positive_int, required=True)
     t.add_argument("--output", required=True, help="tokenizer.json path or s3:// URI")
     _add_storage_args(t)
     t.set_defaults(fn=cmd_tokenizer_train)
@@ -258,9 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint or run directory (its latest), local or s3://")
     p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200)
+    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=_positive_int, default=200)
     p.add_argument("--seed", type=int)
     _add_storage_args(p)
     p.set_defaults(fn=cmd_generate)
@@ -279,18 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="estimate per-GPU memory of parallel layouts and recommend one")
     p.add_argument("--model", required=True, help="named size (e.g. 175b) or a YAML config")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus", type=_positive_int, required=True)
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8)
     p.add_argument("--gpu-memory", default="80GB")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--global-batch-tokens", type=int)
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=_positive_int)
+    p.add_argument("--global-batch-tokens", type=_positive_int)
+    p.add_argument("--micro-batch-size", type=_positive_int, default=1)
     p.add_argument("--precision", default="mixed", choices=["mixed", "amp", "bf16", "fp32", "fp16"],
                    help="mixed: bf16 compute + fp32 master and Adam (16 bytes/param); amp: fp32 weights "
                    "under bf16 autocast (train.precision=bf16); bf16: pure bf16 (8 bytes/param)")
     p.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING_CHOICES,
                    help="auto: the least recomputation that fits")
-    p.add_argument("--vocab-size", type=int, help="for named sizes (default 50272, OPT's)")
+    p.add_argument("--vocab-size", type=_positive_int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
     p.set_defaults(fn=cmd_plan)
 
@@ -312,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="turn a Hugging Face Llama or GPT-2 into a checkpoint to train on")
     p.add_argument("source", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--output", required=True, help="run directory to create (local or s3://)")
-    p.add_argument("--seq-len", type=int, help="training sequence length the run will use (default: the "
+    p.add_argument("--seq-len", type=_positive_int, help="training sequence length the run will use (default: the "
                    "model's context, at most 2048); prepare the data with it")
     p.add_argument("--overwrite", action="store_true", help="replace checkpoints already in --output")
     _add_storage_args(p)
@@ -324,12 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="val")
     p.add_argument("--output", help="result JSON (default: eval-<split>.json); parts go to <stem>.parts/, "
                    "and a rerun reuses them")
-    p.add_argument("--workers", type=int, help="Ray actors, each holding the model (default: as many as the "
+    p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default: as many as the "
                    "cluster's CPUs allow)")
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs (and torch threads) per actor")
-    p.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs per actor (it evaluates on one when given)")
-    p.add_argument("--rows-per-part", type=int, default=256, help="rows per unit of work and of resumption")
-    p.add_argument("--batch-rows", type=int, default=8, help="rows per forward pass")
+    p.add_argument("--cpus-per-worker", type=_positive_int, default=1, help="CPUs (and torch threads) per actor")
+    p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0, help="GPUs per actor (it evaluates on one when given)")
+    p.add_argument("--rows-per-part", type=_positive_int, default=256, help="rows per unit of work and of resumption")
+    p.add_argument("--batch-rows", type=_positive_int, default=8, help="rows per forward pass")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_eval)
@@ -340,12 +382,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ConfigError, DatasetError, StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
+    except DeterministicError as e:  # what the user gave (exit 2), or a run that cannot go on (1)
+        print(f"raylm: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except (StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (CheckpointError, GuardStopped) as e:
-        print(f"raylm: error: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,42 @@
-"""Errors a user fixes by changing their input; the CLI prints them as `raylm: error: ...`."""
+"""raylm's two kinds of error, told apart by what a restart of the worker group can do about them.
+
+- Retryable: a worker or node died, a network or storage hiccup, an OOM kill, a hung step. Ray
+  Train restarts the worker group from the latest checkpoint, up to `run.max_failures` times.
+- Deterministic (`DeterministicError` and its subclasses): the same input fails the same way on
+  every attempt. A config or data error, a guard stop, a full disk after its retries, an
+  incompatible, missing or corrupt checkpoint, a corrupt record, a run that diverged with the
+  guard off. The run ends at the first one: `raylm.launch.recovery` tells Ray Train not to
+  restart, `events.jsonl` records it, and the CLI prints its one line (`raylm: error: ...`) and
+  exits with its `exit_code`: 2 for what the user gave (a config, a dataset, a path), 1 otherwise.
+
+Subclasses live beside the code that raises them (`CheckpointError` with the checkpoint format,
+`GuardStopped` with the guard); all are importable without torch, since Ray Train's controller
+unpickles a worker's error to decide.
+"""
 
 
-class ConfigError(ValueError):
+class DeterministicError(Exception):
+    """An error that a restart cannot cure: the run ends on its first occurrence."""
+
+    exit_code = 1
+
+
+class ConfigError(DeterministicError, ValueError):
     """A configuration value or key that cannot be used; the message names it."""
+
+    exit_code = 2
+
+
+class DivergedError(DeterministicError, FloatingPointError):
+    """The loss or gradient turned non-finite (or fp16's loss scale collapsed) with the stability
+    guard off: replaying the same steps would diverge again."""
+
+
+class RecordError(DeterministicError, ValueError):
+    """A run record (metrics.jsonl, events.jsonl, the run's lease) that cannot be read; the
+    message names the file and line."""
+
+
+class RunFailedError(DeterministicError):
+    """Ray Train gave up on the run after `run.max_failures` restarts; the message names the last
+    failure of each rank."""

@@ -2,9 +2,10 @@
 
 A run directory (local or s3://) holds metrics.jsonl (one row per committed step; a resume
 drops the rows of steps that were trained again), events.jsonl (failures, resumes, and the
-stability guard's actions) and config.yaml. Every figure has the step on its x axis with each
-event drawn where it happened; runs given together are overlaid. Keys a run lacks (MFU on an
-old run, activation norms before the guard writes them) are left out, not errors.
+stability guard's actions) and config.yaml; with `train.profile`, profile/ holds its traces (the
+page links them). Every figure has the step on its x axis with each event drawn where it happened;
+runs given together are overlaid. Keys a run lacks (MFU on an old run, activation norms before
+the guard writes them) are left out, not errors.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import base64
 import html
 import io
 import json
+import os
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from typing import Optional
 from raylm.config import CONFIG_FILE, StorageConfig
 from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, PROFILE_DIR, read_jsonl
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
@@ -39,6 +41,8 @@ class RunRecord:
     events: list[dict]
     config: Optional[str]
     summary: dict = field(default_factory=dict)
+    profiles: list[str] = field(default_factory=list)
+    """URIs of the profiler traces and memory snapshots under the run's profile/."""
 
 
 def _saved_world_size(uri: str, step: int, storage_cfg: Optional[StorageConfig]) -> Optional[int]:
@@ -82,7 +86,10 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
             if before is not None and event.get("world_size") not in (None, before):
                 event["resize"] = f"{before}→{event['world_size']}"
             world = event.get("world_size", world)
-    run = RunRecord(uri, label, rows, events, config)
+    profile_dir = storage.join(uri, PROFILE_DIR)
+    profiles = [storage.join(profile_dir, name) for name in storage.list_dir(profile_dir, storage_cfg)
+                if name.endswith((".json", ".json.gz", ".pickle"))]
+    run = RunRecord(uri, label, rows, events, config, profiles=profiles)
     run.summary = summarize(run)
     return run
 
@@ -221,7 +228,28 @@ def _event_time(event: dict) -> str:
     return datetime.fromtimestamp(event["time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def render_html(runs: list[RunRecord], figs: dict[str, tuple[str, bytes]]) -> str:
+def _href(uri: str, output: Optional[str]) -> str:
+    """A link from the report in `output` to `uri`: relative where both are local, so the pair can
+    move together; an s3:// URI as it is (a browser cannot open it: copy the file down first)."""
+    if output is None or storage.is_s3(uri) or storage.is_s3(output):
+        return uri
+    return os.path.relpath(uri, output)
+
+
+def _profiles_html(runs: list[RunRecord], output: Optional[str]) -> str:
+    if not any(run.profiles for run in runs):
+        return ""
+    e = html.escape
+    items = "".join(f"<li>{e(run.label)}: " + ", ".join(
+        f'<a href="{e(_href(uri, output))}">{e(uri.rsplit("/", 1)[-1])}</a>' for uri in run.profiles) + "</li>"
+        for run in runs if run.profiles)
+    return ("<h2>Profiles</h2><p>Open a trace (.trace.json) in https://ui.perfetto.dev or chrome://tracing, and a "
+            "memory snapshot (.pickle) in https://pytorch.org/memory_viz: each loads the file from disk.</p>"
+            f"<ul>{items}</ul>")
+
+
+def render_html(runs: list[RunRecord], figs: dict[str, tuple[str, bytes]], output: Optional[str] = None) -> str:
+    """The page; `output` is where it will be written, for relative links to the runs' profiles."""
     e = html.escape
     head = "".join(f"<th>{e(run.label)}</th>" for run in runs)
     summary = "".join(f"<tr><th>{e(key)}</th>" + "".join(f"<td>{e(_fmt(run.summary[key]))}</td>" for run in runs)
@@ -246,6 +274,7 @@ def render_html(runs: list[RunRecord], figs: dict[str, tuple[str, bytes]]) -> st
             f"<h2>Figures</h2>{images}"
             f"<h2>Events</h2><table><tr><th>run</th><th>time</th><th>step</th><th>event</th><th>details</th></tr>"
             f"{events or '<tr><td colspan=5>no events</td></tr>'}</table>"
+            f"{_profiles_html(runs, output)}"
             f"<h2>Resolved config</h2>{configs}</body></html>\n")
 
 
@@ -257,11 +286,18 @@ def _labels(uris: list[str]) -> list[str]:
 def write_report(run_uris: list[str], output: Optional[str] = None,
                  storage_cfg: Optional[StorageConfig] = None) -> dict:
     """Figures and report.html for the runs at `run_uris` into `output` (default: the first
-    run's `report/`), local or s3://; returns the files written."""
+    run's `report/`), local or s3://; returns the files written. Everything is rendered before
+    the first file is written, so a failure leaves an earlier report as it was; each file is
+    replaced whole, and figures of an earlier report that this one has not are removed."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
     figs = figures(runs)
-    for name, (_, png) in figs.items():
-        storage.write_bytes(storage.join(output, name), png, storage_cfg)
-    storage.write_bytes(storage.join(output, "report.html"), render_html(runs, figs).encode(), storage_cfg)
-    return {"output": output, "files": [*figs, "report.html"], "runs": {r.label: r.summary for r in runs}}
+    files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
+    earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),
+                                                                      storage_cfg) else []
+    for name, data in files.items():
+        storage.write_bytes(storage.join(output, name), data, storage_cfg)
+    for name in earlier:
+        if name.endswith(".png") and name not in files:
+            storage.delete_file(storage.join(output, name), storage_cfg)
+    return {"output": output, "files": list(files), "runs": {r.label: r.summary for r in runs}}

@@ -19,9 +19,19 @@ def validate(cfg: Config) -> None:
     ramp = t.batch_rampup
     if ramp is not None and min(ramp.start, ramp.increment, ramp.samples) <= 0:
         raise ConfigError(f"train.batch_rampup: start, increment and samples must be positive, got {ramp}")
+    if t.profile is not None and not (1 <= t.profile.start_step <= t.steps and t.profile.steps >= 1):
+        raise ConfigError(f"train.profile: start_step must be in [1, train.steps={t.steps}] and steps >= 1, "
+                          f"got start_step={t.profile.start_step}, steps={t.profile.steps}")
     if (t.global_batch_size is None) == (t.global_batch_tokens is None):
         raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
                           "(set the other to null)")
+    for key, value in (("train.global_batch_size", t.global_batch_size), ("train.global_batch_tokens",
+                                                                          t.global_batch_tokens)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    check_run_name(cfg.run.name)
+    if cfg.run.lease_timeout_s < 10:
+        raise ConfigError(f"run.lease_timeout_s must be at least 10 (seconds), got {cfg.run.lease_timeout_s:g}")
     if t.seq_len is not None and t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
     if cfg.data.path and cfg.data.mixture:
@@ -78,3 +88,12 @@ def global_batch_sequences(cfg: Config, seq_len: int) -> int:
         raise ConfigError(f"train.global_batch_tokens ({t.global_batch_tokens}) is not a multiple "
                           f"of seq_len ({seq_len})")
     return t.global_batch_tokens // seq_len
+
+
+def check_run_name(name: str) -> None:
+    """run.name names a directory inside run.storage_path: `a` or `sweep/trials/a`, never empty,
+    absolute or climbing out of it (`../x`), where it would mix with another run's files."""
+    parts = name.replace("\\", "/").split("/")
+    if not name.strip() or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"run.name={name!r} must name a directory inside run.storage_path: one or more "
+                          "non-empty parts joined by '/', none of them '.' or '..' (e.g. 'demo', 'sweep/trials/a')")

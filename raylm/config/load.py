@@ -20,8 +20,8 @@ from raylm.config.schema import Config, ModelConfig
 from raylm.errors import ConfigError
 
 # Values quoted in errors: a YAML file can alias one list into 10^9 leaves; a message shows a few.
-_QUOTE = reprlib.Repr()
-_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 3, 4, 4, 80, 80
+QUOTE = reprlib.Repr()
+QUOTE.maxlevel, QUOTE.maxlist, QUOTE.maxdict, QUOTE.maxstring, QUOTE.maxother = 3, 4, 4, 80, 80
 
 
 def type_name(tp: Any) -> str:
@@ -46,25 +46,25 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arm, key)
             except ConfigError as e:
                 errors.append(e)
-        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not {type_name(tp)}")
+        raise ConfigError(f"{key}: {QUOTE.repr(value)} is not {type_name(tp)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{key}: expected null, got {_QUOTE.repr(value)}")
+        raise ConfigError(f"{key}: expected null, got {QUOTE.repr(value)}")
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{key}: {_QUOTE.repr(value)} is not one of {type_name(tp)}")
+        raise ConfigError(f"{key}: {QUOTE.repr(value)} is not one of {type_name(tp)}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {_QUOTE.repr(value)}")
+            raise ConfigError(f"{key}: expected a list, got {QUOTE.repr(value)}")
         (arm,) = typing.get_args(tp)
         return [_coerce(v, arm, f"{key}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {_QUOTE.repr(value)}")
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {QUOTE.repr(value)}")
         return build_dataclass(tp, value, key)
     if tp is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
         try:  # an int; or a string, as YAML 1.1 reads "3e-4" (no dot)
@@ -73,14 +73,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             pass
         else:  # "1e400" and ".inf" are no setting's meaning; nan compares false with every bound
             if not math.isfinite(number):
-                raise ConfigError(f"{key}: expected a finite number, got {_QUOTE.repr(value)}")
+                raise ConfigError(f"{key}: expected a finite number, got {QUOTE.repr(value)}")
             return number
     if tp is bool or tp is int:
         if type(value) is tp:
             return value
     elif tp is not float and isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}: expected {type_name(tp)}, got {_QUOTE.repr(value)}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {QUOTE.repr(value)}")
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 def _unknown_key(cls: type, key: object, prefix: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
-    key = key if isinstance(key, str) else _QUOTE.repr(key)  # YAML reads `1:` and `on:` as an int and True
+    key = key if isinstance(key, str) else QUOTE.repr(key)  # YAML reads `1:` and `on:` as an int and True
     close = difflib.get_close_matches(key, names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     where = prefix or "the top level"
@@ -149,23 +149,50 @@ def merge_trees(base: dict, extra: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML requires keys to be
+    unique, and PyYAML would let the later one silently win (a second `train:` section would
+    replace the first, whole)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults` merges, it is no key
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):  # refused as a key by the construction below
+                continue
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"key {QUOTE.repr(key)} is given twice in one mapping (lines {seen[key]} and "
+                                  f"{line}); YAML keys are unique: merge them into one")
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
+    """The mapping a YAML file holds (empty for an empty file); every problem a ConfigError
+    naming the file."""
+    try:
+        loaded = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text ({e})") from None
+    except ConfigError as e:
+        raise ConfigError(f"{what} {path}: {e}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # `!!int "12x"`; nested too deep
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{what} {path} must hold a mapping, not {type(loaded).__name__}")
+    return loaded or {}
+
+
 def load_config(path: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
     """Defaults, then the YAML file at `path`, then dotted `overrides`; validated."""
-    tree: dict = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except OSError as e:  # a directory, no permission
-            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path} is not UTF-8 text ({e})") from None
-        except (yaml.YAMLError, ValueError, RecursionError) as e:  # `!!int "12x"`; nested too deep
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping, not {type(loaded).__name__}")
-        tree = loaded or {}
+    tree = read_yaml_mapping(path) if path is not None else {}
     tree = merge_trees(tree, parse_overrides(overrides or []))
     cfg = build_dataclass(Config, tree)
     validate(cfg)

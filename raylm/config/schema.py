@@ -14,7 +14,7 @@ CONFIG_FILE = "config.yaml"  # the resolved config, in every run directory and c
 # Choices that other modules enumerate (`typing.get_args`) rather than repeat.
 LRScheduleName = Literal["cosine", "linear", "inverse_sqrt", "wsd", "constant"]
 Sharding = Literal["none", "optimizer", "gradients", "full"]
-ActivationCheckpointing = Literal["none", "full", "every_k"]
+ActivationCheckpointing = Literal["none", "full", "every_k", "selective"]
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                                "zbv_zero_bubble", "dualpipev"]
 
@@ -122,6 +122,24 @@ class BatchRampup:
 
 
 @dataclass
+class ProfileConfig:
+    """A PyTorch profiler trace of a few steps: one Chrome/Perfetto JSON file per rank in
+    <run>/profile/ (open it in https://ui.perfetto.dev or chrome://tracing); the other steps pay
+    nothing. The profiled steps run slower and the step after them pays for writing the files:
+    their step times and MFU are not the run's."""
+
+    start_step: int = 10
+    """The first profiled step, counted as metrics.jsonl counts them (the first step is 1): past
+    the start-up steps, whose first allocations and warm-up are not the steady state."""
+    steps: int = 2
+    """Steps profiled from start_step on (a trace grows with each)."""
+    memory: bool = False
+    """Also record memory: allocations and frees in the trace, and on CUDA the allocator's history
+    over the profiled steps as a snapshot, <run>/profile/rank_NNNNN.memory.pickle (open it in
+    https://pytorch.org/memory_viz)."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = 1000
     global_batch_size: Optional[int] = 32
@@ -172,6 +190,9 @@ class TrainConfig:
     """Add to each step's metrics.jsonl row the sorted global indices of the samples it trained
     on, gathered from every data-parallel rank: the record that proves no sample was lost or
     repeated across restarts and resizes. Costs a gather per step; for tests and audits."""
+    profile: Optional[ProfileConfig] = None
+    """Profile steps start_step .. start_step + steps - 1, e.g. {start_step: 10, steps: 2}: a trace
+    per rank in <run>/profile/, linked from `raylm report` (see ProfileConfig). None: never."""
 
 
 @dataclass
@@ -232,7 +253,9 @@ class ParallelConfig:
     ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py)."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute blocks' activations in backward: none, every block (full), or every
-    ac_every-th block (every_k)."""
+    ac_every-th block (every_k); selective checkpoints every block but keeps its matmul and
+    attention outputs, recomputing only the cheap ops between them (norms, RoPE, activations):
+    about 2/3 of none's activation memory, and no matmul runs twice."""
     ac_every: int = 2
     """every_k: checkpoint blocks whose index is a multiple of this."""
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -283,7 +306,13 @@ class RunConfig:
     a local run starts about 2.5 s sooner and steps faster: the dashboard's processes take CPU
     from the training on a small machine. A joined cluster's dashboard is the cluster's."""
     max_failures: int = 3
-    """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited)."""
+    """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited). Only
+    failures a restart can cure count (a dead worker or node, a network or storage hiccup): a
+    deterministic error (config, data, guard stop, full disk) ends the run at once."""
+    lease_timeout_s: float = 120.0
+    """A run holds a lease on its directory (run.lease) while it trains, so that a second run of
+    the same name and storage is refused; a lease whose heartbeat is older than this is taken
+    over (at once when its holder was a process on this machine that no longer runs)."""
     health_check: bool = True
     """Self-test each worker at start (allocation, matmul, all-reduce against known values)."""
     watchdog_startup_s: float = 600.0

@@ -28,12 +28,22 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raylm.config import StorageConfig
-from raylm.data.storage import filesystem_for, is_s3, read_bytes
+from raylm.data.storage import StorageNotFoundError, filesystem_for, is_s3, read_bytes
+from raylm.errors import DeterministicError
 
 KINDS_BY_SUFFIX = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 BUILTIN_CORPUS = f"builtin:python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
 _BUILTIN_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 _PARQUET_BATCH_ROWS = 1024
+
+
+_SNIFF_BYTES = 1 << 16  # what `check_sources` reads of each text input before any work starts
+
+
+class InputError(DeterministicError, ValueError):
+    """An input file that cannot be read as documents; the message names the file (and line)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class Source:
 def _kind_of(uri: str, lines_as_documents: bool) -> str:
     suffix = os.path.splitext(uri)[1].lower()
     if suffix not in KINDS_BY_SUFFIX:
-        raise ValueError(f"input {uri}: unknown extension {suffix or '(none)'!r}; "
+        raise InputError(f"input {uri}: unknown extension {suffix or '(none)'!r}; "
                          f"valid: {', '.join(KINDS_BY_SUFFIX)}")
     kind = KINDS_BY_SUFFIX[suffix]
     return "lines" if kind == "text" and lines_as_documents else kind
@@ -67,7 +77,7 @@ def find_sources(inputs: list[str], lines_as_documents: bool = False,
         fs, path = filesystem_for(given, storage)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
-            raise FileNotFoundError(f"input {given} does not exist")
+            raise StorageNotFoundError(f"input {given} does not exist")
         if info.type == pafs.FileType.Directory:
             found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
             paths = sorted(f.path for f in found if f.type == pafs.FileType.File
@@ -77,8 +87,38 @@ def find_sources(inputs: list[str], lines_as_documents: bool = False,
             uris = [given]
         sources += [Source(uri, _kind_of(uri, lines_as_documents)) for uri in uris]
     if not sources:
-        raise ValueError(f"no input files in {inputs}")
+        raise InputError(f"no input files in {', '.join(inputs)} (files ending in {', '.join(KINDS_BY_SUFFIX)}; "
+                         "names starting with '.' or '_' are skipped in directories)")
     return sources
+
+
+def check_sources(sources: list[Source], storage: Optional[StorageConfig] = None) -> None:
+    """Refuse inputs that cannot be read as documents before any work starts: inputs that hold
+    no bytes at all, and (from the first 64 KiB of each text file) a binary or non-UTF-8 file, or
+    a .jsonl line that is not an object with a "text" string; a .parquet file's schema. Problems
+    further into a file are found, by the same rules and named the same way, while reading it."""
+    total = 0
+    for source in sources:
+        fs, path = filesystem_for(source.uri, storage)
+        size = fs.get_file_info(path).size or 0
+        total += size
+        if source.kind == "parquet":
+            if size:
+                _parquet_text_column(source, storage)
+            continue
+        with fs.open_input_stream(path) as f:
+            head = f.read(_SNIFF_BYTES)
+        if head.count(0) > len(head) // 100:  # text holds a stray NUL at most; UTF-16 or binary, many
+            raise InputError(f"input {source.uri}: not UTF-8 text ({head.count(0)} of its first {len(head)} bytes "
+                             "are NUL: binary data or UTF-16); convert it to UTF-8 or leave it out")
+        text = _decode(head, source.uri, partial=len(head) == _SNIFF_BYTES)
+        if source.kind == "jsonl":
+            complete = text if len(head) < _SNIFF_BYTES else text[:text.rfind("\n") + 1]
+            for _ in _jsonl_documents(complete, source.uri):
+                pass
+    if total == 0:
+        raise InputError(f"the inputs hold no text: {', '.join(s.uri for s in sources[:3])}"
+                         f"{' ...' if len(sources) > 3 else ''} {'is' if len(sources) == 1 else 'are'} empty")
 
 
 def builtin_sources(max_documents: Optional[int] = None) -> list[Source]:
@@ -96,11 +136,15 @@ def builtin_sources(max_documents: Optional[int] = None) -> list[Source]:
     return [Source(path, "text") for _, path in found[:max_documents]]
 
 
-def _decode(data: bytes, uri: str) -> str:
+def _decode(data: bytes, uri: str, partial: bool = False) -> str:
+    """`data` as UTF-8; `partial`: the start of a longer file, which may end inside a character."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"input {uri}: not valid UTF-8 at byte {e.start}") from None
+        if partial and e.start >= len(data) - 3 and e.reason == "unexpected end of data":
+            return data[:e.start].decode("utf-8")
+        raise InputError(f"input {uri}: not UTF-8 text (byte {e.start} is not valid UTF-8); convert it "
+                         "to UTF-8 or leave it out") from None
 
 
 def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
@@ -110,28 +154,38 @@ def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"input {uri} line {number}: not valid JSON ({e.msg})") from None
+            raise InputError(f"input {uri} line {number}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict) or "text" not in record:
-            raise ValueError(f"input {uri} line {number}: expected an object with a 'text' "
+            raise InputError(f"input {uri} line {number}: expected an object with a 'text' "
                              f"field, got {line[:80]!r}")
         document = record["text"]
         if document is not None and not isinstance(document, str):
-            raise ValueError(f"input {uri} line {number}: 'text' is a {type(document).__name__}, "
+            raise InputError(f"input {uri} line {number}: 'text' is a {type(document).__name__}, "
                              f"expected a string")
         if document:
             yield document
 
 
+def _parquet_text_column(source: Source, storage: Optional[StorageConfig]) -> None:
+    """Refuse a .parquet input without a string column `text`."""
+    fs, path = filesystem_for(source.uri, storage)
+    with fs.open_input_file(path) as f:
+        try:
+            schema = pq.ParquetFile(f).schema_arrow
+        except pa.ArrowException as e:
+            raise InputError(f"input {source.uri}: not a Parquet file ({e})") from None
+    if "text" not in schema.names:
+        raise InputError(f"input {source.uri}: no 'text' column (columns: {', '.join(schema.names)})")
+    column_type = schema.field("text").type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise InputError(f"input {source.uri}: column 'text' is {column_type}, expected string")
+
+
 def _parquet_documents(source: Source, storage: Optional[StorageConfig]) -> Iterator[str]:
+    _parquet_text_column(source, storage)
     fs, path = filesystem_for(source.uri, storage)
     with fs.open_input_file(path) as f:
         parquet = pq.ParquetFile(f)
-        schema = parquet.schema_arrow
-        if "text" not in schema.names:
-            raise ValueError(f"input {source.uri}: no 'text' column (columns: {', '.join(schema.names)})")
-        column_type = schema.field("text").type
-        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-            raise ValueError(f"input {source.uri}: column 'text' is {column_type}, expected string")
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=["text"]):
             yield from (document for document in batch.column(0).to_pylist() if document)
 
@@ -151,5 +205,5 @@ def iter_documents(source: Source, storage: Optional[StorageConfig] = None) -> I
     elif source.kind == "jsonl":
         yield from _jsonl_documents(text, source.uri)
     else:
-        raise ValueError(f"input {source.uri}: unknown source kind {source.kind!r}; "
+        raise InputError(f"input {source.uri}: unknown source kind {source.kind!r}; "
                          f"valid: text, lines, jsonl, parquet")

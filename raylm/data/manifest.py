@@ -29,6 +29,7 @@ from raylm.config import StorageConfig
 from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, join, read_bytes,
                                 write_bytes)
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
+from raylm.errors import DeterministicError
 
 FORMAT = "raylm.prepared/1"
 MANIFEST_FILE = "manifest.json"
@@ -37,8 +38,10 @@ TOKENS_COLUMN = "tokens"
 SPLITS = ("train", "val")
 
 
-class DatasetError(ValueError):
+class DatasetError(DeterministicError, ValueError):
     """A prepared dataset that is missing, incomplete or inconsistent; the message names it."""
+
+    exit_code = 2
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from functools import lru_cache
 from itertools import chain
 from typing import Iterator, Optional, Union
@@ -31,13 +32,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from raylm.config import StorageConfig
-from raylm.data.corpus import BUILTIN_CORPUS, Source, builtin_sources, iter_documents, find_sources
-from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, Manifest, ShardInfo,
-                                 SplitInfo, TokenizerInfo)
-from raylm.ray_runtime import start_ray
-from raylm.data.storage import exists, filesystem_for, join, list_dir, write_bytes
+from raylm.config import ConfigError, StorageConfig
+from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sources, check_sources, find_sources,
+                               iter_documents)
+from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, DatasetError, Manifest, ShardInfo, SplitInfo,
+                                 TokenizerInfo)
+from raylm.data.storage import exists, join, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
+from raylm.ray_runtime import start_ray
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def prepare_dataset(
     max_documents: Optional[int] = None,
     shard_rows: int = DEFAULT_SHARD_ROWS,
     overwrite: bool = False,
+    ray_address: Optional[str] = None,
 ) -> Manifest:
     """Tokenize `inputs` and write a prepared dataset to `output` (a directory or s3:// prefix).
 
@@ -71,31 +74,41 @@ def prepare_dataset(
     max_documents: keep only the first documents of the corpus (for tests and quick runs).
     shard_rows: rows per shard file (the last shard of a split may hold fewer).
     overwrite: replace a prepared dataset already at `output` (else that is an error).
+    ray_address: the cluster to join (`raylm.ray_runtime.start_ray`'s rule when None).
 
-    Uses the connected Ray cluster, or starts (and afterwards stops) a local one.
+    Uses the connected Ray cluster, or joins or starts one (and afterwards leaves it); every check
+    that needs no cluster (arguments, the tokenizer, the inputs' first bytes) runs before.
+    An overwrite writes the new dataset beside the old one and replaces it only once it is
+    whole: a failed one leaves the old dataset as it was.
     """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+    for name, value, least in (("seq_len", seq_len, 1), ("shard_rows", shard_rows, 1),
+                               ("max_documents", max_documents or 1, 1)):
+        if value < least:
+            raise ConfigError(f"{name} must be at least {least}, got {value}")
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if shard_rows < 1:
-        raise ValueError(f"shard_rows must be at least 1, got {shard_rows}")
-    if max_documents is not None and max_documents < 1:
-        raise ValueError(f"max_documents must be at least 1 (or None for all), got {max_documents}")
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, storage)
-    if exists(join(output, MANIFEST_FILE), storage):
-        if not overwrite:
-            raise FileExistsError(f"{output} already holds a prepared dataset; pass overwrite=True "
-                                  f"(--overwrite) to replace it")
-        _remove_dataset(output, storage)
+    replacing = exists(join(output, MANIFEST_FILE), storage)
+    if replacing and not overwrite:
+        raise FileExistsError(f"{output} already holds a prepared dataset; pass overwrite=True "
+                              f"(--overwrite) to replace it")
     if inputs:
         sources, source_names = find_sources(inputs, lines_as_documents, storage), list(inputs)
+        check_sources(sources, storage)
     else:
         sources, source_names = builtin_sources(max_documents), [BUILTIN_CORPUS]
+    with writing_over(output, storage, replacing, commit=MANIFEST_FILE) as target:
+        return _prepare(sources, source_names, tok, target, seq_len, val_fraction, storage, max_documents,
+                        shard_rows, ray_address)
 
+
+def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, output: str, seq_len: int,
+             val_fraction: float, storage: Optional[StorageConfig], max_documents: Optional[int],
+             shard_rows: int, ray_address: Optional[str]) -> Manifest:
+    """Tokenize, pack and write the dataset into `output`, the manifest last."""
     started_ray = not ray.is_initialized()
     if started_ray:
-        start_ray()
+        start_ray(ray_address)
     try:
         splits, split_rule = _write_shards(sources, tok, output, seq_len, val_fraction,
                                            storage, max_documents, shard_rows)
@@ -104,8 +117,8 @@ def prepare_dataset(
             ray.shutdown()
 
     if splits["train"].rows == 0:
-        raise ValueError(f"the train split has fewer than seq_len + 1 = {seq_len + 1} tokens; "
-                         f"give more input or a smaller seq_len")
+        raise DatasetError(f"the train split has fewer than seq_len + 1 = {seq_len + 1} tokens; "
+                           f"give more input or a smaller --seq-len")
     if val_fraction > 0 and splits["val"].rows == 0:
         log.warning("the val split of %s is empty: too few documents or tokens for val_fraction=%s",
                     output, val_fraction)
@@ -116,14 +129,23 @@ def prepare_dataset(
     return manifest
 
 
-def _remove_dataset(output: str, storage: Optional[StorageConfig]) -> None:
-    """Delete a previous dataset's files, the manifest first so that it never looks complete."""
-    fs, path = filesystem_for(output, storage)
-    shard_prefixes = tuple(f"{split}-" for split in SPLITS)
-    names = [MANIFEST_FILE] + [n for n in list_dir(output, storage) if n == TOKENIZER_FILE
-                               or (n.startswith(shard_prefixes) and n.endswith(".parquet"))]
-    for name in names:
-        fs.delete_file(f"{path}/{name}")
+class _Progress:
+    """One line every `every_s` seconds while documents stream in (Ray Data's own progress
+    blocks are off unless verbose: seven lines every 10 s on a console that is not a terminal)."""
+
+    def __init__(self, files: int, every_s: float = 10.0):
+        self.files, self.every_s = files, every_s
+        self.documents = self.tokens = 0
+        self.started = self.last = time.monotonic()
+
+    def add(self, batch: pa.Table) -> pa.Table:
+        self.documents += batch.num_rows
+        self.tokens += len(batch["tokens"].combine_chunks().flatten())
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            print(f"raylm: prepare: {self.documents:,} documents, {self.tokens:,} tokens from {self.files} "
+                  f"file(s) in {self.last - self.started:.0f} s", flush=True)
+        return batch
 
 
 def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: int,
@@ -131,7 +153,8 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
                   max_documents: Optional[int], shard_rows: int) -> tuple[dict[str, SplitInfo], str]:
     """Pack each split's token stream into shards; returns the splits and the split rule."""
     packers = {split: _Packer(output, split, seq_len, shard_rows, tok.eot_id, storage) for split in SPLITS}
-    batches = _tokenized_documents(sources, tok, val_fraction, storage, max_documents)
+    progress = _Progress(len(sources))
+    batches = map(progress.add, _tokenized_documents(sources, tok, val_fraction, storage, max_documents))
     # Hold the first batches back until a second document shows this is not a one-document corpus.
     held, documents = [], 0
     for batch in batches:
@@ -140,7 +163,7 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
         if documents > 1:
             break
     if documents == 0:
-        raise ValueError("the inputs hold no documents (every file or record is empty)")
+        raise InputError("the inputs hold no documents (every file or record is empty)")
     if documents == 1:
         split_rule = "position"
         stream = np.concatenate([batch["tokens"].combine_chunks().flatten().to_numpy() for batch in held])
@@ -164,8 +187,9 @@ def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: fl
     """Tables of (val: bool, tokens: list<int32>), one row per document in corpus order; each
     document's tokens end with the end-of-text token."""
     context = ray.data.DataContext.get_current()
-    preserve_order = context.execution_options.preserve_order
+    preserve_order, progress_bars = context.execution_options.preserve_order, context.enable_progress_bars
     context.execution_options.preserve_order = True
+    context.enable_progress_bars = logging.getLogger("ray.data").isEnabledFor(logging.INFO)  # shown when verbose
     try:
         files = ray.data.from_items([{"uri": s.uri, "kind": s.kind} for s in sources])
         documents = files.map_batches(
@@ -174,8 +198,22 @@ def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: fl
         if max_documents is not None:
             documents = documents.limit(max_documents)
         yield from documents.iter_batches(batch_size=None, batch_format="pyarrow")
+    except Exception as e:  # a bad input found deep in a file: its one line, not Ray's task traceback
+        if (found := _input_error(e)) is None:
+            raise
+        raise InputError(str(found)) from None
     finally:
-        context.execution_options.preserve_order = preserve_order
+        context.execution_options.preserve_order, context.enable_progress_bars = preserve_order, progress_bars
+
+
+def _input_error(error: BaseException) -> Optional[InputError]:
+    """The InputError a Ray task raised, under Ray's wrappers (whose own message is a traceback)."""
+    found = None
+    while error is not None:
+        if isinstance(error, InputError):
+            found = error
+        error = getattr(error, "cause", None) or error.__cause__
+    return found
 
 
 @lru_cache(maxsize=2)

@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylm.config import StorageConfig
+from raylm.errors import DeterministicError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,20 +53,28 @@ class StorageError(OSError):
     """A location that cannot be read or written; the message names the URI."""
 
 
-class StorageNotFoundError(StorageError, FileNotFoundError):
+class StorageNotFoundError(StorageError, FileNotFoundError, DeterministicError):
     """No file, object or directory at the URI."""
+
+    exit_code = 2
 
 
 class BucketNotFoundError(StorageNotFoundError):
     """The URI's S3 bucket does not exist at the endpoint."""
 
 
-class StorageAccessError(StorageError, PermissionError):
+class StorageAccessError(StorageError, PermissionError, DeterministicError):
     """Access denied, or credentials the endpoint does not accept."""
+
+    exit_code = 2
 
 
 class StorageUnreachableError(StorageError, ConnectionError):
     """The S3 endpoint cannot be connected to."""
+
+
+class ConditionFailedError(StorageError):
+    """A conditional write found the file created, changed or gone since it was read."""
 
 
 # -- secrets ----------------------------------------------------------------------------------
@@ -459,6 +468,147 @@ def copy_dir(src_uri: str, dst_uri: str, storage: Optional[StorageConfig] = None
         _retrying(dst_uri, storage, f"copy from {src_uri}", op)
     except StorageError as e:  # the failing side may be either one: name both
         raise type(e)(f"copying {src_uri} to {dst_uri}: {e}") from e.__cause__
+
+
+# -- conditional writes: one writer among several -------------------------------------------
+#
+# A version tag names one state of a file: its ETag on S3; locally its inode, size and mtime
+# (a replace is a rename, so every write gives a new inode). S3 compares on the server
+# (If-None-Match / If-Match, which AWS S3 and SeaweedFS honour); locally a lock on a sidecar file
+# serialises the processes of one machine, or of machines that share its file locks.
+
+def read_tagged(uri: str, storage: Optional[StorageConfig] = None) -> tuple[bytes, str]:
+    """The bytes at `uri` and their version tag; StorageNotFoundError when absent."""
+    if is_s3(uri):
+        bucket, key = _bucket_key(uri)
+        try:
+            got = _boto3_client(storage).get_object(Bucket=bucket, Key=key)
+        except Exception as e:  # noqa: BLE001 - botocore's errors, translated
+            raise _boto3_error(e, uri) from e
+        return got["Body"].read(), got["ETag"]
+    try:
+        with open(uri, "rb") as f:
+            return f.read(), _local_tag(os.fstat(f.fileno()))
+    except FileNotFoundError:
+        raise StorageNotFoundError(f"{uri}: no such file") from None
+
+
+def write_if(uri: str, data: bytes, expected: Optional[str], storage: Optional[StorageConfig] = None) -> str:
+    """Write `data` at `uri` only if it holds the version `expected` (None: only if nothing is
+    there); returns the new version's tag, or raises ConditionFailedError."""
+    if is_s3(uri):
+        bucket, key = _bucket_key(uri)
+        condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        try:
+            return _boto3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+        except Exception as e:  # noqa: BLE001 - botocore's errors, translated
+            raise _boto3_error(e, uri) from e
+    import fcntl
+
+    os.makedirs(os.path.dirname(os.path.abspath(uri)), exist_ok=True)
+    with open(f"{uri}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            current = _local_tag(os.stat(uri))
+        except FileNotFoundError:
+            current = None
+        if current != expected:
+            raise ConditionFailedError(f"{uri}: {'created' if expected is None else 'changed or removed'} "
+                                       "by another writer")
+        write_bytes(uri, data)
+        return _local_tag(os.stat(uri))
+
+
+def _local_tag(st: os.stat_result) -> str:
+    return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+
+
+def _bucket_key(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def _boto3_client(storage: Optional[StorageConfig]):
+    """An S3 client (boto3, for what pyarrow's filesystem lacks: conditional writes) with the
+    endpoint and region that raylm's filesystem uses; credentials from the same environment."""
+    import boto3
+
+    settings = _s3(storage)[1]
+    return boto3.client("s3", endpoint_url=settings.endpoint_url, region_name=settings.region)
+
+
+def _boto3_error(e: Exception, uri: str) -> StorageError:
+    response = getattr(e, "response", None) or {}
+    code = response.get("Error", {}).get("Code", "")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+        return ConditionFailedError(f"{uri}: changed by another writer [{code or status}]")
+    if code in ("NoSuchKey", "404") or status == 404:
+        return StorageNotFoundError(f"{uri}: no such object")
+    if code == "NoSuchBucket":
+        return BucketNotFoundError(f"{uri}: bucket {_bucket_key(uri)[0]!r} does not exist")
+    if status == 403:
+        return StorageAccessError(f"{uri}: access denied [{code}]; credentials come from {_credentials_source()}")
+    if "Could not connect" in str(e) or "Connect timeout" in str(e):
+        return StorageUnreachableError(f"{uri}: cannot connect to the S3 endpoint ({redact(str(e))})")
+    return StorageError(f"{uri}: {redact(str(e))}")
+
+
+def staging_dir(uri: str) -> str:
+    """A fresh location beside `uri` to write a replacement of it into: a hidden sibling (directory
+    walks skip it), on the same disk or bucket, so that `replace_dir` moves rather than copies."""
+    uri = uri.rstrip("/")
+    head, name = uri.rsplit("/", 1) if "/" in uri else ("", uri)
+    hidden = f".{name}.staging-{uuid.uuid4().hex[:8]}"
+    return f"{head}/{hidden}" if head else hidden
+
+
+def replace_dir(staged: str, target: str, storage: Optional[StorageConfig] = None,
+                commit: Optional[str] = None) -> None:
+    """Put the tree at `staged`, written whole, in the place of the one at `target` (which may
+    not exist), and delete the old: an overwrite that fails before this call leaves the old tree
+    as it was. `commit` names the file that makes a tree complete to its readers (a manifest): it
+    leaves the old tree first and enters the new one last, so that no reader pairs one tree's
+    commit file with the other's files.
+
+    Local: two renames (a crash between them leaves both trees, under hidden names beside
+    `target`). S3, where nothing renames: server-side copies into place, then the old objects
+    that the new tree does not overwrite, and the staging prefix, are deleted."""
+    if not is_s3(target):
+        aside = staging_dir(target) + ".old"
+        if os.path.exists(target):
+            os.rename(target, aside)
+        os.rename(staged, target)
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    old, new = set(list_files(target, storage)), list_files(staged, storage)
+    if commit is not None and commit in old:
+        delete_file(join(target, commit), storage)
+    for name in sorted(new, key=lambda n: n == commit):  # the commit file last
+        _, src = filesystem_for(join(staged, name), storage)
+        _retrying(join(target, name), storage, f"copy from {staged}", lambda fs, dst: fs.copy_file(src, dst))
+    for name in sorted(old - set(new) - {commit}):
+        delete_file(join(target, name), storage)
+    delete_dir(staged, storage)
+
+
+@contextlib.contextmanager
+def writing_over(target: str, storage: Optional[StorageConfig] = None, replace: bool = True,
+                 commit: Optional[str] = None) -> Iterator[str]:
+    """The directory to write a tree into that is to stand at `target`: `target` itself when
+    there is nothing to `replace`; else a staging sibling that takes target's place once the
+    block ends (`replace_dir`, with `commit`), and is deleted if the block raises, leaving the
+    old tree at `target` as it was."""
+    if not replace:
+        yield target
+        return
+    staged = staging_dir(target)
+    try:
+        yield staged
+    except BaseException:
+        delete_dir(staged, storage)
+        raise
+    replace_dir(staged, target, storage, commit)
 
 
 def free_bytes(uri: str) -> Optional[int]:

@@ -23,8 +23,8 @@ import pyarrow.fs as pafs
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from raylm.config import StorageConfig
-from raylm.data.corpus import builtin_sources, iter_documents, find_sources
+from raylm.config import ConfigError, StorageConfig
+from raylm.data.corpus import builtin_sources, check_sources, find_sources, iter_documents
 from raylm.data.storage import StorageError, filesystem_for, join, read_bytes, write_bytes
 
 EOT_TOKEN = "<|endoftext|>"
@@ -175,10 +175,13 @@ def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
     on the documents of `input_uris` (the built-in corpus when empty), write its tokenizer.json
     to `output_uri` and return it. `vocab_size` counts the 256 bytes and <|endoftext|>."""
     if vocab_size <= 257:
-        raise ValueError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
-                         f"use the 'byte' tokenizer for a byte vocabulary")
-    sources = (find_sources(input_uris, lines_as_documents, storage) if input_uris
-               else builtin_sources(max_documents))
+        raise ConfigError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
+                          f"use the 'byte' tokenizer for a byte vocabulary")
+    if input_uris:
+        sources = find_sources(input_uris, lines_as_documents, storage)
+        check_sources(sources, storage)
+    else:
+        sources = builtin_sources(max_documents)
     documents = islice(chain.from_iterable(iter_documents(s, storage) for s in sources), max_documents)
     bpe = tokenizers.Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

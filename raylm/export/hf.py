@@ -48,11 +48,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _refuse_existing(output: str, names: tuple[str, ...], overwrite: bool,
-                     storage_cfg: Optional[StorageConfig]) -> None:
+def _holds(output: str, names: tuple[str, ...], overwrite: bool, storage_cfg: Optional[StorageConfig]) -> bool:
+    """Whether `output` already holds files of these names (or prefixes): refused unless `overwrite`,
+    and then replaced whole (`storage.writing_over`): no file of the old model stays beside the new."""
     present = [n for n in storage.list_dir(output, storage_cfg) if n in names or n.startswith(names)]
     if present and not overwrite:
         raise FileExistsError(f"{output} already holds {', '.join(present[:3])}; pass --overwrite to replace it")
+    return bool(present)
 
 
 def _check_tensors(have: set[str], rules: list[Rule], ignored: set[str], what: str, error: type[Exception]) -> None:
@@ -75,8 +77,9 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     uri = resolve_checkpoint(source, storage_cfg)
     m = config_from_dict(read_saved_config(uri, storage_cfg)).model
     adapter = adapter_for(m)  # before any download: an unexportable model fails at once
-    _refuse_existing(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
-    with local_checkpoint(uri, storage_cfg) as directory:
+    replace = _holds(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
+    with local_checkpoint(uri, storage_cfg) as directory, \
+            storage.writing_over(output, storage_cfg, replace, commit=CONFIG_FILE) as written:
         # Every file against the manifest before any is parsed.
         checkpoint.check_sound(directory, uri, require_manifest=True)
         tokenizer = read_checkpoint_tokenizer(directory, uri)
@@ -99,10 +102,10 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
         planned += [Planned(name, torch.empty(size, dtype=out_dtype, device="meta"),
                             lambda size=size: torch.zeros(size, dtype=out_dtype))
                     for name, size in adapter.zero_biases(m)]
-        files = write_sharded(output, planned, max_shard_bytes, storage_cfg)
+        files = write_sharded(written, planned, max_shard_bytes, storage_cfg)
         config = {**adapter.hf_config(m, tokenizer.eot_id), "torch_dtype": _dtype_name(out_dtype)}
-        storage.write_bytes(storage.join(output, CONFIG_FILE), json.dumps(config, indent=2).encode(), storage_cfg)
-        files += [CONFIG_FILE, *write_tokenizer_files(output, tokenizer, m.max_seq_len, storage_cfg)]
+        storage.write_bytes(storage.join(written, CONFIG_FILE), json.dumps(config, indent=2).encode(), storage_cfg)
+        files += [CONFIG_FILE, *write_tokenizer_files(written, tokenizer, m.max_seq_len, storage_cfg)]
     n_params = sum(p.meta.numel() for p in planned)
     return {"checkpoint": uri, "output": output, "architecture": adapter.architecture, "files": files,
             "parameters": n_params, "dtype": _dtype_name(out_dtype)}
@@ -201,7 +204,7 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
     seq_len = seq_len or min(model_cfg.max_seq_len, DEFAULT_SEQ_LEN)
     if not 0 < seq_len <= model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} must be in [1, {model_cfg.max_seq_len}] (the model's context)")
-    _refuse_existing(output, (checkpoint.PREFIX,), overwrite, storage_cfg)
+    replace = _holds(output, (checkpoint.PREFIX,), overwrite, storage_cfg)
 
     absolute = output if storage.is_s3(output) else os.path.abspath(output)
     parent, name = absolute.rstrip("/").rsplit("/", 1)
@@ -214,18 +217,18 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
     state = {**dataclasses.asdict(TrainState()), "tokenizer_sha256": tokenizer.sha256,
              "imported_from": os.path.abspath(hf_dir)}
     files = {RAYLM_CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: tokenizer.to_json()}
-    uri = storage.join(absolute, checkpoint.dir_name(0))
-    for existing in storage.list_dir(absolute, storage_cfg):  # only with overwrite: refused above
-        if checkpoint.is_checkpoint_name(existing):
-            storage.delete_dir(storage.join(absolute, existing), storage_cfg)
-    with tempfile.TemporaryDirectory(prefix="raylm-import-") as tmp, warnings.catch_warnings():
+    commit = f"{checkpoint.dir_name(0)}/{checkpoint.MANIFEST}"
+    with storage.writing_over(absolute, storage_cfg, replace, commit) as target, \
+            tempfile.TemporaryDirectory(prefix="raylm-import-") as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: as meant
-        local = tmp if storage.is_s3(uri) else uri
+        staged = storage.join(target, checkpoint.dir_name(0))
+        local = tmp if storage.is_s3(staged) else staged
         entries = checkpoint.save(local, _WholeModel(model), optimizer, _OneProcess(), state, files).result()
-        if storage.is_s3(uri):
-            storage.copy_dir(local, uri, storage_cfg)
-    checkpoint.finalize(uri, entries, storage_cfg)
-    storage.write_bytes(storage.join(absolute, RAYLM_CONFIG_FILE), files[RAYLM_CONFIG_FILE].encode(), storage_cfg)
+        if storage.is_s3(staged):
+            storage.copy_dir(local, staged, storage_cfg)
+        checkpoint.finalize(staged, entries, storage_cfg)
+        storage.write_bytes(storage.join(target, RAYLM_CONFIG_FILE), files[RAYLM_CONFIG_FILE].encode(), storage_cfg)
+    uri = storage.join(absolute, checkpoint.dir_name(0))
     return {"source": hf_dir, "architecture": adapter.architecture, "checkpoint": uri,
             "config": storage.join(absolute, RAYLM_CONFIG_FILE), "tokenizer": tokenizer.kind, "seq_len": seq_len,
             "parameters": sum(p.numel() for p in model.parameters()), "warnings": inexact}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import tempfile
 import warnings
 from typing import Iterator, Optional
@@ -34,6 +35,10 @@ def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) ->
         why = "".join(f"\n  {name}: {problem}" for name, problem in unusable + unfinished)
         raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one" +
                                 (f"; its checkpoints cannot be used:{why}" if why else ""))
+    if unusable:  # a damaged newer checkpoint must not pass unnoticed
+        for newer, problem in unusable:
+            print(f"raylm: passing over {newer}: {problem}", file=sys.stderr, flush=True)
+        print(f"raylm: using checkpoint {latest}", file=sys.stderr, flush=True)
     return latest
 
 

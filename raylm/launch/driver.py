@@ -12,12 +12,15 @@ from typing import Optional
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
 from raylm.data import storage
+from raylm.errors import RunFailedError
 from raylm.launch.backend import NodeBoundTorchConfig
-from raylm.launch.recovery import RecoveryLog
+from raylm.launch.console import quiet_ray_console
+from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from raylm.train.lease import RunLease
 from raylm.train.preflight import preflight
-from raylm.train.spec import local_run_dir, resolve_run, run_uri, storage_root
+from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
 
 def _train_fn_per_worker(loop_config: dict) -> None:
@@ -50,14 +53,24 @@ def with_machine_defaults(cfg: Config) -> Config:
 
 def launch(cfg: Config) -> dict:
     """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
-    import ray.train
-
     spec = resolve_run(with_machine_defaults(cfg), announce=True)
     cfg = spec.config
     uri = run_uri(cfg)
-    # Before Ray starts, so that a refusal is one clear error and no worker's work.
-    if restore := preflight(spec, uri):
-        print(f"raylm: resuming from {restore}", flush=True)
+    with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
+        # Before Ray starts, so that a refusal is one clear error and no worker's work.
+        if restore := preflight(spec, uri):
+            print(f"raylm: resuming from {restore}", flush=True)
+        _fit(spec, uri)
+    return last_metrics(local_run_dir(cfg))
+
+
+def _fit(spec: RunSpec, uri: str) -> None:
+    """Ray (started or joined), and Ray Train's trainer running every worker to the run's end."""
+    import ray.train
+
+    cfg = spec.config
+    if not cfg.run.verbose:
+        quiet_ray_console()
     parallel = cfg.parallel
     threads = max(1, int(parallel.cpus_per_worker))
     own_ray = start_ray(cfg.run.ray_address,
@@ -89,13 +102,26 @@ def launch(cfg: Config) -> dict:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
-    trainer.fit()
-    return last_metrics(local_run_dir(cfg))
+    try:
+        trainer.fit()
+    except ray.train.WorkerGroupError as e:
+        raise run_error(e.worker_failures, cfg.run.max_failures) from None
+
+
+def run_error(worker_failures: dict, max_failures: int) -> Exception:
+    """The error a failed run ends with: the deterministic error that stopped it, as its rank
+    raised it; else Ray Train's giving up after `max_failures` restarts, each rank's cause in a line."""
+    if stopped := deterministic_failures(worker_failures):
+        return next(iter(stopped.values()))
+    causes = "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                       for rank, e in sorted(worker_failures.items()))
+    return RunFailedError(f"the run failed after {max_failures} restart(s) (run.max_failures); the last failure: "
+                          f"{causes}. events.jsonl lists every failure")
 
 
 def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> type:
     """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
-    config) without the parts that a raylm run has no use for:
+    config) with raylm's failure policy and without the parts that a raylm run has no use for:
 
     - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
       to the trainer to its workers. raylm gives none (each worker reads its own shards,
@@ -104,6 +130,8 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
     - for a fixed-size run on a Ray that this process started (`fixed_on_own_ray`), the scaling
       policy's requests to an autoscaler there is none of (`raylm.launch.scaling`); an elastic run
       keeps Ray's policy, which sizes the group from the coordinator's view of the nodes.
+    - the failure policy: raylm's (`raylm.launch.recovery.RaylmFailurePolicy`) ends the run at
+      a deterministic error instead of replaying it `max_failures` times.
     - on a Ray that this process started (`own_ray`) without a `dashboard`: the placement-group
       cleaner, an actor that asks the State API (the dashboard) every second whether the
       controller lives, to remove the run's placement group should it die while Ray goes on; this
@@ -142,6 +170,8 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             if policy is not None:
                 controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
+            if RaylmFailurePolicy is not None:
+                controller_init_kwargs["failure_policy"] = RaylmFailurePolicy(self.run_config.failure_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return RaylmTrainer

@@ -1,7 +1,7 @@
-"""The driver's record of worker failures, as a Ray Train callback.
+"""Which worker failures Ray Train restarts from, and the record of each.
 
-It runs inside Ray Train's controller process, which unpickles it at start: it imports nothing
-of the training code (torch, the model, the loop), which the controller does not need.
+Both run inside Ray Train's controller process, which unpickles them at start: they import
+nothing of the training code (torch, the model, the loop), which the controller does not need.
 """
 
 from __future__ import annotations
@@ -14,24 +14,53 @@ from ray.train import UserCallback
 
 from raylm.config import StorageConfig
 from raylm.data.storage import redact
-from raylm.train.observe.records import EVENTS_FILE, append_event
+from raylm.errors import DeterministicError
 from raylm.train.checkpoint.resume import latest_usable
+from raylm.train.observe.records import EVENTS_FILE, append_event
+
+
+def deterministic_failures(worker_exceptions: dict) -> dict:
+    """The failures among `worker_exceptions` (rank -> exception) that a restart cannot cure
+    (`raylm.errors`). One such rank decides for the group: when it raises, its peers fail
+    beside it with collateral errors (a collective aborted, a connection reset)."""
+    return {rank: e for rank, e in worker_exceptions.items() if isinstance(e, DeterministicError)}
+
+
+try:
+    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    class RaylmFailurePolicy(DefaultFailurePolicy):
+        """Ray Train's failure policy, except that a deterministic error ends the run at once
+        instead of being replayed `max_failures` times."""
+
+        def _is_retryable_error(self, training_failed_error) -> bool:
+            if isinstance(training_failed_error, WorkerGroupError) and deterministic_failures(
+                    training_failed_error.worker_failures):
+                return False
+            return super()._is_retryable_error(training_failed_error)
+except ImportError:  # a Ray whose internals moved: every failure is retried, as Ray Train would
+    RaylmFailurePolicy = None
 
 
 class RecoveryLog(UserCallback):
     """Driver side of the recovery record: each worker failure, with its cause, goes to
-    events.jsonl (the restarted workers add when and from which step training resumed)."""
+    events.jsonl (the restarted workers add when and from which step training resumed); a
+    deterministic one is recorded as the end of the run."""
 
     def __init__(self, run_dir: str, run_uri: str, storage_cfg: Optional[StorageConfig]):
         self.run_dir, self.run_uri, self.storage_cfg = run_dir, run_uri, storage_cfg
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
-        # checkpoint on storage, which can be newer than the last one Ray's controller polled.
-        restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
-        event = {"event": "failure", "time": time.time(),
-                 "cause": {str(rank): redact(f"{type(e).__name__}: {e}")[:1000]
-                           for rank, e in worker_exceptions.items()},
-                 "restart_from": restart_from}
-        print(f"raylm: worker failure, restarting from {restart_from}: {event['cause']}", flush=True)
+        cause = {str(rank): redact(f"{type(e).__name__}: {e}")[:1000] for rank, e in worker_exceptions.items()}
+        if deterministic_failures(worker_exceptions) and RaylmFailurePolicy is not None:
+            event = {"event": "failure", "time": time.time(), "cause": cause, "deterministic": True,
+                     "restart_from": None}
+            print("raylm: the run stops: a restart cannot cure this failure", flush=True)
+        else:
+            # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
+            # checkpoint on storage, which can be newer than the last one Ray's controller polled.
+            restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
+            event = {"event": "failure", "time": time.time(), "cause": cause, "restart_from": restart_from}
+            print(f"raylm: worker failure, restarting from {restart_from}: {cause}", flush=True)
         append_event(os.path.join(self.run_dir, EVENTS_FILE), event)

@@ -88,6 +88,7 @@ def train_worker(loop_config: dict) -> None:
         # The "Reporting training result" line's logger is named by its file, outside "ray.train".
         for name in ("ray.train", "ray.data", train_context.__file__):
             logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     env = RayTrainEnv(cfg)
     context = ray.get_runtime_context()
     node_id = context.get_node_id()

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
 
 # The generic YAML -> dataclass builder of raylm.config: the same key checks and messages
 # ("unknown key ladder.sizez (did you mean 'sizes'?)") for the sweep file as for run configs.
-from raylm.config import Config, build_dataclass, merge_trees, load_config, parse_overrides
+from raylm.config import Config, build_dataclass, load_config, merge_trees, parse_overrides
+from raylm.config.load import read_yaml_mapping
 from raylm.errors import ConfigError
 
 SWEEP_PREFIX = "sweep."
@@ -145,14 +145,7 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
 
 def load_sweep(path: str | Path, overrides: Optional[list[str]] = None) -> tuple[SweepConfig, Config]:
     """The sweep config and its base run config, overrides applied and both validated."""
-    try:
-        tree = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"sweep file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"sweep file {path} is not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"sweep file {path} must hold a mapping of sweep keys")
+    tree = read_yaml_mapping(path, "sweep file")
     sweep_overrides, base_overrides = split_overrides(list(overrides or []))
     sweep: SweepConfig = build_dataclass(SweepConfig, merge_trees(tree, parse_overrides(sweep_overrides)))
     if not sweep.base:

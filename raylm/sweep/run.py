@@ -27,6 +27,7 @@ from raylm.sweep import analysis, ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
 from raylm.sweep.config import SweepConfig, load_sweep, sweep_to_dict
 from raylm.sweep.trial import FINAL_FILE, TrialPlan, trial_dir
+from raylm.train.lease import RunLease
 from raylm.train.spec import absolute, resolve_run
 
 SWEEP_FILE, TRIALS_FILE, FIT_FILE, RECOMMENDED_FILE = "sweep.yaml", "trials.csv", "fit.json", "recommended.yaml"
@@ -247,12 +248,19 @@ def _recommended_yaml(cfg: Config, info: dict, sweep_dir: str) -> str:
 
 
 def run_sweep(path: str, overrides: list[str]) -> dict:
-    """The whole sweep; returns fit.json's contents."""
+    """The whole sweep, holding the sweep directory's lease (`raylm.train.lease`); returns
+    fit.json's contents."""
+    started = time.time()
+    plan = resolve(path, overrides)
+    os.makedirs(plan.directory, exist_ok=True)
+    with RunLease(plan.directory, None, plan.base.run.lease_timeout_s, owner="raylm sweep"):
+        return _sweep(plan, path, started)
+
+
+def _sweep(plan: Plan, path: str, started: float) -> dict:
     from raylm.sweep import plots
     from raylm.sweep.search import RungASHA, RungSearcher, plan_slots
 
-    started = time.time()
-    plan = resolve(path, overrides)
     sweep = plan.sweep
     _check_same_sweep(plan, path)
     base = plan.base

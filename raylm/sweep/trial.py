@@ -26,6 +26,7 @@ from raylm.sweep.search import PROGRESS
 from raylm.train.env import LocalEnv
 from raylm.train.hooks import Hook
 from raylm.train.loop import train
+from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec
 
@@ -63,11 +64,7 @@ def trial_dir(trials_dir: str, trial_id: str) -> str:
 
 
 def _metrics(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(os.path.join(run_dir, METRICS_FILE))
 
 
 def _write_json(path: str, value: dict) -> None:

@@ -9,7 +9,7 @@ workers, sweeps' trials, benchmarks and tests all run `train` on a `RunSpec` res
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import math
 import os
 import time
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
 from raylm.data.stream import Batch, TokenStream
 from raylm.data.tokenizer import TOKENIZER_FILE
+from raylm.errors import DivergedError
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
@@ -30,8 +31,10 @@ from raylm.train.checkpoint.policy import Checkpointer
 from raylm.train.checkpoint.resume import changes_since, record_config_change
 from raylm.train.env import LocalEnv, TrainEnv
 from raylm.train.hooks import Hook, Run
+from raylm.train.lease import RunLease
 from raylm.train.observe.metrics import MetricsLogger, peak_flops
 from raylm.train.observe.norms import NormsProbe
+from raylm.train.observe.profile import ProfileHook
 from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.preflight import preflight
@@ -49,13 +52,18 @@ def train(spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
 
 def train_local(cfg: Config, run_dir: str, hooks: tuple[Hook, ...] = (), use_gpu: bool = False) -> dict:
     """Train `cfg` in this process, on the process group it is in (or alone), with plain files at
-    `run_dir` (tests, benchmarks, debugging): resolved for that world and checked as a launch
-    does on its driver (`preflight`), then `train`."""
+    `run_dir` (tests, benchmarks, debugging): resolved for that world (whatever
+    parallel.num_workers says) and checked as a launch does on its driver (`preflight`), then
+    `train`."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    parallel = dataclasses.replace(cfg.parallel, num_workers=world_size, min_workers=None)
-    spec = resolve_run(dataclasses.replace(cfg, parallel=parallel))
-    preflight(spec, run_dir)
-    return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
+    spec = resolve_run(cfg, sizes=range(world_size, world_size + 1))
+    leader = not dist.is_initialized() or dist.get_rank() == 0  # one lease for the process group
+    with RunLease(run_dir, cfg.storage, cfg.run.lease_timeout_s) if leader else contextlib.nullcontext():
+        if leader:
+            preflight(spec, run_dir)
+        if dist.is_initialized():  # the others train once rank 0's checks passed (or fail with them)
+            dist.barrier()
+        return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
 
 
 class Trainer:
@@ -87,6 +95,8 @@ class Trainer:
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
         self.logger = MetricsLogger(cfg, env.run_dir, world)
         probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
+        if cfg.train.profile is not None:  # only then: the other steps pay nothing
+            probes += (ProfileHook(cfg.train.profile, env.run_dir, env.checkpoint_root, cfg.storage),)
         self.hooks = (*hooks, *probes, self.logger)  # the logger last: it writes out what the other hooks added
         self.last = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         self.t0 = 0.0  # when the current step's time began
@@ -174,7 +184,7 @@ class Trainer:
         verdict = self._verdict(step, loss, grad_norm)
         if verdict == "ok" and not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the guard is off
             # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
-            raise FloatingPointError(
+            raise DivergedError(
                 f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; the weights were "
                 f"not updated. Samples of this step: global positions [{state.position}, "
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
@@ -221,7 +231,7 @@ class Trainer:
             if scaler.scale >= cfg.train.loss_scale_min:
                 return "overflow"
             if guard is None:
-                raise FloatingPointError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
+                raise DivergedError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
                                          f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
             return guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
         verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Optional
 
 from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, global_batch_sequences
 from raylm.data import storage
@@ -66,7 +67,8 @@ class RunSpec:
         """Another run on the same data (a sweep's trial): `cfg` filled in and checked as
         `resolve_run` does, without reading the data again."""
         cfg = _fill_from_data(cfg, self.datasets.manifest, announce=False)
-        return dataclasses.replace(self, config=cfg, layouts=resolve_layouts(cfg, self.seq_len))
+        sizes = range(min(self.layouts), max(self.layouts) + 1)  # the world this spec was resolved for
+        return dataclasses.replace(self, config=cfg, layouts=resolve_layouts(cfg, self.seq_len, sizes))
 
     def to_dict(self) -> dict:
         return {"config": config_to_dict(self.config), "datasets": self.datasets.to_dict(),
@@ -102,14 +104,15 @@ def check_config(cfg: Config) -> None:
         resolve_layout(cfg.parallel, cfg.model, world_size, cfg.train.seq_len)
 
 
-def resolve_run(cfg: Config, announce: bool = False) -> RunSpec:
+def resolve_run(cfg: Config, announce: bool = False, sizes: Optional[range] = None) -> RunSpec:
     """Read `cfg`'s dataset manifests, fill in what the data decides, check the model and resolve
-    the layout for every world size (with the batch split), then verify every shard when
-    data.verify (the one slow part, last). `announce` prints what was filled in (on the driver)."""
+    the layout for every world size (`sizes`, by default the run's own: `world_sizes`) with the
+    batch split, then verify every shard when data.verify (the one slow part, last). `announce`
+    prints what was filled in (on the driver)."""
     cfg = _absolute_paths(cfg)
     datasets = Datasets.load(cfg.data, cfg.storage)
     cfg = _fill_from_data(cfg, datasets.manifest, announce)
-    layouts = resolve_layouts(cfg, datasets.manifest.seq_len)
+    layouts = resolve_layouts(cfg, datasets.manifest.seq_len, sizes)
     if cfg.data.verify:
         for uri, manifest in zip(datasets.uris, datasets.manifests):
             verify_or_raise(uri, cfg.storage, manifest)
@@ -123,13 +126,13 @@ def world_sizes(cfg: Config) -> range:
     return range(parallel.min_workers or parallel.num_workers, parallel.num_workers + 1)
 
 
-def resolve_layouts(cfg: Config, seq_len: int) -> dict[int, ParallelDims]:
-    """The layout of every world size the run may have, each checked, and each splitting every
-    global batch the run goes through into whole micro-batches per data-parallel rank: an elastic
-    resize keeps the global batch and recomputes gradient accumulation, and so does each stage of
-    a batch ramp-up."""
+def resolve_layouts(cfg: Config, seq_len: int, sizes: Optional[range] = None) -> dict[int, ParallelDims]:
+    """The layout of every world size in `sizes` (the run's own by default), each checked, and
+    each splitting every global batch the run goes through into whole micro-batches per
+    data-parallel rank: an elastic resize keeps the global batch and recomputes gradient
+    accumulation, and so does each stage of a batch ramp-up."""
     check_model_config(cfg.model)
-    sizes = world_sizes(cfg)
+    sizes = sizes or world_sizes(cfg)
     layouts = {n: resolve_layout(cfg.parallel, cfg.model, n, seq_len) for n in sizes}
     micro = cfg.train.micro_batch_size
     for global_batch in batch_schedule(cfg, seq_len).sizes():

@@ -194,9 +194,14 @@ class ParallelModel:
         if max_norm > 0:
             # On the device (no host sync), in float64 as a Python float would be: gradients
             # scaled by exactly the coefficient the host would compute; 1 leaves them as they are.
+            # On the shards themselves: a uniform scale needs no DTensor dispatch, which could
+            # redistribute pending (partial) gradients. Offloaded gradients live on the host.
             coef = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)
-            for group in groups.values():
-                torch._foreach_mul_(group, coef)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in grads:
+                by_device.setdefault(_local_tensor(g).device, []).append(_local_tensor(g))
+            for device, tensors in by_device.items():
+                torch._foreach_mul_(tensors, coef.to(device))
         return norm
 
     def train(self, mode: bool = True) -> None:

@@ -1,9 +1,14 @@
+import subprocess
+import sys
+import time
+
 import pytest
 import yaml
 
 from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, flat_keys, load_config
 from raylm.config.describe import describe_fields
 from raylm.train.spec import check_config
+from tests.support.cli import assert_clean_refusal, run_main
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
@@ -90,3 +95,40 @@ def test_example_configs_load_check_and_keep_every_value():
             assert key in loaded, f"{path}: {key} missing from the loaded config"
             expected = float(value) if isinstance(loaded[key], float) and isinstance(value, (int, str)) else value
             assert loaded[key] == expected, f"{path}: {key} is {loaded[key]!r}, the file says {value!r}"
+
+
+# ----------------------------------------------------------------------------- refused before any work
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 10\nmodel:\n  d_model: 64\ntrain:\n  steps: 20\n")
+    with pytest.raises(ConfigError, match=r"key 'train' is given twice in one mapping \(lines 1 and 5\)"):
+        load_config(path)
+    path.write_text("train:\n  steps: 10\n  steps: 20\n")  # inside a section too
+    outcome = run_main("train", str(path), "--print-config")
+    assert_clean_refusal(outcome, "'steps' is given twice", str(path))
+    path.write_text("base: &b {steps: 1}\ntrain:\n  <<: *b\n  seed: 3\n")  # a merge key is no duplicate
+    with pytest.raises(ConfigError, match="unknown key base"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name", ["", "../x", "a/../b", "/abs", "a//b", "./a", "."])
+def test_a_run_name_that_leaves_the_storage_path_is_refused(name):
+    with pytest.raises(ConfigError, match="must name a directory inside run.storage_path"):
+        load_config(None, [f"run.name={name!r}"] if name else ["run.name=''"])
+
+
+def test_a_nested_run_name_is_a_directory_inside_the_storage_path():
+    assert load_config(None, ["run.name=sweep/trials/a"]).run.name == "sweep/trials/a"
+
+
+@pytest.mark.parametrize("override", ["train.global_batch_size=0", "train.global_batch_size=-8",
+                                      "train.global_batch_tokens=-64"])
+def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(override):
+    extra = ["train.global_batch_size=null"] if "tokens" in override else []
+    started = time.monotonic()
+    outcome = subprocess.run([sys.executable, "-m", "raylm.cli", "train", "configs/demo-cpu.yaml", override, *extra],
+                             capture_output=True, text=True, timeout=120)
+    assert_clean_refusal(outcome, override.split("=")[0])
+    assert outcome.returncode == 2 and "must be positive" in outcome.stderr
+    assert "Ray instance" not in outcome.stdout + outcome.stderr and time.monotonic() - started < 30

@@ -241,3 +241,45 @@ def test_redact():
         assert secret not in out
     kept = "s3://bucket/path/to/object.bin at commit 3f786850e387550fdab836ed7e6dc881de23001b"
     assert storage.redact(kept) == kept
+
+
+def _tree(uri: str, cfg) -> dict[str, bytes]:
+    return {name: storage.read_bytes(storage.join(uri, name), cfg) for name in storage.list_files(uri, cfg)}
+
+
+def test_writing_over_replaces_a_tree_only_once_the_new_one_is_whole(root):
+    base, cfg = root
+    target = storage.join(base, "data")
+    for name, data in {"manifest.json": b"old", "a.parquet": b"1", "sub/b.parquet": b"2"}.items():
+        storage.write_bytes(storage.join(target, name), data, cfg)
+    old = _tree(target, cfg)
+    with pytest.raises(RuntimeError, match="half way"):
+        with storage.writing_over(target, cfg, replace=True, commit="manifest.json") as staged:
+            storage.write_bytes(storage.join(staged, "c.parquet"), b"3", cfg)
+            raise RuntimeError("half way")
+    assert _tree(target, cfg) == old
+    assert [n for n in storage.list_dir(base, cfg) if ".staging-" in n] == []
+    with storage.writing_over(target, cfg, replace=True, commit="manifest.json") as staged:
+        assert staged != target
+        storage.write_bytes(storage.join(staged, "c.parquet"), b"3", cfg)
+        storage.write_bytes(storage.join(staged, "manifest.json"), b"new", cfg)
+    assert _tree(target, cfg) == {"c.parquet": b"3", "manifest.json": b"new"}  # nothing of the old tree
+    assert storage.list_dir(base, cfg) == ["data"]
+    with storage.writing_over(storage.join(base, "fresh"), cfg, replace=False) as staged:
+        assert staged == storage.join(base, "fresh")  # nothing to replace: written in place
+
+
+def test_conditional_writes_let_one_writer_win(root):
+    base, cfg = root
+    uri = storage.join(base, "lease")
+    tag = storage.write_if(uri, b"first", None, cfg)
+    with pytest.raises(storage.ConditionFailedError):
+        storage.write_if(uri, b"second", None, cfg)  # it exists now
+    data, read_tag = storage.read_tagged(uri, cfg)
+    assert (data, read_tag) == (b"first", tag)
+    new_tag = storage.write_if(uri, b"third", tag, cfg)
+    with pytest.raises(storage.ConditionFailedError):
+        storage.write_if(uri, b"stale", tag, cfg)  # changed since `tag`
+    assert storage.read_tagged(uri, cfg) == (b"third", new_tag)
+    with pytest.raises(StorageNotFoundError):
+        storage.read_tagged(storage.join(base, "absent"), cfg)

@@ -4,6 +4,7 @@ import, and the errors for models and inputs that have no conversion."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from raylm.data.tokenizer import ByteTokenizer
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
+from tests.support.cli import run_main
 from tests.train.test_loop import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -202,3 +204,31 @@ def test_cli_errors_for_unexportable_model_missing_checkpoint_and_unimportable_m
         json.dump(config, f)
     err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
     assert "model_type 'mistral' cannot be imported" in err
+
+
+@pytest.mark.slow
+def test_an_overwrite_leaves_exactly_one_model_and_a_refused_one_leaves_the_old(trained, tmp_path):
+    out = str(tmp_path / "hf")
+    assert main_status(["export", trained["llama"], "--output", out]) == 0  # one model.safetensors
+    first = {name: os.path.getsize(os.path.join(out, name)) for name in os.listdir(out)}
+    assert "model.safetensors" in first
+    # Refused without --overwrite; and a failing overwrite (another model family's checkpoint that
+    # cannot be exported) leaves the first export as it was.
+    assert main_status(["export", trained["gpt2"], "--output", out]) == 2
+    unexportable = str(tmp_path / "unexportable")
+    shutil.copytree(trained["gpt2"], unexportable)
+    os.remove(os.path.join(unexportable, "checkpoint_00000006", "tokenizer.json"))
+    assert main_status(["export", os.path.join(unexportable, "checkpoint_00000006"), "--output", out,
+                        "--overwrite"]) == 1
+    assert {name: os.path.getsize(os.path.join(out, name)) for name in os.listdir(out)} == first
+
+    assert main_status(["export", trained["gpt2"], "--output", out, "--overwrite", "--max-shard-size", "40KB"]) == 0
+    names = set(os.listdir(out))
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names  # only the new model
+    assert not [n for n in os.listdir(tmp_path) if ".staging-" in n]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+
+
+def main_status(argv: list[str]) -> int:
+    return run_main(*argv).status

@@ -76,7 +76,7 @@ def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
     Checked in a real run of the CLI, as a user starts it, by a callback that Ray Train runs in the
     driver and in its controller."""
     probe = tmp_path / "probe.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.run_probe.RunProbe",
            "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": root, "RAY_ADDRESS": ""}
     out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 from raylm.config import StorageConfig
 from raylm.data import storage
+from raylm.errors import DeterministicError
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +49,7 @@ _HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, nev
 _MAX_RANKS = 1 << 20  # far beyond any world size; a train_state.json claiming more is corrupt
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DeterministicError, ValueError):
     """A checkpoint that cannot be used as it is; the message names it and the file."""
 
 
@@ -56,8 +57,9 @@ class UnusableCheckpointsError(CheckpointError):
     """The run directory holds finished checkpoints, and none of them can be used."""
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; training stops rather than go on unprotected."""
+class CheckpointWriteError(DeterministicError, RuntimeError):
+    """A checkpoint could not be written after its retries (a full disk, storage refusing writes);
+    training stops rather than go on unprotected."""
 
 
 def dir_name(step: int) -> str:

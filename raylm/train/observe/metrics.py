@@ -14,7 +14,7 @@ from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook, Run
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, read_records, rewrite_records
 from raylm.train.observe.trackers import open_trackers
 
 
@@ -87,16 +87,17 @@ class MetricsLogger(Hook):
         """Drop the metrics of steps that will be trained again, and log how many were lost."""
         self.file.close()
         path = self.file.name
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        kept = [r for r in rows if r["step"] <= restored_step]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        events = os.path.join(os.path.dirname(path), EVENTS_FILE)
+        rows, dropped = read_records(path)
+        for line in dropped:  # a line a kill or a full disk cut short: the step is trained again anyway
+            append_event(events, {"event": "record_dropped", "time": time.time(), "line": line})
+            print(f"raylm: dropped {line}", flush=True)
+        kept = [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= restored_step]
+        rewrite_records(path, kept)
         self.file = open(path, "a", buffering=1)
         lost = len(rows) - len(kept)
-        append_event(os.path.join(os.path.dirname(path), EVENTS_FILE),
-                     {"event": "resumed", "time": time.time(), "from_step": restored_step, "steps_lost": lost,
-                      "world_size": self.world.world_size})
+        append_event(events, {"event": "resumed", "time": time.time(), "from_step": restored_step,
+                              "steps_lost": lost, "world_size": self.world.world_size})
         print(f"raylm: resumed at step {restored_step} on {self.world.world_size} worker(s); "
               f"{lost} step(s) of work lost", flush=True)
 

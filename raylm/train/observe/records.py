@@ -1,5 +1,11 @@
-"""A run's JSON-lines records: the file names and how they are read and appended. No torch here:
-the driver and Ray Train's controller read and append them without importing the training code."""
+"""A run's JSON-lines records: the file names, and how they are read, appended and rewritten.
+
+A kill or a full disk can cut a line short, and a later append must not glue its line onto the
+torn one. So readers drop a line that is not one JSON object (a torn last line above all) and say
+which, by file and line; appends start on a line of their own; rewrites replace the file whole.
+No torch here: the driver and Ray Train's controller read and append them without importing
+the training code.
+"""
 
 from __future__ import annotations
 
@@ -12,20 +18,59 @@ from raylm.data import storage
 
 METRICS_FILE = "metrics.jsonl"  # one row per step, written by rank 0 into the run directory
 EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
+PROFILE_DIR = "profile"  # train.profile's traces and memory snapshots, a file per rank
+
+
+def read_records(uri: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[list[dict], list[str]]:
+    """The rows of a JSON-lines file (local or s3://; none if it is absent), and a description of
+    each line dropped because it is not one JSON object: a last line without its newline (a write
+    cut short, or still being written), or a garbled one."""
+    try:
+        text = storage.read_bytes(uri, storage_cfg).decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return [], []
+    lines = text.split("\n")
+    rows, dropped = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if number == len(lines):  # no newline after it: a write cut short, or one in progress
+            dropped.append(f"{uri} line {number}: torn (no end of line), {len(line)} bytes")
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            dropped.append(f"{uri} line {number}: not JSON ({e})")
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            dropped.append(f"{uri} line {number}: a JSON {type(row).__name__}, not an object")
+    return rows, dropped
 
 
 def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[dict]:
-    """The complete rows of a JSON-lines file (local or s3://) that may be being appended to;
-    none if it is absent."""
-    try:
-        lines = storage.read_bytes(uri, storage_cfg).decode().split("\n")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in lines[:-1] if line.strip()]  # the last is partial or empty
+    """The rows of a JSON-lines file, for readers that only show them (`read_records` says what
+    was dropped)."""
+    return read_records(uri, storage_cfg)[0]
 
 
 def append_event(path: str, event: dict) -> None:
-    """One line of events.jsonl: failures, recoveries, resizes."""
+    """One line of a local JSON-lines record (events.jsonl): failures, recoveries, resizes."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
+    with open(path, "ab") as f:
+        # After a line torn by a kill or a full disk, start a line of our own.
+        prefix = b"\n" if f.tell() and _last_byte(path) != b"\n" else b""
+        f.write(prefix + json.dumps(event).encode() + b"\n")
+
+
+def rewrite_records(path: str, rows: list[dict]) -> None:
+    """Replace the local JSON-lines file at `path` with `rows`, whole: a reader or a crash sees
+    the old file or the new one."""
+    storage.write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+
+
+def _last_byte(path: str) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)

@@ -8,6 +8,7 @@ import json
 
 from raylm.config import Config, config_to_dict
 from raylm.data import storage
+from raylm.errors import DeterministicError
 
 STOP_MARKER = "guard_stopped.json"
 # Changing any of these on resume is an operator's intervention after a guard stop.
@@ -15,7 +16,7 @@ INTERVENTION_SECTIONS = ("optim", "schedule", "guard")
 INTERVENTION_KEYS = ("data.skip",)
 
 
-class GuardStopped(RuntimeError):
+class GuardStopped(DeterministicError):
     """The guard gave up: repeated rollbacks did not get the run past its trouble."""
 
 

@@ -161,7 +161,10 @@ class StragglerMonitor(Hook):
     straggler) and compares it with the median over ranks: the lower median, so that with two
     ranks the reference is the faster one rather than their mean. A flagged rank goes into
     `metrics["stragglers"]` on rank 0 (a list of events: rank, node_id, step, seconds, median,
-    ratio) and a warning; it is not reported again for `repeat_after` steps.
+    ratio) and a warning; it is not reported again for `repeat_after` steps. A rank is reported
+    only when its excess over the reference is also at least `min_share` of the run's step time
+    (rank 0's median step_time over the window): a 15 ms gap is a large ratio of a small rank-local
+    time, and costs a step of seconds nothing.
 
     What `time_key` should measure: the loop's "step_time" is wall-clock from step to step,
     and in synchronous data parallel training the gradient collectives make every rank wait
@@ -170,14 +173,15 @@ class StragglerMonitor(Hook):
     """
 
     def __init__(self, node_id: str, k: float, window: int = 5, repeat_after: int = 100,
-                 time_key: str = "local_time"):
+                 time_key: str = "local_time", min_share: float = 0.1):
         if k <= 1 or window < 1 or repeat_after < 1:
             raise ValueError(f"k={k}, window={window}, repeat_after={repeat_after}: need k > 1, "
                              "window ≥ 1 and repeat_after ≥ 1")
         self.node_id, self.k, self.window = node_id, k, window
-        self.repeat_after, self.time_key = repeat_after, time_key
+        self.repeat_after, self.time_key, self.min_share = repeat_after, time_key, min_share
         self.node_ids: list[str] = [node_id]
         self.recent: deque[list[float]] = deque(maxlen=window)  # per step: every rank's time
+        self.step_times: deque[float] = deque(maxlen=window)  # rank 0's step_time
         self.reported: dict[int, int] = {}  # rank -> step of its last report
         self.events: list[dict] = []  # everything reported (rank 0), for tests and summaries
         self.active = False
@@ -197,6 +201,7 @@ class StragglerMonitor(Hook):
         if run.world.rank != 0:
             return
         self.recent.append([t.item() for t in times])
+        self.step_times.append(float(metrics.get("step_time", 0.0)))
         if len(self.recent) < self.window:
             return
         typical = [statistics.median(step_times[r] for step_times in self.recent)
@@ -204,9 +209,11 @@ class StragglerMonitor(Hook):
         reference = statistics.median_low(typical)
         if reference <= 0:
             return
+        matters = self.min_share * statistics.median(self.step_times)
         found = []
         for rank, seconds in enumerate(typical):
-            if seconds > self.k * reference and step - self.reported.get(rank, -self.repeat_after) >= self.repeat_after:
+            if seconds > self.k * reference and seconds - reference >= matters \
+                    and step - self.reported.get(rank, -self.repeat_after) >= self.repeat_after:
                 self.reported[rank] = step
                 found.append({"rank": rank, "node_id": self.node_ids[rank], "step": step, "seconds": seconds,
                               "median_seconds": reference, "ratio": seconds / reference})

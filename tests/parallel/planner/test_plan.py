@@ -20,9 +20,10 @@ from raylm.config import ConfigError, ModelConfig, ParallelConfig, config_from_d
 from raylm.config.presets import preset
 from raylm.model.sizes import count_params
 from raylm.parallel.planner.memory import (PRECISIONS, estimate_communication, estimate_memory, layer_activation_bytes,
-                                   model_shape, model_state_bytes)
+                                   model_shape, model_state_bytes, selective_layer_bytes)
 from raylm.parallel.layout import resolve_layout
 from raylm.parallel.planner.plan import enumerate_layouts, parallel_block_yaml, parse_memory, plan, run_plan
+from tests.support.cli import assert_clean_refusal, run_main
 
 GB = 1e9
 OPT_175B = ModelConfig(**preset("175b"), vocab_size=50272)
@@ -120,6 +121,38 @@ def test_full_checkpointing_keeps_layer_inputs_and_one_layer():
     assert in_flight.activations_no_checkpointing >= first_stage  # 4 microbatches x 2 blocks
 
 
+def test_selective_checkpointing_keeps_the_matmul_outputs():
+    # The paper's GeLU 4h block with dropout keeps 22·s·b·h of its 34: the input (2), Q, K, V (6),
+    # the attention output (2), wo's and w2's outputs (4) and the MLP's up projection (8); no
+    # dropout masks, no scores.
+    cfg = ModelConfig(d_model=1024, n_layers=4, n_heads=16, mlp="gelu", dropout=0.1, vocab_size=1000,
+                      max_seq_len=2048)
+    s, b, h, mixed = 2048, 4, 1024, PRECISIONS["mixed"]
+    assert selective_layer_bytes(model_shape(cfg), s, b, 1, mixed) == pytest.approx(22 * s * b * h)
+    # TP 8 with SP: wo's and w2's partial sums stay whole; the block input and their
+    # reduce-scattered outputs divide by tp like the heads and MLP columns.
+    assert selective_layer_bytes(model_shape(cfg), s, b, 8, mixed) == pytest.approx(s * b * h * (4 + 16 / 8 + 6 / 8))
+    # SwiGLU's two up projections, GQA's smaller K and V; fp32 doubles every byte.
+    llama = replace(cfg, mlp="swiglu", n_kv_heads=4, dropout=0.0)
+    f = model_shape(llama).ffn_hidden
+    assert selective_layer_bytes(model_shape(llama), s, b, 1, PRECISIONS["fp32"]) == \
+        pytest.approx(2 * s * b * h * (10 + 4 * 4 / 16 + 4 * f / h))
+
+    est = estimate_memory(cfg, layout(activation_checkpointing="selective"), "mixed", s, b)
+    logits = s * b * 1000 * (2 + 8)
+    full_layer = layer_activation_bytes(model_shape(cfg), s, b, 1, mixed)
+    assert est.activations == pytest.approx(4 * 22 * s * b * h + full_layer + logits)  # + one block's recompute
+    assert est.activations_full_checkpointing < est.activations < est.activations_no_checkpointing
+
+    def compute_s(mode: str) -> dict:
+        return {(r.layout.dp_shard, r.layout.tp, r.layout.pp, r.layout.sharding): r.compute_s
+                for r in plan(cfg, 8, 8, 80 * GB, s, activation_checkpointing=mode)}
+
+    # Its recompute is norms and elementwise ops: no matmul FLOPs in the step-time proxy.
+    none, selective, full = compute_s("none"), compute_s("selective"), compute_s("full")
+    assert selective == none and all(full[key] > none[key] for key in none)
+
+
 def test_communication_volumes():
     cfg, n = OPT_175B, 64
     shape = model_shape(cfg)
@@ -170,11 +203,11 @@ def test_opt_175b_needs_model_parallelism_on_1024_a100s():
                                                          param_dtype="bf16", reduce_dtype="bf16")]
     assert opt_layout.feasible, opt_layout.reason
     assert rows[0].feasible
-    # That verdict is without activation checkpointing: with full checkpointing ZeRO-3 over
-    # 1024 ranks fits in memory too (the ZeRO-Infinity regime), only slower.
+    # That verdict is without activation checkpointing: with it ZeRO-3 over 1024 ranks fits in
+    # memory too (the ZeRO-Infinity regime), only slower; selective checkpointing is enough.
     rows = plan(OPT_175B, 1024, 8, 80 * GB, 2048, 2**21, activation_checkpointing="auto")
     (zero3,) = [r for r in rows if (r.layout.dp_shard, r.layout.tp, r.layout.sharding) == (1024, 1, "full")]
-    assert zero3.feasible and zero3.layout.activation_checkpointing == "full"
+    assert zero3.feasible and zero3.layout.activation_checkpointing == "selective"
     (opt_layout,) = [r for r in rows if (r.layout.dp_shard, r.layout.tp, r.layout.sharding) == (128, 8, "full")]
     assert opt_layout.layout.activation_checkpointing == "none"  # auto checkpoints only what needs it
 
@@ -208,13 +241,13 @@ def test_parse_memory():
 
 def test_run_plan_for_a_size_and_a_config_file(tmp_path: Path):
     out = tmp_path / "parallel.yaml"
-    text = run_plan("1.3b", gpus=16, gpus_per_node=8, gpu_memory="40GB", precision="mixed", output=str(out))
-    assert "Recommended:" in text and "vocab_size is unset" in text
+    text, fits = run_plan("1.3b", gpus=16, gpus_per_node=8, gpu_memory="40GB", precision="mixed", output=str(out))
+    assert fits and "Recommended:" in text and "vocab_size is unset" in text
     assert yaml.safe_load(out.read_text())["parallel"]["num_workers"] == 16
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"model": {"size": "125m", "vocab_size": 50304}, "train": {"seq_len": 1024}}))
-    text = run_plan(str(config), gpus=8, gpus_per_node=8, gpu_memory="80GiB", global_batch_tokens=2**19)
-    assert "seq_len 1024" in text and "note" not in text
+    text, fits = run_plan(str(config), gpus=8, gpus_per_node=8, gpu_memory="80GiB", global_batch_tokens=2**19)
+    assert fits and "seq_len 1024" in text and "note" not in text
     with pytest.raises(ConfigError, match="neither a named size"):
         run_plan("no-such-model", 8, 8, "80GB")
 
@@ -340,3 +373,16 @@ def test_estimate_bounds_cuda_peak_memory():
     peak = torch.cuda.max_memory_allocated()
     est = estimate_memory(cfg, layout(), "amp", seq_len, batch).total
     assert 0.7 * peak <= est <= 1.3 * peak, (est / 1e9, peak / 1e9)
+
+
+def test_the_cli_exits_non_zero_when_no_layout_fits_and_refuses_bad_arguments(tmp_path):
+    outcome = run_main("plan", "--model", "175b", "--gpus", "2", "--gpu-memory", "1GB")
+    assert outcome.status == 1 and "No layout fits" in outcome.stdout
+    assert outcome.stderr.strip() == "raylm: error: no layout fits (see the table above)"
+    assert run_main("plan", "--model", "1.3b", "--gpus", "16", "--gpu-memory", "80GB").status == 0
+    for argv, name in ((["--seq-len", "0"], "--seq-len"), (["--seq-len", "-5"], "--seq-len"),
+                       (["--vocab-size", "0"], "--vocab-size"), (["--gpus", "0"], "--gpus")):
+        outcome = run_main("plan", "--model", "tiny", "--gpus", "2", *argv)
+        assert outcome.status == 2 and name in outcome.stderr and len(outcome.stderr.splitlines()) == 1
+    outcome = run_main("plan", "--model", "tiny", "--gpus", "2", "--output", str(tmp_path))
+    assert_clean_refusal(outcome, f"--output {tmp_path} is a directory")

@@ -223,3 +223,26 @@ def test_straggler_found_by_rank_local_time_when_step_times_are_synchronised():
     # ... but its rank-local time does.
     (event,) = results[0][1]
     assert (event["rank"], event["node_id"]) == (1, "node-1")
+
+
+def _synthetic_steps(local_s: list[float], step_s: float, steps: int) -> list[dict]:
+    """Steps whose rank-local times are `local_s[rank]` and whose step time is `step_s`."""
+    rank = dist.get_rank()
+    monitor = StragglerMonitor(f"node-{rank}", k=2.0, window=3)
+    run = SimpleNamespace(world=World.current(CPU))
+    monitor.on_train_start(run)
+    reports = []
+    for step in range(steps):
+        metrics = {"local_time": local_s[rank], "step_time": step_s}
+        monitor.on_step_end(run, step, metrics)
+        reports += metrics.get("stragglers", [])
+    return reports
+
+
+@pytest.mark.slow
+def test_a_gap_that_is_a_large_ratio_of_noise_but_a_small_share_of_the_step_is_not_a_straggler():
+    # As seen on one machine: rank 0 took 0.019 s against the median 0.004 s (4.4x) of a 0.3 s step.
+    assert run_distributed(_synthetic_steps, 3, [0.019, 0.004, 0.004], 0.3, 6)[0] == []
+    # The same ratio where the gap is most of the step is one.
+    (event,) = run_distributed(_synthetic_steps, 3, [0.19, 0.04, 0.04], 0.25, 6)[0]
+    assert event["rank"] == 0 and event["ratio"] == pytest.approx(4.75)

@@ -1,0 +1,188 @@
+"""One writer per run directory: the lease a run holds on it while it trains.
+
+Two runs of the same `run.name` and `run.storage_path` would resume from each other's
+checkpoints and interleave their records. So a run takes `run.lease` in its directory before any
+worker starts and keeps its heartbeat fresh while it trains:
+
+    {"owner": "raylm train", "host": ..., "pid": ..., "started": ..., "ray_job": ..., "heartbeat": ...,
+     "token": ...}
+
+A second run is refused, naming the holder. A lease is taken over, with a `lease_taken_over`
+event, when its heartbeat is older than `run.lease_timeout_s`, or at once when its holder was a
+process on this machine that no longer runs: a crashed run never needs a human to delete a file.
+
+Every write is conditional on the version read (`raylm.data.storage.write_if`): on S3 the store
+compares (If-None-Match, If-Match); on local disk a file lock serialises the writers of one
+machine (and of machines whose shared file system honours those locks). A holder whose heartbeat
+finds the lease taken stops its run.
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Optional
+
+from raylm.config import StorageConfig
+from raylm.data import storage
+from raylm.data.storage import ConditionFailedError, StorageNotFoundError
+from raylm.errors import DeterministicError
+from raylm.train.observe.records import EVENTS_FILE, append_event
+
+LEASE_FILE = "run.lease"
+
+
+class LeaseHeldError(DeterministicError):
+    """Another run holds the run directory's lease; the message names it."""
+
+
+class LeaseLostError(DeterministicError):
+    """This run's lease was taken over by another run: it must stop writing."""
+
+
+class RunLease:
+    """The lease on the run directory `run_uri`, held from `acquire` to `release` (a context
+    manager does both), its heartbeat written every `timeout_s / 6` on a thread."""
+
+    def __init__(self, run_uri: str, storage_cfg: Optional[StorageConfig], timeout_s: float,
+                 owner: str = "raylm train", events_dir: Optional[str] = None):
+        self.uri = storage.join(run_uri, LEASE_FILE)
+        self.storage_cfg, self.timeout_s, self.owner = storage_cfg, timeout_s, owner
+        self.events_path = os.path.join(events_dir or run_uri, EVENTS_FILE) if events_dir or not storage.is_s3(
+            run_uri) else None
+        self.token = uuid.uuid4().hex
+        self.tag: Optional[str] = None
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "RunLease":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+        if self.lost:  # whatever the interrupted run raised (or not, where Ray handled the interrupt)
+            raise LeaseLostError(self.lost) from None
+
+    def acquire(self) -> None:
+        """Take the lease, or a stale one over; LeaseHeldError while another run holds it."""
+        try:
+            data, tag = storage.read_tagged(self.uri, self.storage_cfg)
+        except StorageNotFoundError:
+            data, tag = None, None
+        if data is not None:
+            holder = _parse(data)
+            stale = self._why_stale(holder)
+            if stale is None:
+                raise LeaseHeldError(f"{self.uri}: the run directory is in use by {_describe(holder)}; two runs "
+                                     "in one directory would resume from each other's checkpoints. Wait for it to "
+                                     "end, stop it, or choose another run.name")
+        try:
+            self.tag = storage.write_if(self.uri, self._record(), tag, self.storage_cfg)
+        except ConditionFailedError:
+            raise LeaseHeldError(f"{self.uri}: another run took the run directory at the same moment; "
+                                 "only one of two runs started together trains") from None
+        if data is not None:
+            self._event("lease_taken_over", previous=_parse(data), why=stale)
+            print(f"raylm: took over the run directory's lease from {_describe(_parse(data))}: {stale}", flush=True)
+        self._thread = threading.Thread(target=self._beat, name="raylm-lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease, if this run still holds it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.lost is None and self.tag is not None:
+            try:
+                _, tag = storage.read_tagged(self.uri, self.storage_cfg)
+                if tag == self.tag:
+                    storage.delete_file(self.uri, self.storage_cfg)
+            except StorageNotFoundError:
+                pass
+        self.tag = None
+
+    def _why_stale(self, holder: dict) -> Optional[str]:
+        """Why `holder`'s lease may be taken over, or None while it holds."""
+        age = time.time() - _heartbeat(holder)
+        if age > self.timeout_s:
+            return f"its last heartbeat is {age:.0f} s old (run.lease_timeout_s={self.timeout_s:g})"
+        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid"), holder.get("pid_start")):
+            return f"its process {holder.get('pid')} on this machine no longer runs"
+        return None
+
+    def _record(self) -> bytes:
+        pid = os.getpid()
+        return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": pid,
+                           "pid_start": _start_time(pid), "ray_job": os.environ.get("RAY_JOB_SUBMISSION_ID"),
+                           "argv": " ".join(sys.argv)[:300], "heartbeat": time.time(),
+                           "token": self.token}).encode()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.timeout_s / 6):
+            try:
+                self.tag = storage.write_if(self.uri, self._record(), self.tag, self.storage_cfg)
+            except ConditionFailedError:
+                self.lost = (f"{self.uri}: another run took over this run directory's lease (this run's "
+                             "heartbeat was late or the lease was removed); this run stops so that only one writes")
+                self._event("lease_lost", message=self.lost)
+                print(f"raylm: error: {self.lost}", file=sys.stderr, flush=True)
+                _thread.interrupt_main()  # the run stops (Ray Train's driver aborts on SIGINT)
+                return
+            except OSError as e:  # storage unreachable for a moment: the next beat tries again
+                print(f"raylm: warning: the lease heartbeat could not be written ({e})", file=sys.stderr, flush=True)
+
+    def _event(self, name: str, **fields: object) -> None:
+        if self.events_path is not None:
+            append_event(self.events_path, {"event": name, "time": time.time(), **fields})
+
+
+def _parse(data: bytes) -> dict:
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {"heartbeat": 0, "garbled": data[:80].decode(errors="replace")}  # stale: a torn lease file
+    return holder if isinstance(holder, dict) else {"heartbeat": 0}
+
+
+def _describe(holder: dict) -> str:
+    if "garbled" in holder:
+        return "an unreadable lease"
+    age = time.time() - _heartbeat(holder)
+    job = f", Ray job {holder['ray_job']}" if holder.get("ray_job") else ""
+    return (f"{holder.get('owner', 'a run')} (host {holder.get('host')}, pid {holder.get('pid')}{job}; "
+            f"heartbeat {age:.0f} s ago)")
+
+
+def _heartbeat(holder: dict) -> float:
+    """The holder's last heartbeat (epoch seconds); 0 for a lease that holds none readable."""
+    value = holder.get("heartbeat")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: object, started: object) -> bool:
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:  # never a group or all
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return started is None or _start_time(pid) in (None, started)

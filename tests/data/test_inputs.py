@@ -1,0 +1,83 @@
+"""Inputs that `raylm prepare` and `raylm tokenizer train` cannot use are refused by name, with
+one line, exit 2 and no traceback, before any Ray cluster starts (except what is found deep in
+a file, which the reading finds and names the same way)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.cli import assert_clean_refusal, run_main
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    (tmp_path / "utf16.txt").write_bytes("plain words, the wrong encoding\n".encode("utf-16"))
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    (tmp_path / "no-text.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    (tmp_path / "bad-line.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "notes.md").write_text("# not an input kind\n")
+    (tmp_path / "hidden-only").mkdir()
+    (tmp_path / "hidden-only" / ".cache.txt").write_text("skipped in walks\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, names", [
+    ("empty.txt", ["empty.txt", "no text"]),
+    ("binary.txt", ["binary.txt", "not UTF-8 text"]),
+    ("utf16.txt", ["utf16.txt", "binary data or UTF-16"]),
+    ("latin1.txt", ["latin1.txt", "not UTF-8"]),
+    ("no-text.jsonl", ["no-text.jsonl line 2"]),
+    ("bad-line.jsonl", ["bad-line.jsonl line 2"]),
+    ("nothing", ["notes.md: unknown extension"]),
+    ("hidden-only", ["no input files in"]),
+    ("missing.txt", ["missing.txt does not exist"]),
+])
+@pytest.mark.parametrize("command", ["prepare", "tokenizer"])
+def test_an_unusable_input_is_refused_by_name_before_ray_starts(inputs, tmp_path, name, names, command):
+    given = str(inputs / name)
+    if command == "prepare":
+        outcome = run_main("prepare", "--input", given, "--output", str(tmp_path / "out"))
+    else:
+        outcome = run_main("tokenizer", "train", "--input", given, "--vocab-size", "300", "--output",
+                           str(tmp_path / "tok.json"))
+    assert_clean_refusal(outcome, *names)
+    assert outcome.status == 2 and all(n in outcome.stderr for n in names), outcome.stderr
+    assert "Ray instance" not in outcome.stdout + outcome.stderr  # no cluster was started for it
+    assert not (tmp_path / "out").exists() and not (tmp_path / "tok.json").exists()
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--seq-len", "0"], ["--seq-len", "'0'"]),
+    (["--val-fraction", "1.0"], ["--val-fraction", "'1.0'"]),
+    (["--val-fraction", "-0.1"], ["--val-fraction"]),
+    (["--max-documents", "0"], ["--max-documents"]),
+])
+def test_prepare_arguments_out_of_range_are_refused(tmp_path, argv, names):
+    outcome = run_main("prepare", "--output", str(tmp_path / "out"), *argv)
+    assert outcome.status == 2 and all(n in outcome.stderr for n in names), outcome.stderr
+    assert "Traceback" not in outcome.stderr and len(outcome.stderr.strip().splitlines()) == 1
+
+
+def test_a_tokenizer_smaller_than_the_byte_alphabet_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n")
+    assert_clean_refusal(run_main("tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", "100",
+                                  "--output", str(tmp_path / "t.json")), "vocab_size must exceed 257")
+
+
+@pytest.mark.slow
+def test_prepare_shows_one_progress_line_not_ray_datas_blocks(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "raylm.cli", "prepare", "--output", str(tmp_path / "data"),
+                          "--max-documents", "400", "--seq-len", "64"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RAY_DATA_NON_TTY_PROGRESS_LOG_INTERVAL": "1", "RAY_ADDRESS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert "Running Dataset" not in console and "Progress bars disabled" not in console, console[-3000:]
+    assert "train:" in out.stdout and "wrote" in out.stdout

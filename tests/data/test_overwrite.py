@@ -1,0 +1,72 @@
+"""Overwrites that cannot lose data: a prepared dataset is replaced only once the new one is whole
+(local disk and S3), and a failed overwrite, wherever it fails, leaves the old one as it was."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raylm.data import storage
+from raylm.data.corpus import InputError
+from raylm.data.inspect import verify_dataset
+from raylm.data.manifest import load_manifest
+from raylm.data.prepare import prepare_dataset
+from tests.support.cli import assert_clean_refusal, run_main
+from tests.support.fixtures import write_corpus
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+def dataset_files(uri: str, storage_cfg=None) -> dict[str, int]:
+    return {name: storage.file_size(storage.join(uri, name), storage_cfg) for name in storage.list_files(uri, storage_cfg)}
+
+
+def deep_bad_utf8(path) -> str:
+    """A text file whose first 64 KiB are clean (the early check passes) and whose end is not UTF-8."""
+    path.write_bytes(b"A clean line of text.\n" * 4000 + b"then caf\xe9\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_failed_overwrite_leaves_the_old_dataset_and_a_whole_one_replaces_it(tmp_path, request, where):
+    storage_cfg = None
+    output = str(tmp_path / "data")
+    if where == "s3":
+        server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+        storage_cfg, output = server.storage, f"{bucket}/data"
+    first = write_corpus(tmp_path / "first", documents=40, seed=1)
+    prepare_dataset([first], output, seq_len=32, storage=storage_cfg)
+    before = dataset_files(output, storage_cfg)
+
+    # A typo in the input: refused before anything is touched.
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prepare_dataset([str(tmp_path / "frist")], output, seq_len=32, storage=storage_cfg, overwrite=True)
+    # A bad byte deep in an input: found while the new dataset is being written.
+    with pytest.raises(InputError, match=r"bad\.txt: not UTF-8 text"):
+        prepare_dataset([first, deep_bad_utf8(tmp_path / "bad.txt")], output, seq_len=32, storage=storage_cfg,
+                        overwrite=True)
+    assert dataset_files(output, storage_cfg) == before
+    assert verify_dataset(output, storage_cfg) == []
+    parent = output.rsplit("/", 1)[0]
+    assert [n for n in storage.list_dir(parent, storage_cfg) if ".staging-" in n] == []  # nothing left beside
+
+    second = write_corpus(tmp_path / "second", documents=80, seed=2)
+    prepare_dataset([second], output, seq_len=32, storage=storage_cfg, overwrite=True)
+    manifest = load_manifest(output, storage_cfg)
+    assert manifest.sources == [second] and verify_dataset(output, storage_cfg) == []
+    # Exactly the new dataset: no shard of the old one is left beside it.
+    listed = {s.file for split in manifest.splits.values() for s in split.shards}
+    assert set(storage.list_files(output, storage_cfg)) == listed | {"manifest.json", "tokenizer.json"}
+    assert [n for n in storage.list_dir(parent, storage_cfg) if ".staging-" in n] == []
+
+
+def test_the_cli_refuses_an_overwrite_with_a_missing_input_and_keeps_the_dataset(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", documents=30)
+    output = str(tmp_path / "data")
+    assert run_main("prepare", "--input", corpus, "--output", output, "--seq-len", "32").status == 0
+    before = dataset_files(output)
+    outcome = run_main("prepare", "--input", str(tmp_path / "corpsu"), "--output", output, "--overwrite")
+    assert_clean_refusal(outcome, "corpsu")
+    assert dataset_files(output) == before
+    assert [n for n in os.listdir(tmp_path) if ".staging-" in n] == []

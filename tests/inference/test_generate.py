@@ -1,0 +1,52 @@
+"""`raylm generate` says which checkpoint it samples from, and why a newer one was passed over;
+arguments it cannot use are refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raylm.train.loop import train_local
+from tests.support.cli import assert_clean_refusal, run_main
+from tests.train.test_loop import tiny_config
+
+
+@pytest.fixture(scope="module")
+def run(tiny_dataset, tmp_path_factory) -> str:
+    run_dir = str(tmp_path_factory.mktemp("generate") / "run")
+    train_local(tiny_config(tiny_dataset, "train.steps=4", "checkpoint.every_steps=2", "train.eval_every=0"), run_dir)
+    return run_dir
+
+
+def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path):
+    import shutil
+
+    damaged = str(tmp_path / "run")
+    shutil.copytree(run, damaged)
+    newest = os.path.join(damaged, "checkpoint_00000004")
+    shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
+    with open(os.path.join(newest, shard), "ab") as f:
+        f.write(b"extra")  # its size no longer matches the manifest
+    outcome = run_main("generate", "--checkpoint", damaged, "--prompt", "The", "--max-new-tokens", "5", "--seed", "0")
+    assert outcome.status == 0, outcome.stderr
+    assert f"raylm: passing over {newest}: {shard} is" in outcome.stderr
+    assert f"raylm: using checkpoint {os.path.join(damaged, 'checkpoint_00000002')}" in outcome.stderr
+    assert outcome.stdout.startswith("The")
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--top-k", "0"], "--top-k"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+])
+def test_arguments_generation_cannot_use_are_refused(run, argv, name):
+    outcome = run_main("generate", "--checkpoint", run, *argv)
+    assert outcome.status == 2 and name in outcome.stderr and "Traceback" not in outcome.stderr
+    assert len(outcome.stderr.strip().splitlines()) == 1, outcome.stderr
+
+
+def test_eval_refuses_zero_workers(run, tiny_dataset):
+    assert_clean_refusal(run_main("eval", run, "--data", tiny_dataset, "--workers", "0"), "--workers")

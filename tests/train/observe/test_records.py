@@ -1,0 +1,52 @@
+"""The run's JSON-lines records survive a line cut short by a kill or a full disk: readers drop it
+and say so, appends start a line of their own, and a run whose metrics.jsonl ends torn resumes."""
+
+from __future__ import annotations
+
+import json
+
+from raylm.train.loop import train_local
+from raylm.train.observe.records import append_event, read_jsonl, read_records, rewrite_records
+from tests.train.test_loop import tiny_config
+
+
+def test_a_torn_last_line_and_a_garbled_one_are_dropped_by_name(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\nnot json at all\n{"step": 3}\n{"step": 4, "lo')
+    rows, dropped = read_records(str(path))
+    assert rows == [{"step": 1}, {"step": 2}, {"step": 3}]
+    assert [d.split(": ", 1)[0] for d in dropped] == [f"{path} line 2", f"{path} line 4", f"{path} line 6"]
+    assert "torn" in dropped[-1]
+    assert read_jsonl(str(tmp_path / "absent.jsonl")) == []
+
+
+def test_an_append_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text('{"event": "a"}\n{"event": "tor')
+    append_event(str(path), {"event": "b"})
+    append_event(str(path), {"event": "c"})
+    rows, dropped = read_records(str(path))
+    assert [r["event"] for r in rows] == ["a", "b", "c"] and len(dropped) == 1
+
+
+def test_a_rewrite_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n')
+    rewrite_records(str(path), [{"step": 1}, {"step": 2}])
+    assert read_records(str(path)) == ([{"step": 1}, {"step": 2}], [])
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary file left
+
+
+def test_a_run_whose_metrics_end_torn_resumes_and_records_the_dropped_line(tiny_dataset, tmp_path):
+    common = ("train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0")
+    run = str(tmp_path / "run")
+    train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=3"), run)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as f:  # a kill mid-write of step 4's row
+        f.write('{"step": 4, "loss": 2.')
+    final = train_local(tiny_config(tiny_dataset, *common), run)
+    assert final["step"] == 6
+    assert [r["step"] for r in read_jsonl(str(metrics))] == [1, 2, 3, 4, 5, 6]
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    (dropped,) = [e for e in events if e["event"] == "record_dropped"]
+    assert "metrics.jsonl line 4: torn" in dropped["line"]

@@ -1,0 +1,106 @@
+"""One writer per run directory: a second run is refused naming the holder; a lease whose holder
+is gone (a stale heartbeat, a dead process on this machine, an unreadable file) is taken over with
+an event; a holder that finds its lease taken stops. On local disk and on S3 (conditional writes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from raylm.data import storage
+from raylm.train.lease import LEASE_FILE, LeaseHeldError, LeaseLostError, RunLease
+from raylm.train.observe.records import read_jsonl
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_dir(request, tmp_path) -> tuple[str, object]:
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+    return f"{bucket}/run", server.storage
+
+
+def lease_of(uri: str, storage_cfg) -> dict:
+    return json.loads(storage.read_bytes(storage.join(uri, LEASE_FILE), storage_cfg))
+
+
+def test_a_second_run_is_refused_naming_the_holder_until_the_first_ends(run_dir, tmp_path):
+    uri, storage_cfg = run_dir
+    with RunLease(uri, storage_cfg, timeout_s=60, events_dir=str(tmp_path)):
+        holder = lease_of(uri, storage_cfg)
+        assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
+        with pytest.raises(LeaseHeldError, match=rf"in use by raylm train \(host {socket.gethostname()}, pid "
+                                                 rf"{os.getpid()}; heartbeat \d+ s ago\)"):
+            RunLease(uri, storage_cfg, timeout_s=60).acquire()
+    assert not storage.exists(storage.join(uri, LEASE_FILE), storage_cfg)  # released
+    with RunLease(uri, storage_cfg, timeout_s=60):  # the directory is free again
+        pass
+
+
+def test_the_heartbeat_keeps_the_lease_fresh(run_dir):
+    uri, storage_cfg = run_dir
+    with RunLease(uri, storage_cfg, timeout_s=10) as lease:  # beats every 10/6 s
+        first = lease_of(uri, storage_cfg)["heartbeat"]
+        time.sleep(4)
+        assert lease_of(uri, storage_cfg)["heartbeat"] > first + 1 and lease.lost is None
+
+
+def _write_lease(uri: str, storage_cfg, **fields) -> None:
+    record = {"owner": "raylm train", "host": "another-host", "pid": 4242, "heartbeat": time.time(), **fields}
+    storage.write_bytes(storage.join(uri, LEASE_FILE), json.dumps(record).encode(), storage_cfg)
+
+
+def test_a_stale_lease_is_taken_over_with_an_event(run_dir, tmp_path):
+    uri, storage_cfg = run_dir
+    _write_lease(uri, storage_cfg, heartbeat=time.time() - 300)
+    with RunLease(uri, storage_cfg, timeout_s=60, events_dir=str(tmp_path)):
+        assert lease_of(uri, storage_cfg)["pid"] == os.getpid()
+    (event,) = read_jsonl(str(tmp_path / "events.jsonl"))
+    assert event["event"] == "lease_taken_over" and event["previous"]["host"] == "another-host"
+    assert "heartbeat is 300 s old" in event["why"]
+
+
+def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(run_dir, tmp_path):
+    uri, storage_cfg = run_dir
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _write_lease(uri, storage_cfg, host=socket.gethostname(), pid=gone.pid)
+    with RunLease(uri, storage_cfg, timeout_s=600, events_dir=str(tmp_path)):
+        pass
+    (event,) = read_jsonl(str(tmp_path / "events.jsonl"))
+    assert f"its process {gone.pid} on this machine no longer runs" in event["why"]
+
+
+def test_a_fresh_lease_of_a_live_process_elsewhere_is_respected(run_dir):
+    uri, storage_cfg = run_dir
+    _write_lease(uri, storage_cfg)
+    with pytest.raises(LeaseHeldError, match="host another-host, pid 4242"):
+        RunLease(uri, storage_cfg, timeout_s=600).acquire()
+
+
+def test_an_unreadable_lease_is_taken_over(run_dir, tmp_path):
+    uri, storage_cfg = run_dir
+    storage.write_bytes(storage.join(uri, LEASE_FILE), b'{"owner": "raylm tr', storage_cfg)  # torn
+    with RunLease(uri, storage_cfg, timeout_s=600, events_dir=str(tmp_path)):
+        assert lease_of(uri, storage_cfg)["pid"] == os.getpid()
+
+
+def test_a_holder_whose_lease_was_taken_stops(run_dir, tmp_path):
+    uri, storage_cfg = run_dir
+    lease = RunLease(uri, storage_cfg, timeout_s=10, events_dir=str(tmp_path))
+    deadline = time.monotonic() + 10
+    # The heartbeat interrupts the main thread (a KeyboardInterrupt, or Ray's own abort where a
+    # trainer installed its handler); leaving the lease's block then says why the run stops.
+    with pytest.raises(LeaseLostError, match="another run took over this run directory's lease"):
+        with lease:
+            _write_lease(uri, storage_cfg)  # another run took the directory over
+            while lease.lost is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+    assert lease_of(uri, storage_cfg)["host"] == "another-host"  # the new holder's lease is left alone
+    assert [e["event"] for e in read_jsonl(str(tmp_path / "events.jsonl"))] == ["lease_lost"]
