@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from raylm.config import DataConfig, StorageConfig
 from raylm.data.manifest import SplitInfo, load_manifest
-from raylm.data.prepare import ROW_GROUP_ROWS
+from raylm.data.manifest import ROW_GROUP_ROWS
 from raylm.data.storage import filesystem_for
 from raylm.data.stream import Datasets, RowSource, TokenStream
 

@@ -62,7 +62,8 @@ from cluster.seaweedfs import SeaweedFS
 from raylm.config import DataConfig, StorageConfig, load_config
 from raylm.data.corpus import builtin_sources, iter_documents
 from raylm.data.manifest import Manifest
-from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
+from raylm.data.manifest import ROW_GROUP_ROWS
+from raylm.data.prepare import prepare_dataset
 from raylm.data.storage import ensure_bucket, write_bytes
 from raylm.data.stream import Datasets
 from raylm.ray_runtime import use_loopback

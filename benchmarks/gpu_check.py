@@ -66,14 +66,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
 from _common import print_table
 from raylm.config import Config, load_config
-from raylm.data.manifest import TOKENS_COLUMN, Manifest, ShardInfo, SplitInfo, TokenizerInfo
+from raylm.data.manifest import Manifest, ShardInfo, SplitInfo, TokenizerInfo, shard_bytes
 from raylm.data.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.model.transformer import Transformer
@@ -175,16 +173,6 @@ def init_process_group(cuda: bool) -> torch.device:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo")
     return torch.device("cuda", 0) if cuda else torch.device("cpu")
-
-
-def shard_bytes(rows: np.ndarray) -> bytes:
-    """One shard as raylm.data.prepare._shard_bytes writes it (that module imports Ray, which the
-    GPU machine lacks): column `tokens`, fixed_size_list<int32>[seq_len + 1], row groups of 64."""
-    values = pa.array(rows.reshape(-1), type=pa.int32())
-    table = pa.table({TOKENS_COLUMN: pa.FixedSizeListArray.from_arrays(values, rows.shape[1])})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=64, compression="zstd", use_dictionary=False, write_statistics=False)
-    return sink.getvalue().to_pybytes()
 
 
 def write_dataset(directory: str, seq_len: int, train_rows: int, seed: int = 0) -> str:

@@ -4,7 +4,7 @@ named model sizes (`presets`). Unknown keys and wrong types are errors that name
 
 from raylm.config.checks import global_batch_sequences, validate
 from raylm.config.load import (build_dataclass, config_changes, config_from_dict, config_to_dict, config_to_yaml,
-                               flat_keys, load_config, merge_trees, parse_overrides)
+                               flat_keys, load_config, merge_trees, parse_overrides, saved_config)
 from raylm.config.schema import (CONFIG_FILE, ActivationCheckpointing, BatchRampup, CheckpointConfig, Config,
                                  DataConfig, GuardConfig, LRScheduleName, MixtureComponent, ModelConfig, OptimConfig,
                                  ParallelConfig, PipelineScheduleName, ProfileConfig, RunConfig, ScheduleConfig,
@@ -15,4 +15,5 @@ __all__ = ["CONFIG_FILE", "ActivationCheckpointing", "BatchRampup", "CheckpointC
            "DataConfig", "GuardConfig", "LRScheduleName", "MixtureComponent", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PipelineScheduleName", "ProfileConfig", "RunConfig", "ScheduleConfig", "Sharding", "StorageConfig",
            "TrainConfig", "build_dataclass", "config_changes", "config_from_dict", "config_to_dict", "config_to_yaml",
-           "flat_keys", "global_batch_sequences", "load_config", "merge_trees", "parse_overrides", "validate"]
+           "flat_keys", "global_batch_sequences", "load_config", "merge_trees", "parse_overrides", "saved_config",
+           "validate"]

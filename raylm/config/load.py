@@ -9,6 +9,7 @@ import math
 import reprlib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -203,6 +204,37 @@ def config_from_dict(tree: dict) -> Config:
     cfg = build_dataclass(Config, tree)
     validate(cfg)
     return cfg
+
+
+def saved_config(tree: dict) -> Config:
+    """A config that a run saved (config.yaml in a checkpoint), as this version reads it: keys that
+    raylm no longer has are left out, with a warning naming them (keys added since take their
+    defaults), so that an older checkpoint still samples, exports and evaluates."""
+    dropped: list[str] = []
+    cfg = config_from_dict(_known(Config, tree, "", dropped))
+    if dropped:
+        warnings.warn(f"the saved config's {', '.join(dropped)} no longer exist in raylm and were left out",
+                      stacklevel=2)
+    return cfg
+
+
+def _known(cls: type, tree: Any, prefix: str, dropped: list[str]) -> Any:
+    """`tree` without the keys `cls` (a config dataclass) has no field for, recursively."""
+    if isinstance(tree, list):
+        return [_known(cls, item, f"{prefix.rstrip('.')}[{i}].", dropped) for i, item in enumerate(tree)]
+    if not isinstance(tree, dict):
+        return tree
+    types = field_types(cls)
+    out = {}
+    for key, value in tree.items():
+        if key not in types:
+            dropped.append(f"{prefix}{key}")
+            continue
+        arms = [types[key], *typing.get_args(types[key]), *(a for arm in typing.get_args(types[key])
+                                                             for a in typing.get_args(arm))]
+        inner = next((arm for arm in arms if dataclasses.is_dataclass(arm)), None)
+        out[key] = _known(inner, value, f"{prefix}{key}.", dropped) if inner is not None else value
+    return out
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -25,6 +25,10 @@ import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from raylm.config import StorageConfig
 from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, join, read_bytes,
                                 write_bytes)
@@ -35,6 +39,8 @@ FORMAT = "raylm.prepared/1"
 MANIFEST_FILE = "manifest.json"
 TOKEN_DTYPE = "int32"
 TOKENS_COLUMN = "tokens"
+ROW_GROUP_ROWS = 64
+"""Rows per Parquet row group: training reads chunks of rows at random positions."""
 SPLITS = ("train", "val")
 
 
@@ -250,3 +256,14 @@ def load_dataset_tokenizer(dataset_uri: str, storage: Optional[StorageConfig] = 
         raise DatasetError(f"{uri}: a {tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens, end-of-text "
                            f"{tokenizer.eot_id}; the manifest records {info.kind}, {info.vocab_size}, {info.eot_id}")
     return tokenizer
+
+
+def shard_bytes(rows: np.ndarray) -> bytes:
+    """The Parquet file of one shard: column `tokens`, fixed_size_list<int32>[row width], row groups
+    of ROW_GROUP_ROWS rows (what `raylm prepare` writes, and tests and benchmarks without Ray)."""
+    values = pa.array(rows.reshape(-1), type=pa.int32())
+    table = pa.table({TOKENS_COLUMN: pa.FixedSizeListArray.from_arrays(values, rows.shape[1])})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=ROW_GROUP_ROWS, compression="zstd",
+                   use_dictionary=False, write_statistics=False)
+    return sink.getvalue().to_pybytes()

@@ -29,22 +29,19 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from raylm.config import ConfigError, StorageConfig
 from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sources, check_sources, find_sources,
                                iter_documents)
-from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, DatasetError, Manifest, ShardInfo, SplitInfo,
-                                 TokenizerInfo)
+from raylm.data.manifest import (MANIFEST_FILE, SPLITS, DatasetError, Manifest, ShardInfo, SplitInfo,
+                                 TokenizerInfo, shard_bytes)
 from raylm.data.storage import exists, join, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.ray_runtime import start_ray
 
 log = logging.getLogger(__name__)
 
-ROW_GROUP_ROWS = 64
-"""Rows per Parquet row group: training reads chunks of rows at random positions."""
 DEFAULT_SHARD_ROWS = 8192
 _DOCUMENTS_PER_BATCH = 256
 _MAX_PENDING_WRITES = 4
@@ -298,20 +295,10 @@ class _Packer:
         self.writes.append(_write_shard.remote(self.output, name, shard, self.eot_id, self.storage))
 
 
-def _shard_bytes(rows: np.ndarray) -> bytes:
-    """The Parquet file of one shard: column `tokens`, fixed_size_list<int32>[row width]."""
-    values = pa.array(rows.reshape(-1), type=pa.int32())
-    table = pa.table({TOKENS_COLUMN: pa.FixedSizeListArray.from_arrays(values, rows.shape[1])})
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=ROW_GROUP_ROWS, compression="zstd",
-                   use_dictionary=False, write_statistics=False)
-    return sink.getvalue().to_pybytes()
-
-
 @ray.remote
 def _write_shard(output: str, name: str, rows: np.ndarray, eot_id: int,
                  storage: Optional[StorageConfig]) -> ShardInfo:
-    data = _shard_bytes(rows)
+    data = shard_bytes(rows)
     write_bytes(join(output, name), data, storage)
     return ShardInfo(file=name, rows=len(rows), tokens=len(rows) * (rows.shape[1] - 1),
                      documents=int(np.count_nonzero(rows[:, 1:] == eot_id)),

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
-from raylm.config import Config, ConfigError, StorageConfig, config_from_dict, config_to_yaml
+from raylm.config import Config, ConfigError, StorageConfig, config_to_yaml, saved_config
 from raylm.data import storage
 from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
 from raylm.export.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
@@ -75,7 +75,7 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     uri = resolve_checkpoint(source, storage_cfg)
-    m = config_from_dict(read_saved_config(uri, storage_cfg)).model
+    m = saved_config(read_saved_config(uri, storage_cfg)).model
     adapter = adapter_for(m)  # before any download: an unexportable model fails at once
     replace = _holds(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
     with local_checkpoint(uri, storage_cfg) as directory, \

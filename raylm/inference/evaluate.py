@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from raylm.config import StorageConfig, config_from_dict
+from raylm.config import StorageConfig, saved_config
 from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_dataset_tokenizer, load_manifest
 from raylm.inference.load import load_for_inference, resolve_checkpoint
@@ -157,7 +157,7 @@ def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
                            f"({manifest.tokenizer.kind}) but checkpoint {uri} was trained with "
                            f"{state['tokenizer_sha256'][:12]}: prepare the data with the checkpoint's "
                            f"tokenizer ({storage.join(uri, TOKENIZER_FILE)})")
-    max_seq_len = config_from_dict(read_saved_config(uri, storage_cfg)).model.max_seq_len
+    max_seq_len = saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len
     if manifest.seq_len > max_seq_len:
         raise DatasetError(f"{data_uri} has rows of seq_len {manifest.seq_len}, longer than the model's "
                            f"max_seq_len {max_seq_len}")

@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_from_dict
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, saved_config
 from raylm.data import storage
 from raylm.model.sizes import count_params
 from raylm.model.transformer import Transformer
@@ -62,7 +62,7 @@ def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) ->
         # Every checksum, before any file is parsed.
         checkpoint.check_sound(directory, resolved, require_manifest=True)
         try:
-            cfg = config_from_dict(read_saved_config(directory))
+            cfg = saved_config(read_saved_config(directory))
         except ConfigError as e:
             raise ConfigError(f"{uri}: the checkpoint's {CONFIG_FILE} cannot be used: {e}") from e
         model = _build_model(cfg, directory, resolved)

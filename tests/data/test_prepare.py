@@ -13,7 +13,8 @@ import pytest
 from raylm.cli import main
 from raylm.data.corpus import BUILTIN_CORPUS, builtin_sources, iter_documents
 from raylm.data.manifest import DatasetError, Manifest, load_manifest
-from raylm.data.prepare import ROW_GROUP_ROWS, prepare_dataset
+from raylm.data.manifest import ROW_GROUP_ROWS
+from raylm.data.prepare import prepare_dataset
 from raylm.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from tests.data.test_tokenizer import llama_like_tokenizer_json, random_texts
 
