@@ -137,13 +137,15 @@ def build_schedule(stages: list[PipelineStage], parallel: ParallelConfig, n_micr
 
     `forward_only` gives an instance for `eval()`: torch 2.13's multi-stage schedules run their
     backward actions in eval() too (ZBV and DualPipeV then fail handing a gradient between a
-    rank's two stages), so its action lists keep only the forwards and their communication.
+    rank's two stages), so its action lists keep only the forwards and their communication; and
+    the single-stage ones still scale the gradients at the end, which would shrink those of a
+    training step that an evaluation (the guard's canary) reads the model in the middle of.
     """
     cls = PIPELINE_SCHEDULES[parallel.pp_schedule]
     single = issubclass(cls, S.PipelineScheduleSingle)
     try:
         schedule = cls(stages[0] if single else stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                       scale_grads=True)
+                       scale_grads=not forward_only)
     except ValueError as e:
         raise ValueError(f"parallel.pp_schedule={parallel.pp_schedule} with {n_microbatches} micro-batches over "
                          f"{num_stages(parallel)} stages (pp={parallel.pp}): {str(e).rstrip('.')}; change "
@@ -153,6 +155,20 @@ def build_schedule(stages: list[PipelineStage], parallel: ParallelConfig, n_micr
             rank: [f for a in actions for f in _forward_work(a)]
             for rank, actions in schedule.pipeline_order_with_comms.items()}
     return schedule
+
+
+def set_up_again(schedule: S._PipelineSchedule) -> None:
+    """Have `schedule` set its stages up again on its next use.
+
+    The training and the forward-only schedules share the stages; a schedule sets them up (receive
+    buffers with or without gradients) once and would not notice that the other one has since set
+    them up its own way: training after an evaluation would then send no gradient back to the
+    earlier stages. torch's own `eval()` switches the same way, with a fresh set-up per switch.
+    """
+    for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                 "_stages_forward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, flag):
+            setattr(schedule, flag, False)
 
 
 def _forward_work(action: S._Action) -> list[S._Action]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -168,7 +169,21 @@ class ParallelModel:
         for mb in micro:
             with self._loss_context(), autocast(self.cfg, self.world.device):
                 total += _whole(cross_entropy(model(mb[:, :-1]), mb[:, 1:])) / len(micro)
+        self.reshard()
         return self.mean_across_dp(total)
+
+    def reshard(self) -> None:
+        """Drop the gathered parameters FSDP2 keeps after a forward without backward.
+
+        Layouts that keep parameters gathered between passes (replicate, `optimizer`,
+        `gradients`, the head) free them in backward; after an evaluation-only forward they stay
+        gathered, and a later optimizer step (or restore) writes the shards underneath them:
+        the next forward would compute with the old weights.
+        """
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def mean_across_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.mesh.dp is not None:
@@ -218,6 +233,7 @@ class PipelineModel(ParallelModel):
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self._schedules: dict[tuple[int, bool], object] = {}  # by (micro-batches, backward)
+        self._last_run: object = None  # the schedule that last set the stages up
 
     def _schedule(self, local_batch: int, micro_batch_size: int, backward: bool):
         """The training (or forward-only) schedule for this many micro-batches, built on first use."""
@@ -248,6 +264,11 @@ class PipelineModel(ParallelModel):
 
     def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool) -> torch.Tensor:
         schedule = self._schedule(len(tokens), micro_batch_size, backward)
+        if self._last_run not in (None, schedule):
+            from raylm.parallel import pipeline
+
+            pipeline.set_up_again(schedule)
+        self._last_run = schedule
         inputs = (tokens[:, :-1],) if self.has_first else ()  # later stages receive activations
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval
@@ -266,7 +287,14 @@ class PipelineModel(ParallelModel):
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-        return self._run(tokens, micro_batch_size, backward=False)
+        # A schedule's first use infers its shapes with a real pass and then clears the
+        # gradients of FSDP-wrapped stages: keep those of a step the evaluation falls inside.
+        grads = [(p, p.grad) for p in unique_parameters(self.parts)]
+        loss = self._run(tokens, micro_batch_size, backward=False)
+        for p, grad in grads:
+            p.grad = grad
+        self.reshard()
+        return loss
 
 
 def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World,

@@ -91,11 +91,17 @@ def rank_share(model: ParallelModel, step: int) -> torch.Tensor:
 
 def run_steps(model: ParallelModel, optimizer: torch.optim.Optimizer, cfg: Config,
               steps: range) -> tuple[list[float], list[float]]:
-    """Optimizer steps on global batches `steps`: (losses, clipped gradient norms)."""
+    """Optimizer steps on global batches `steps`: (losses, clipped gradient norms).
+
+    Between backward and each step an evaluation pass reads the model, as the guard's canary
+    does: the step must still reach the next forward (layouts that keep parameters gathered
+    would otherwise compute with the old weights).
+    """
     losses, norms = [], []
     for step in steps:
         losses.append(float(model.forward_backward(rank_share(model, step), MICRO_BATCH)))
         norms.append(float(model.clip_grad_norm(cfg.optim.grad_clip)))
+        model.eval_loss(rank_share(model, step), MICRO_BATCH)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, norms
