@@ -51,10 +51,11 @@ from raylm.ports import free_ports
 from raylm.ray_runtime import LOCAL_RAY_ENV, ensure_auth_token
 
 # Dead-node detection in ~3 s instead of Ray's default ~30 s (the GCS pings each raylet every
-# period; `threshold` missed pings mark the node dead). The timeout covers frozen nodes, whose
-# health-check RPCs hang rather than fail.
+# period; `threshold` failed pings mark the node dead): a killed node refuses the ping at once.
+# A live node on a machine loaded far past its cores may answer late, so the timeout is long:
+# at 1 s the GCS declared a starting raylet dead (and it exits) three `ray start`s in a row.
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
-                          "health_check_timeout_ms": 1000}
+                          "health_check_timeout_ms": 10000}
 # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S: an elastic Train run gives up on a lost node sooner.
 # RAY_agent_register_timeout_ms: a raylet aborts (a C++ check) when its dashboard agent has not
 # reported its ports within this; on a machine loaded far past its cores that took longer than

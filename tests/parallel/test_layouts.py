@@ -66,8 +66,16 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
 }
 
 
+# At 1e-2 this model's fifth step is chaotic: one process at micro-batch 1 against 2 (a different
+# fp32 summation order, nothing else) already differs by 2e-6 in its grad norm, and layouts that
+# reorder more (TP with pipelining) reached 1.2e-5. At 3e-3 that difference stays at fp32's
+# rounding (1e-7), so RTOL keeps a 100x margin while a wrong gradient or update still moves
+# the losses by far more than RTOL.
+LR = 3e-3
+
+
 def make_config(model: str, **parallel) -> Config:
-    return Config(model=ModelConfig(**MODELS[model]), optim=OptimConfig(lr=1e-2, grad_clip=0.5),
+    return Config(model=ModelConfig(**MODELS[model]), optim=OptimConfig(lr=LR, grad_clip=0.5),
                   train=TrainConfig(seed=7, micro_batch_size=MICRO_BATCH),
                   parallel=dataclasses.replace(ParallelConfig(), **parallel))
 
