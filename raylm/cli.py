@@ -113,6 +113,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _parsed(text, float, "a number")
     if not 0 <= value < 1:
@@ -187,6 +194,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           micro_batch_size=args.micro_batch_size, output=args.output,
                           activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size)
     print(text)
+    if args.failures_per_day is not None:
+        from raylm.model.sizes import count_params
+        from raylm.parallel.planner.plan import model_from_arg
+        from raylm.train.checkpoint.interval import describe, project
+
+        nodes = -(-args.gpus // args.gpus_per_node)
+        projection = project(count_params(model_from_arg(args.model, args.vocab_size)[0]), nodes,
+                             args.storage_gbps_per_node, args.failures_per_day, args.restart_s)
+        print(describe(projection, args.failures_per_day, nodes, args.storage_gbps_per_node))
     if not fits:  # a script that goes on to train with the plan must stop here
         print("raylm: error: no layout fits (see the table above)", file=sys.stderr)
         sys.exit(1)
@@ -334,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the least recomputation that fits")
     p.add_argument("--vocab-size", type=_positive_int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
+    p.add_argument("--failures-per-day", type=_positive_float,
+                   help="the whole cluster's failures a day (OPT-175B's: ~0.6): also print the checkpoint "
+                   "interval that maximises goodput (Young–Daly) and that goodput")
+    p.add_argument("--restart-s", type=_positive_float, default=60.0,
+                   help="seconds from a failure to training again, before the checkpoint is read (default: "
+                   "%(default)s; benchmarks/drill.py measures it)")
+    p.add_argument("--storage-gbps-per-node", type=_positive_float, default=1.0,
+                   help="GB/s each node writes and reads its checkpoint share at (default: %(default)s)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("report", help="figures and a self-contained report.html of one or more runs")

@@ -46,7 +46,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return _coerce(value, arm, key)
             except ConfigError as e:
-                errors.append(e)
+                errors.append((arm, e))
+        # A mapping meant for a nested settings block (Optional[ProfileConfig]): that block's own
+        # error names the key inside it (train.profile.start: unknown key ...).
+        for arm, e in errors:
+            if isinstance(value, dict) and dataclasses.is_dataclass(arm):
+                raise e
         raise ConfigError(f"{key}: {QUOTE.repr(value)} is not {type_name(tp)}")
     if tp is type(None):
         if value is None:

@@ -22,6 +22,8 @@ from raylm.train.lease import RunLease
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
+RAY_CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in the run directory
+
 
 def _train_fn_per_worker(loop_config: dict) -> None:
     # The driver pickles this function by reference: the training code is imported in the worker.
@@ -81,6 +83,10 @@ def _fit(spec: RunSpec, uri: str) -> None:
     if not fixed_on_own_ray:
         start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
+    # Ray Train's record of the checkpoints an earlier invocation reported. raylm resumes from its
+    # own (open_latest) and prunes them itself (keep_last, keep_every); Ray, finding a pruned one
+    # missing, would refuse to start the run again: a resubmitted job would fail every time.
+    storage.delete_file(storage.join(uri, RAY_CHECKPOINT_SNAPSHOT), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
     trainer = _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(

@@ -5,7 +5,7 @@ import time
 import pytest
 import yaml
 
-from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, flat_keys, load_config
+from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, flat_keys, load_config, saved_config
 from raylm.config.describe import describe_fields
 from raylm.train.spec import check_config
 from tests.support.cli import assert_clean_refusal, run_main
@@ -33,6 +33,9 @@ def test_unknown_key_names_it_and_suggests():
         load_config(None, ["model.n_layer=4"])
     with pytest.raises(ConfigError, match="unknown key modle"):
         load_config(None, ["modle.n_layers=4"])
+    # Inside an optional settings block: named there, not as a mapping that "is not" the block.
+    with pytest.raises(ConfigError, match=r"unknown key train\.profile\.start .*did you mean 'start_step'"):
+        load_config(None, ["train.profile={start: 3, steps: 1}"])
 
 
 def test_wrong_type_names_key_and_valid_values():
@@ -132,3 +135,16 @@ def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(overri
     assert_clean_refusal(outcome, override.split("=")[0])
     assert outcome.returncode == 2 and "must be positive" in outcome.stderr
     assert "Ray instance" not in outcome.stdout + outcome.stderr and time.monotonic() - started < 30
+
+
+def test_a_saved_config_of_an_older_raylm_is_read_without_the_keys_it_no_longer_has():
+    tree = config_to_dict(load_config(None, ["data.mixture=[{path: a, weight: 2}]"]))
+    tree["guard"]["rollback_after"] = 3  # a key older checkpoints carry
+    tree["data"]["mixture"][0]["retired"] = 1
+    del tree["guard"]["damage"]  # and one they lack
+    with pytest.warns(UserWarning, match=r"data.mixture\[0\].retired, guard.rollback_after no longer exist"):
+        cfg = saved_config(tree)
+    assert cfg.data.mixture[0].weight == 2 and cfg.guard.damage == Config().guard.damage
+    del tree["data"]["mixture"][0]["retired"]
+    with pytest.raises(ConfigError, match="unknown key guard.rollback_after"):
+        config_from_dict(tree)  # a config the user writes is still checked strictly

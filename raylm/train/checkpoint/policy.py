@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ContextManager, Optional, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raylm.config import CheckpointConfig, StorageConfig
 from raylm.data import storage
@@ -73,7 +74,9 @@ class Checkpointer:
         self.cfg, self.storage_cfg, self.env = cfg, storage_cfg, env
         self.model, self.optimizer, self.world, self.files = model, optimizer, world, files
         self.last_save = time.monotonic()
-        self.failing_since: Optional[int] = None
+        self.failing_since: Optional[int] = None  # the step of the first failed save since the last good one
+        self.failures = 0  # saves that failed, in this process
+        self.last_error = ""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: Optional[_Pending] = None
         self.async_group: Optional[dist.ProcessGroup] = None
@@ -106,16 +109,22 @@ class Checkpointer:
         for attempt in range(c.write_attempts):
             error = None
             stack = ExitStack()
-            directory = stack.enter_context(self.env.staging_dir(step))
             entries: Optional[Future] = None
             try:
+                directory = stack.enter_context(self.env.staging_dir(step))
                 _check_space(directory, int(1.1 * local))
                 if self.world.rank == 0:
                     _check_space(root, int(1.1 * total))
-                entries = checkpoint.save(directory, self.model, self.optimizer, self.world, train_state,
-                                          self.files, c.async_save, self.async_group)
             except OSError as e:
                 error = e
+            # Every rank writes, or none: the save is collective, and a rank that found no space
+            # while the others went on to write would leave them waiting for it for good.
+            if self.world.agree(error is None, "all"):
+                try:
+                    entries = checkpoint.save(directory, self.model, self.optimizer, self.world, train_state,
+                                              self.files, c.async_save, self.async_group)
+                except (OSError, CheckpointException) as e:  # DCP raises a failed write on every rank
+                    error = e
             if self.world.agree(error is None, "all"):
                 pending = _Pending(step, directory, stack, entries, metrics)
                 if c.async_save:
@@ -151,7 +160,7 @@ class Checkpointer:
         entries: dict[str, FileEntry] = {}
         try:
             entries = pending.entries.result()
-        except OSError as e:
+        except (OSError, CheckpointException) as e:
             error = e
         if self.world.agree(error is None, "all"):
             self._publish(pending, entries)
@@ -161,6 +170,7 @@ class Checkpointer:
 
     def _failed(self, step: int, error: Optional[BaseException]) -> None:
         reason = error or "another rank could not write its part"
+        self.failures, self.last_error = self.failures + 1, str(reason)
         if not self.cfg.allow_failures:
             raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {self.env.checkpoint_root} "
                                        f"({reason}). Training stops so that it never runs unprotected; free space "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Optional
@@ -14,7 +13,7 @@ from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook, Run
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, read_records, rewrite_records
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, append_line, read_records, rewrite_records
 from raylm.train.observe.trackers import open_trackers
 
 
@@ -59,12 +58,11 @@ class MetricsLogger(Hook):
         self.rank0 = world.rank == 0
         self.tokens_per_s_ema: Optional[float] = None
         self.step_time_ema: Optional[float] = None
-        self.file = None
+        self.path = os.path.join(run_dir, METRICS_FILE)
         self.writer = None
         self.trackers: list = []
         if self.rank0:
             os.makedirs(run_dir, exist_ok=True)
-            self.file = open(os.path.join(run_dir, METRICS_FILE), "a", buffering=1)
             if cfg.train.tensorboard:
                 from tensorboard.compat.proto.summary_pb2 import Summary
                 from torch.utils.tensorboard.writer import FileWriter
@@ -75,7 +73,7 @@ class MetricsLogger(Hook):
 
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
-        if self.rank0 and (run.state.step > 0 or os.path.getsize(self.file.name) > 0):
+        if self.rank0 and (run.state.step > 0 or os.path.exists(self.path) and os.path.getsize(self.path) > 0):
             self._record_resume(run.state.step)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
@@ -85,16 +83,17 @@ class MetricsLogger(Hook):
 
     def _record_resume(self, restored_step: int) -> None:
         """Drop the metrics of steps that will be trained again, and log how many were lost."""
-        self.file.close()
-        path = self.file.name
+        path = self.path
         events = os.path.join(os.path.dirname(path), EVENTS_FILE)
         rows, dropped = read_records(path)
         for line in dropped:  # a line a kill or a full disk cut short: the step is trained again anyway
             append_event(events, {"event": "record_dropped", "time": time.time(), "line": line})
             print(f"raylm: dropped {line}", flush=True)
         kept = [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= restored_step]
-        rewrite_records(path, kept)
-        self.file = open(path, "a", buffering=1)
+        try:
+            rewrite_records(path, kept)
+        except OSError as e:  # a full disk: the rows of the steps trained again follow them (the last counts)
+            print(f"WARNING: {path}: could not drop the rows of the steps trained again ({e})", flush=True)
         lost = len(rows) - len(kept)
         append_event(events, {"event": "resumed", "time": time.time(), "from_step": restored_step,
                               "steps_lost": lost, "world_size": self.world.world_size})
@@ -107,7 +106,7 @@ class MetricsLogger(Hook):
         ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
         self.tokens_per_s_ema = ema(self.tokens_per_s_ema, metrics["tokens_per_s"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
-        self.file.write(json.dumps(metrics) + "\n")
+        append_line(self.path, metrics)
         scalars = {k: float(v) for k, v in metrics.items()
                    if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.writer is not None:
@@ -133,9 +132,6 @@ class MetricsLogger(Hook):
 
     def close(self) -> None:
         """Also called when training fails, so that no file stays open."""
-        if self.file is not None:
-            self.file.close()
-            self.file = None
         if self.writer is not None:
             self.writer.close()
             self.writer = None

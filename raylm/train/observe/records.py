@@ -9,6 +9,7 @@ the training code.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Optional
@@ -55,13 +56,38 @@ def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[di
     return read_records(uri, storage_cfg)[0]
 
 
+# Lines a full disk refused, per file, in order: written before the next line to that file.
+_unwritten: dict[str, list[bytes]] = {}
+
+
+def append_line(path: str, row: dict) -> bool:
+    """Append one row to a local JSON-lines record; False when the disk is full.
+
+    A full disk must not stop training (checkpoints have their own policy): the row is kept, with
+    one warning, and written with the next row that fits, in order. A line cut short by the full
+    disk is dropped by readers; the rows after it start on a line of their own.
+    """
+    pending = _unwritten.setdefault(path, [])
+    pending.append(json.dumps(row).encode() + b"\n")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "ab") as f:
+            prefix = b"\n" if f.tell() and _last_byte(path) != b"\n" else b""
+            f.write(prefix + b"".join(pending))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        if len(pending) == 1:
+            print(f"WARNING: {path}: the disk is full ({e.strerror}); its rows are kept in memory and "
+                  "written once there is space", flush=True)
+        return False
+    pending.clear()
+    return True
+
+
 def append_event(path: str, event: dict) -> None:
     """One line of a local JSON-lines record (events.jsonl): failures, recoveries, resizes."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "ab") as f:
-        # After a line torn by a kill or a full disk, start a line of our own.
-        prefix = b"\n" if f.tell() and _last_byte(path) != b"\n" else b""
-        f.write(prefix + json.dumps(event).encode() + b"\n")
+    append_line(path, event)
 
 
 def rewrite_records(path: str, rows: list[dict]) -> None:

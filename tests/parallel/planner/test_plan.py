@@ -386,3 +386,24 @@ def test_the_cli_exits_non_zero_when_no_layout_fits_and_refuses_bad_arguments(tm
         assert outcome.status == 2 and name in outcome.stderr and len(outcome.stderr.splitlines()) == 1
     outcome = run_main("plan", "--model", "tiny", "--gpus", "2", "--output", str(tmp_path))
     assert_clean_refusal(outcome, f"--output {tmp_path} is a directory")
+
+
+def test_young_daly_interval_maximises_goodput_and_plan_prints_it():
+    from raylm.train.checkpoint.interval import Reliability, goodput, project, young_daly_interval_s
+
+    r = Reliability(failures_per_day=0.6, save_s=20.0, restart_s=120.0)
+    best = young_daly_interval_s(r.save_s, r.mtbf_s)
+    assert best == pytest.approx((2 * 20 * 86400 / 0.6) ** 0.5)
+    assert goodput(best, r) > max(goodput(best / 2, r), goodput(best * 2, r))
+    # By hand: a 1 h interval, 20 s saves, a 2 min restart and a failure every 40 h.
+    r = Reliability(failures_per_day=0.6, save_s=20.0, restart_s=120.0)
+    assert goodput(3600, r) == pytest.approx(3600 / 3620 * (1 - (120 + 1810) / (40 * 3600)))
+    # OPT-175B's checkpoint: 175B parameters × 12 bytes, over 124 nodes at 1 GB/s each.
+    p = project(count_params(replace(ModelConfig(**preset("175b")), vocab_size=50272)), nodes=124, gbps_per_node=1.0,
+                failures_per_day=35 / 60, restart_overhead_s=60)
+    assert p.checkpoint_tb == pytest.approx(2.1, abs=0.01) and p.save_s == pytest.approx(p.checkpoint_tb * 1e12 / 124e9)
+    outcome = run_main("plan", "--model", "175b", "--gpus", "992", "--failures-per-day", "0.5833")
+    assert outcome.status == 0
+    assert f"checkpoint every {p.interval_min:.0f} min (Young–Daly" in outcome.stdout
+    assert f"expected goodput {p.goodput:.1%}" in outcome.stdout
+    assert run_main("plan", "--model", "175b", "--gpus", "992", "--failures-per-day", "0").status == 2
