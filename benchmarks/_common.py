@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 # The development tooling (cluster/: local Ray cluster, S3 server) is imported from the checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +56,17 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in cells[1:]:
         print(line(row))
+
+
+def python_sources(out: Path, documents: Optional[int] = None) -> Path:
+    """The first `documents` files of the built-in corpus (the standard library's), copied as
+    .txt files: an input to prepare beside others."""
+    from raylm.data.corpus import builtin_sources
+
+    out.mkdir(parents=True, exist_ok=True)
+    for i, source in enumerate(builtin_sources(documents)):
+        shutil.copy(source.uri, out / f"py-{i:05d}.txt")
+    return out
 
 
 def shakespeare_bytes(text: Path, workdir: Path) -> str:

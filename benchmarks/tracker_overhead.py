@@ -121,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", type=Path, default=REPO.parent / "shared" / "data" / "tinyshakespeare.txt")
     ap.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench-guard",
-                    help="where the prepared data is kept (shared with guard_overhead.py)")
+                    help="where the prepared data is kept (shared with guard_panel.py)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="+", choices=list(ARMS), help="arms besides the baseline")

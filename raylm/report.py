@@ -28,8 +28,9 @@ from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, PROFILE_DIR, 
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
-                "spike_skipped": "tab:gray", "data_skipped": "tab:olive", "lr_scaled": "tab:blue",
-                "guard_stopped": "black"}
+                "batch_skipped": "tab:olive", "lr_cut": "tab:blue", "hard_batch": "tab:gray", "rerun": "tab:pink",
+                "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
+                "lease_taken_over": "tab:cyan"}
 RUN_STYLES = ("-", "--", ":", "-.")
 
 
@@ -132,8 +133,10 @@ def summarize(run: RunRecord) -> dict:
         "failures": sum(e.get("event") == "failure" for e in events),
         "restarts": sum(e.get("event") == "resumed" for e in events),
         "resizes": sum("resize" in e or e.get("event") == "resize" for e in events),
-        "skipped steps": sum(e.get("event") == "spike_skipped" for e in events),
+        "skipped samples": _skipped(rows, events),
+        "skipped tokens": _skipped(rows, events) * _tokens_per_sample(rows),
         "rollbacks": len(rollbacks),
+        "LR cuts": sum(e.get("event") == "lr_cut" for e in events) + len(rollbacks),
         "productive time (s)": productive,
         "checkpoint stalls (s)": stalls,
         "time lost to failures (s)": lost,
@@ -142,6 +145,23 @@ def summarize(run: RunRecord) -> dict:
         "goodput": productive / accounted if accounted else None,
         "goodput basis": "wall time" if wall is not None else "steps + checkpoint stalls + time lost",
     }
+
+
+def _skipped(rows: list[dict], events: list[dict]) -> int:
+    """Samples the stability guard left out: the run's own count, else its events' last."""
+    for r in reversed(rows):
+        if "skipped_samples" in r:
+            return r["skipped_samples"]
+    counts = [e["skipped_samples"] for e in events if "skipped_samples" in e]
+    return counts[-1] if counts else 0
+
+
+def _tokens_per_sample(rows: list[dict]) -> int:
+    """A sample's tokens (seq_len): what one step adds to `tokens`, over its global batch."""
+    for before, after in zip([{"step": 0, "tokens": 0}, *rows], rows):
+        if after["step"] == before["step"] + 1 and after.get("global_batch") and "tokens" in after:
+            return round((after["tokens"] - before.get("tokens", 0)) / after["global_batch"])
+    return 0
 
 
 # ----------------------------------------------------------------------------- figures

@@ -12,7 +12,8 @@ from raylm.report import write_report
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from tests.support.distributed import run_distributed
-from tests.train.resilience.test_guard import GUARD, GradientFault
+from tests.support.poison import poisoned_copy
+from tests.train.resilience.test_guard import GUARD, Nudge
 from tests.train.test_loop import tiny_config
 
 COMMON = ("train.steps=8", "checkpoint.every_steps=3", "train.eval_every=4")
@@ -85,22 +86,28 @@ def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_r
 
 
 @pytest.mark.slow
-def test_report_marks_the_guards_rollback(tiny_dataset, tmp_path, capsys):
-    """A non-finite gradient at step 12: the stability guard rolls back and cuts the LR; the
-    report counts the rollback, marks it and lists its events."""
+def test_report_marks_the_guards_actions_and_counts_what_it_skipped(tiny_dataset, tmp_path, capsys):
+    """A batch of random bytes at step 14 and damage to the weights at step 23: the stability
+    guard skips the batch and rolls the damaged model back with its LR cut; the report marks both
+    on the loss curve, lists their events and counts the samples and tokens it skipped."""
+    data = poisoned_copy(tiny_dataset, str(tmp_path / "poisoned"), tiny_config(tiny_dataset).data, 8, range(14, 15))
     run = str(tmp_path / "guarded")
-    train_local(tiny_config(tiny_dataset, "train.steps=16", *GUARD, "guard.lr_factor=0.5"), run,
-          hooks=(GradientFault(float("nan"), 12),))
+    train_local(tiny_config(data, "train.steps=35", *GUARD, "guard.window=10", "schedule.name=constant",
+                            "schedule.warmup_steps=0"),
+                run, hooks=(Nudge(23, 0.2),))
     main(["report", run])
-    assert "guarded: step 16" in capsys.readouterr().out
+    assert "guarded: step 35" in capsys.readouterr().out
     out = os.path.join(run, "report")
     for name in ("loss.png", "lr.png"):
         _png_ok(os.path.join(out, name))
     with open(os.path.join(out, "report.html")) as f:
         page = f.read()
-    for kind in ("rollback", "data_skipped", "lr_scaled"):
+    for kind in ("rollback", "batch_skipped"):
         assert f"<td class=ev-{kind}>{kind}</td>" in page
-    assert "non-finite" in page and "&quot;lr_scale&quot;: 0.5" in page
+    assert "&quot;lr_cap&quot;: 0.005" in page
+    summary = write_report([run], str(tmp_path / "again"))["runs"]["guarded"]
+    assert summary["skipped samples"] == 8 and summary["skipped tokens"] == 8 * 32
+    assert summary["rollbacks"] == 1 and summary["LR cuts"] >= 1
 
 
 def test_report_cli_names_a_directory_without_metrics(tmp_path, capsys):

@@ -40,16 +40,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.z_loss must be >= 0 and cannot be combined with parallel.loss_parallel "
                           f"(the logits stay sharded by vocabulary there), got {t.z_loss}")
     g = cfg.guard
-    guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.rollback_after": g.rollback_after,
-                      "guard.rollback_window": g.rollback_window, "guard.max_rollbacks": g.max_rollbacks,
-                      "guard.stop_window": g.stop_window}
+    guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.canary_rows": g.canary_rows,
+                      "guard.damage": g.damage, "guard.max_rollbacks": g.max_rollbacks}
     for key, value in guard_positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if not 0.0 < g.lr_factor <= 1.0:
         raise ConfigError(f"guard.lr_factor must be in (0, 1], got {g.lr_factor}")
-    if g.norms_every < 0:
-        raise ConfigError(f"guard.norms_every must be >= 0, got {g.norms_every}")
+    if g.norms_every < 0 or g.lr_recovery_steps < 0:
+        raise ConfigError(f"guard.norms_every and guard.lr_recovery_steps must be >= 0, got {g.norms_every} and "
+                          f"{g.lr_recovery_steps}")
     if g.min_history < 2 or g.snapshot_every < 1:
         raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
                           f"{g.min_history} and {g.snapshot_every}")

@@ -190,6 +190,9 @@ class TrainConfig:
     """Add to each step's metrics.jsonl row the sorted global indices of the samples it trained
     on, gathered from every data-parallel rank: the record that proves no sample was lost or
     repeated across restarts and resizes. Costs a gather per step; for tests and audits."""
+    inject_nonfinite: list[int] = field(default_factory=list)
+    """Fault drills: steps (as metrics.jsonl numbers them) whose first forward pass in each
+    process gives a non-finite loss, once: what the guard's rerun is for (benchmarks/drill.py)."""
     profile: Optional[ProfileConfig] = None
     """Profile steps start_step .. start_step + steps - 1, e.g. {start_step: 10, steps: 2}: a trace
     per rank in <run>/profile/, linked from `raylm report` (see ProfileConfig). None: never."""
@@ -332,26 +335,37 @@ class RunConfig:
 
 @dataclass
 class GuardConfig:
-    """The stability guard: what OPT's and PaLM's teams did by hand when the loss spiked."""
+    """The stability guard: what OPT's and PaLM's teams did by hand when the loss spiked, deciding
+    by the model (the loss of a fixed canary batch) whether a strange step was hard data, a
+    transient fault, an update too large for the LR, or data that damages the model."""
 
     enabled: bool = True
     window: int = 128
     """Recent healthy steps whose loss and grad norm give the rolling mean and deviation."""
     sigmas: float = 6.0
-    """A step whose loss or grad norm exceeds the rolling mean by this many deviations is an outlier."""
+    """A step whose loss or grad norm exceeds the rolling mean by this many deviations is suspect:
+    the canary judges it."""
     min_history: int = 20
-    """Healthy steps seen before any step is judged an outlier (the start of a run moves fast)."""
-    rollback_after: int = 3
-    """This many outliers within rollback_window steps roll the run back (one alone is skipped)."""
-    rollback_window: int = 50
+    """Healthy steps seen before any step is judged suspect (the start of a run moves fast)."""
+    canary_rows: int = 32
+    """Sequences of the validation split (its first, in file order) whose loss judges the model."""
+    damage: float = 0.02
+    """A canary loss this fraction above its reference is damage: above the best snapshot's, or
+    (after a suspect update) above the loss before the update."""
     snapshot_every: int = 25
-    """Steps between in-memory snapshots of the healthy state (model, optimizer, RNG) to roll
-    back to; one is also kept from the start of the invocation."""
-    lr_factor: float = 1.0
-    """Multiply the LR by this at each rollback (PaLM and OPT lowered it; 1 keeps it)."""
-    max_rollbacks: int = 3
-    """This many rollbacks within stop_window steps stop the run with an error naming them."""
-    stop_window: int = 1000
+    """Steps between canary checks; a check that finds the best model so far keeps an in-memory
+    snapshot of it (model, optimizer, RNG) to roll back to. The start of each invocation is the
+    first."""
+    lr_factor: float = 0.5
+    """The LR's cut when an update at the current LR damaged the model, or a damaged model is rolled
+    back (OPT lowered its LR mid-flight): the LR is capped at this fraction of the rate that did the
+    damage; the schedule runs on beneath the cap."""
+    lr_recovery_steps: int = 0
+    """Healthy steps over which the cap climbs back part of the way (to the geometric mean of the
+    rates before and after the cut: never to one that damaged the model); 0 keeps it."""
+    max_rollbacks: int = 5
+    """This many rollbacks in a row to the same snapshot (the run never passed its next check)
+    stop the run with an error naming them."""
     norms_every: int = 100
     """Every N steps, per-layer activation and parameter norms as metrics (act_norm/*,
     param_norm/*); 0: never. Works with the guard on or off."""

@@ -35,10 +35,11 @@ from raylm.train.lease import RunLease
 from raylm.train.observe.metrics import MetricsLogger, peak_flops
 from raylm.train.observe.norms import NormsProbe
 from raylm.train.observe.profile import ProfileHook
-from raylm.train.observe.records import EVENTS_FILE
+from raylm.train.observe.records import EVENTS_FILE, append_event
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.preflight import preflight
-from raylm.train.resilience.guard import Guard
+from raylm.train.resilience.faults import NonFiniteLoss
+from raylm.train.resilience.guard import Guard, skipped_samples
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
@@ -73,6 +74,7 @@ class Trainer:
     def __init__(self, spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...]):
         cfg = self.cfg = spec.config
         self.spec, self.env = spec, env
+        self.events_path = os.path.join(env.run_dir, EVENTS_FILE)
         self.world = world = World.current(env.device())
         self.source = spec.datasets.open_split("train", cfg.data, cfg.storage)
         self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size))
@@ -80,27 +82,34 @@ class Trainer:
         self.state = self._restore()
         self.guard: Optional[Guard] = None
         if cfg.guard.enabled:
-            self.guard = Guard(cfg, self.model, self.optimizer, world, os.path.join(env.run_dir, EVENTS_FILE),
-                               env.checkpoint_root)
+            # Whole micro-batches on every data-parallel rank: the canary runs as an evaluation does.
+            unit = self.model.dp_size * cfg.train.micro_batch_size
+            canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1)
+            self.guard = Guard(cfg, self.model, self.optimizer, world, canary, self.events_path, env.checkpoint_root)
             self.guard.start(self.state)
         if needs_loss_scaling(cfg):
             self.state.loss_scale = self.state.loss_scale or cfg.train.loss_scale_initial
         self.scaler = LossScaler(self.state.loss_scale, cfg.train.loss_scale_growth_interval) \
             if self.state.loss_scale else None
-        self.evals = ValidationSet(spec, self.model) if cfg.train.eval_every > 0 else None
+        self.evals = ValidationSet(spec, self.model, spec.global_batch, cfg.train.eval_batches) \
+            if cfg.train.eval_every > 0 else None
         # What a checkpoint needs besides tensors to be usable on its own (generation, export).
         files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
+        self._checkpoint_failures_seen: tuple[int, Optional[int]] = (0, None)  # (failures, failing since)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
         self.logger = MetricsLogger(cfg, env.run_dir, world)
         probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
         if cfg.train.profile is not None:  # only then: the other steps pay nothing
             probes += (ProfileHook(cfg.train.profile, env.run_dir, env.checkpoint_root, cfg.storage),)
+        if cfg.train.inject_nonfinite:
+            probes += (NonFiniteLoss(cfg.train.inject_nonfinite),)
         self.hooks = (*hooks, *probes, self.logger)  # the logger last: it writes out what the other hooks added
         self.last = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         self.t0 = 0.0  # when the current step's time began
         self.data_wait = 0.0  # the current step's wait for its batch
+        self.lr = 0.0  # the current step's learning rate
         self.last_report = 0.0  # when progress last went to the cluster
         # Seconds the loop was blocked by checkpointing since the last step's metrics: a save
         # (sync: the whole write; async: staging) and publishing a finished async save.
@@ -155,7 +164,7 @@ class Trainer:
             self.checkpointer.poll()
             self.checkpoint_s += time.perf_counter() - poll_start
             step_metrics = self.train_step(batch)
-            if step_metrics is None:  # rolled back: the batches go on from the restored state
+            if step_metrics is None:  # rolled back or skipped: the batches go on from the run's state
                 batches.close()
                 batches = self._batches()
                 self.t0 = time.perf_counter()
@@ -174,35 +183,101 @@ class Trainer:
             self.t0 += time.perf_counter() - start
 
     def train_step(self, batch: Batch) -> Optional[dict]:
-        """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back."""
+        """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back or
+        skipped the batch."""
         cfg, state, step = self.cfg, self.state, batch.step
         for hook in self.hooks:
             hook.on_step_begin(self.run, step)
-        lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
-        apply_lr(self.optimizer, lr)
+        self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps)
+        if state.lr_cap is not None:
+            self.lr = min(self.lr, state.lr_cap)
+        apply_lr(self.optimizer, self.lr)
         loss, grad_norm = self.forward_backward(batch)
         verdict = self._verdict(step, loss, grad_norm)
-        if verdict == "ok" and not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the guard is off
+        if verdict == "nonfinite" and self.guard is not None:
+            loss, grad_norm, verdict = self._rerun(batch, loss, grad_norm)
+        if verdict == "nonfinite" and self.guard is None:
             # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
             raise DivergedError(
                 f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; the weights were "
                 f"not updated. Samples of this step: global positions [{state.position}, "
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
-        if verdict == "rollback":
-            self.optimizer.zero_grad(set_to_none=True)
-            for hook in self.hooks:
-                hook.on_step_abandoned(self.run, step)
-            self.guard.roll_back(step, state, batch.next_position)
-            return None
         if verdict == "ok":
             self.optimizer.step()
-        elif verdict == "skip":
-            self.guard.skipped_step(step, [state.position, batch.next_position])
+        elif verdict in ("suspect", "nonfinite"):
+            verdict = self._probe(batch, verdict, loss)
+        if verdict == "rollback":
+            return self._roll_back(step, batch.next_position)
+        if verdict == "skipped":  # the step is trained on the batches after it: as if data.skip held it
+            return self._abandon(step)
         self.optimizer.zero_grad(set_to_none=True)
         state.step = step + 1
         state.position = batch.next_position
         state.tokens_seen += batch.global_batch * self.spec.seq_len
-        return self._step_metrics(batch, loss, lr, grad_norm, verdict)
+        if verdict == "ok" and self.guard is not None and not self.guard.healthy(state, loss, grad_norm, batch.tokens):
+            return self._roll_back(step, state.position)  # the canary finds the model drifted since its snapshot
+        return self._step_metrics(batch, loss, grad_norm)
+
+    def _rerun(self, batch: Batch, loss: float, grad_norm: float) -> tuple[float, float, str]:
+        """A non-finite step computed again: a transient fault passes, a batch that fails again does not."""
+        self.optimizer.zero_grad(set_to_none=True)
+        again, again_norm = self.forward_backward(batch)
+        verdict = self._verdict(batch.step, again, again_norm)
+        if verdict != "nonfinite":
+            self.guard.rerun(batch.step, {"loss": loss, "grad_norm": grad_norm})
+        return again, again_norm, verdict
+
+    def _probe(self, batch: Batch, verdict: str, loss: float) -> str:
+        """A suspect (or twice non-finite) step, judged by the canary: "stepped" when its update is
+        trained on, at the LR or at the LR cut (not one for the healthy history: a strange batch);
+        "skipped" when its update damages a sound model at either LR, or when the batch is noise to
+        the model and its update hurts the canary at all; "rollback" when the model was damaged
+        before it (see raylm.train.resilience.guard)."""
+        guard, state, step = self.guard, self.state, batch.step
+        samples = [state.position, batch.next_position]
+        before = guard.canary_loss()
+        if guard.damaged(before) and not guard.learning():
+            guard.trigger.update(canary=before, reference=guard.reference)
+            return "rollback"
+        if verdict == "nonfinite":
+            guard.skip_batch(step, state, samples, canary=before)
+            return "skipped"
+        held = guard.hold(state)
+        self.optimizer.step()
+        after = guard.canary_loss()
+        noise = guard.noise(loss)
+        if not guard.damaged(after, before, tolerance=0.0 if noise else None):
+            guard.hard_batch(step, samples, before, after)
+            return "stepped"
+        guard.undo(held)
+        if noise:
+            guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
+                             unigram=guard.canary.unigram_loss)
+            return "skipped"
+        apply_lr(self.optimizer, self.lr * self.cfg.guard.lr_factor)
+        self.optimizer.step()
+        cut = guard.canary_loss()
+        if guard.helped(cut, before):
+            guard.lr_cut(step, state, self.lr, before, cut)
+            self.lr *= self.cfg.guard.lr_factor
+            return "stepped"
+        if not guard.damaged(cut, before):
+            guard.hard_batch(step, samples, before, cut, lr_factor=self.cfg.guard.lr_factor)
+            self.lr *= self.cfg.guard.lr_factor  # for this step alone
+            return "stepped"
+        guard.undo(held)
+        guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
+        return "skipped"
+
+    def _roll_back(self, step: int, consumed_until: int) -> None:
+        self._abandon(step)
+        self.guard.roll_back(step, self.state, consumed_until, self.lr)
+
+    def _abandon(self, step: int) -> None:
+        """The step ends without metrics; the batches go on from the run's state (and skip ranges)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for hook in self.hooks:
+            hook.on_step_abandoned(self.run, step)
 
     def forward_backward(self, batch: Batch) -> tuple[float, float]:
         """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
@@ -221,9 +296,10 @@ class Trainer:
         return loss_value, norm_value
 
     def _verdict(self, step: int, loss: float, grad_norm: float) -> str:
-        """"ok", "skip", "rollback" (the guard's), or "overflow": an fp16 overflow of the gradients
-        (a finite loss), which halves the loss scale and skips the step, unless the scale falls
-        below train.loss_scale_min: a divergence, rolled back (or, with the guard off, a stop)."""
+        """"ok", "suspect" or "nonfinite" (the guard's judgement; always "ok" without it, but for a
+        non-finite step), "rollback" (fp16's loss scale fell below train.loss_scale_min: a
+        divergence), or "overflow": an fp16 overflow of the gradients (a finite loss), which halves
+        the loss scale and skips the step."""
         cfg, guard, scaler = self.cfg, self.guard, self.scaler
         if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
             scaler.update(overflow=True)
@@ -232,22 +308,27 @@ class Trainer:
                 return "overflow"
             if guard is None:
                 raise DivergedError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
-                                         f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
-            return guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
-        verdict = guard.judge(step, loss, grad_norm) if guard is not None else "ok"
+                                    f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
+            guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
+            return "rollback"
+        if guard is not None:
+            verdict = guard.judge(loss, grad_norm)
+        else:
+            verdict = "ok" if math.isfinite(loss) and math.isfinite(grad_norm) else "nonfinite"
         if scaler is not None:
             if verdict == "ok":
                 scaler.update(overflow=False)
             self.state.loss_scale = scaler.scale
         return verdict
 
-    def _step_metrics(self, batch: Batch, loss: float, lr: float, grad_norm: float, verdict: str) -> dict:
+    def _step_metrics(self, batch: Batch, loss: float, grad_norm: float) -> dict:
         state, run = self.state, self.run
         now = time.perf_counter()
         tokens_per_s = batch.global_batch * self.spec.seq_len / (now - self.t0)
         # position: where the next step's samples start, so an audit of metrics.jsonl alone
         # can tell which samples each committed step trained on (resume, resize, skip).
-        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "global_batch": batch.global_batch,
+        metrics = {"step": state.step, "loss": loss, "lr": self.lr, "grad_norm": grad_norm,
+                   "global_batch": batch.global_batch,
                    "position": state.position, "tokens": state.tokens_seen, "time": time.time(),
                    "step_time": now - self.t0, "data_wait": self.data_wait, "checkpoint_s": self.checkpoint_s, "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)}
@@ -255,9 +336,9 @@ class Trainer:
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
         if self.guard is not None:
-            metrics["skipped_steps"] = self.guard.skipped
-            if verdict == "ok":
-                self.guard.after_healthy_step(state)
+            metrics["skipped_samples"] = skipped_samples(state)
+            if state.lr_cap is not None:
+                metrics["lr_cap"] = state.lr_cap
         if self.cfg.train.audit_samples:
             metrics["samples"] = _samples_of_step(self.model.dp_rank, batch.indices)
         return metrics
@@ -269,6 +350,8 @@ class Trainer:
             metrics["val_loss"] = self.evals.loss(self.model, cfg.train.micro_batch_size)
             metrics["val_bpb"] = self.evals.bits_per_byte(metrics["val_loss"])
             self.t0 = time.perf_counter()  # evaluation is not step time
+        if self.checkpointer.failing_since is not None:
+            metrics["unprotected_steps"] = state.step - self.checkpointer.failing_since
         for hook in self.hooks:
             hook.on_step_end(self.run, step, metrics)
         self.run.history.append(metrics)
@@ -285,9 +368,27 @@ class Trainer:
                 time.monotonic() - self.last_report >= cfg.train.report_every_s, "rank0"):
             self.env.report(metrics)
             self.last_report = time.monotonic()
-        if self.checkpointer.failing_since is not None and self.world.rank == 0:
-            print(f"WARNING: no checkpoint has been written since step {self.checkpointer.failing_since}: "
-                  "this run is not protected against failures (checkpoint.allow_failures=true)", flush=True)
+        self._checkpoint_health()
+
+    def _checkpoint_health(self) -> None:
+        """Loud while no checkpoint can be written (checkpoint.allow_failures): an event for each
+        failed save and for the first good one after, a warning every step, and each step's
+        `unprotected_steps` metric."""
+        saver, seen = self.checkpointer, self._checkpoint_failures_seen
+        if self.world.rank != 0:
+            return
+        if saver.failures > seen[0]:
+            append_event(self.events_path, {"event": "checkpoint_failed", "time": time.time(), "step": self.state.step,
+                                            "unprotected_since": saver.failing_since, "error": saver.last_error})
+        elif seen[1] is not None and saver.failing_since is None:
+            append_event(self.events_path, {"event": "checkpoint_recovered", "time": time.time(),
+                                            "step": self.state.step, "unprotected_since": seen[1]})
+            print(f"raylm: checkpoints are written again (none from step {seen[1]} to {self.state.step})", flush=True)
+        self._checkpoint_failures_seen = (saver.failures, saver.failing_since)
+        if saver.failing_since is not None:
+            print(f"WARNING: no checkpoint has been written since step {saver.failing_since} "
+                  f"({saver.last_error}): this run is not protected against failures "
+                  "(checkpoint.allow_failures=true)", flush=True)
 
 
 def _samples_of_step(dp_rank: int, indices: list[int]) -> list[int]:

@@ -14,7 +14,7 @@ class TrainState:
     position: int = 0  # global index of the next sample to train on
     tokens_seen: int = 0
     skip: list[list[int]] = field(default_factory=list)  # sample ranges the guard skipped (beside data.skip)
-    lr_scale: float = 1.0  # the guard's cuts of the scheduled LR
+    lr_cap: Optional[float] = None  # the guard's ceiling on the scheduled LR, after it cut the LR
     rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale (None: no scaling)
     # The guard's rolling history (recent healthy losses and grad norms, recent outlier steps,

@@ -1,4 +1,5 @@
-"""The validation loss the loop reports (`val_loss`, `val_bpb`): fixed held-out batches."""
+"""Fixed held-out batches and their loss: the validation loss the loop reports (`val_loss`,
+`val_bpb`), and the stability guard's canary."""
 
 from __future__ import annotations
 
@@ -14,24 +15,28 @@ from raylm.train.step import ParallelModel
 
 
 class ValidationSet:
-    """The first `train.eval_batches` global batches of the val split, in file order, so every
-    evaluation and every world size sees the same tokens.
+    """The first `batches` global batches of `global_batch` rows of the val split, in file order,
+    so every evaluation and every world size sees the same tokens.
 
     Bits per byte compare runs with different tokenizers: the mean loss in nats over every
     target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
     text stands for none; `raylm eval` also leaves its loss out, so it reads slightly lower)."""
 
-    def __init__(self, spec: RunSpec, model: ParallelModel):
+    def __init__(self, spec: RunSpec, model: ParallelModel, global_batch: int, batches: int):
         cfg = spec.config
         source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
-        stream = TokenStream(source, spec.global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
-        self.batches = [torch.from_numpy(b.tokens.astype(np.int64))
-                        for b in stream.batches(0, 0, cfg.train.eval_batches)]
+        stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
+        self.batches = [torch.from_numpy(b.tokens.astype(np.int64)) for b in stream.batches(0, 0, batches)]
         token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))
-        whole = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")  # every rank's rows
-        targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, cfg.train.eval_batches)]
+        whole = TokenStream(source, global_batch, 0, 1, skip=[], engine="local")  # every rank's rows
+        targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, batches)]
         n_bytes = sum(int(token_bytes[t].sum()) for t in targets)
         self.targets_per_byte = sum(t.size for t in targets) / n_bytes if n_bytes else None
+        counts = np.unique(np.concatenate([t.ravel() for t in targets]), return_counts=True)[1] if targets else []
+        p = np.asarray(counts, dtype=np.float64) / max(1, int(np.sum(counts)))
+        # The loss of the best model that knows only token frequencies: a model at this level has
+        # learned nothing else (a diverged run climbs back to it).
+        self.unigram_loss = float(-(p * np.log(p)).sum()) if len(p) else None
 
     def bits_per_byte(self, loss: float) -> Optional[float]:
         return bits_per_byte(loss, 1 / self.targets_per_byte) if self.targets_per_byte else None

@@ -1,21 +1,45 @@
-"""The stability guard: what OPT's and PaLM's teams did by hand when a run diverged.
+"""The stability guard: what OPT's and PaLM's teams did by hand when a run diverged, deciding by
+the model, not by the batch alone.
 
-Every step, the loss and the gradient norm (already on the host for the metrics, and equal on
-every rank, so every rank takes the same decision without a collective) are compared with the
-rolling mean and deviation of recent healthy steps:
+A loss spike says only that a batch is strange to the model; it cannot tell hard data (a new
+domain, a mixture boundary) from a damaged model. So the guard asks the model: the loss of a
+fixed canary batch from the validation split (in eval mode, a pure function of the weights), and
+whether it still does better on the batches it just trained on than it did before training on
+them ("learning": true of a model meeting a new domain, false of a damaged one or of one whose
+steps are too large to learn from).
 
-- one outlier: the step is skipped (no optimizer update; its samples count as consumed);
-- `rollback_after` outliers within `rollback_window` steps, or a non-finite loss or gradient:
-  the run rolls back to its last healthy in-memory snapshot (model, optimizer, RNG), adds the
-  global samples consumed since then to its skip ranges, optionally scales the LR, and goes on;
-- `max_rollbacks` rollbacks within `stop_window` steps: the run stops with an error naming the
-  steps, the data windows and what was tried, and leaves a marker in the run directory so that
-  neither Ray's restarts nor a plain resume replay the divergence; a resume with changed
-  settings (LR, skip ranges, clipping, schedule, guard) clears it.
+- A step whose loss and gradient norm are within `sigmas` deviations of recent healthy steps
+  trains as usual.
+- A suspect step (beyond them): the canary before the update, then after it. Sound (the canary
+  rose by less than `damage` from before the update): hard data,
+  trained on (`hard_batch`). Damaged: the update is undone and tried again at the LR cut by
+  `lr_factor`. If the smaller update helps the canary, it is kept and the LR is capped there
+  (`lr_cut`: the update was too large for the model as it was). If it hurts the canary by less
+  than `damage`, it is kept for this step alone (hard data, `hard_batch`). Otherwise the data
+  damages a sound model: that one batch is skipped (`batch_skipped`). A batch that is noise to a
+  model past the unigram level (its loss above the loss of token frequencies alone: random
+  bytes, a broken shard) is held to a stricter test: an update that hurts the canary at all is
+  undone and the batch skipped, at any LR.
+- A non-finite loss or gradient: the step is computed again (the loop does); finite then, it was
+  a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped.
+- Every `snapshot_every` steps a check: a canary that is the best so far becomes the snapshot
+  to return to. A model found damaged (its canary `damage` above the snapshot's, at a check or
+  before a suspect update, or within UNIGRAM_MARGIN of the loss of token frequencies alone), and
+  not learning, is rolled back to the snapshot (`rollback`), leaving out the strange batches it
+  trained on since (the prime suspects), or, when there were none, with the LR capped at the cut.
+  A canary above the snapshot's while the model learns is a shift in the data: trained on
+  (`canary_drift`), and the new snapshot. A rollback to the same snapshot as the previous one
+  (the run never passed a check in between) is at the same place: it skips all the data since
+  the snapshot (PaLM's remedy) and cuts the LR; `max_rollbacks` there in a row stop the run
+  (`GuardStopped`, deterministic: no restart replays it), leaving a marker that a resume with the
+  same settings respects.
 
-Skip ranges, the LR scale, the rollback steps and the rolling history are run state: checkpoints
-carry them, so they survive restarts, resizes and resumes, and a resumed run takes the decisions
-the uninterrupted one would have taken. Every action is an event in events.jsonl.
+Every skipped sample joins the run's skip ranges (`TrainState.skip`, which the data order leaves
+out) and an event; a clean run skips nothing. A cut caps the LR below the rate that did the
+damage: the schedule runs on beneath the cap, so a decaying schedule soon trains as it would
+have. The skip ranges, the LR cap and ceiling, the rollbacks and the rolling history are run
+state: checkpoints carry them, so a resumed run takes the decisions the uninterrupted one would
+have taken.
 """
 
 from __future__ import annotations
@@ -28,17 +52,23 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 from raylm.config import Config
 from raylm.data import storage
 from raylm.parallel.world import World
-from raylm.train.resilience.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
-from raylm.train.optim import unique_parameters
 from raylm.train.observe.records import append_event
+from raylm.train.optim import unique_parameters
+from raylm.train.resilience.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
 from raylm.train.state import TrainState
 from raylm.train.step import ParallelModel
+from raylm.train.validation import ValidationSet
+
+
+RECENT_STEPS = 4  # healthy steps whose batches tell whether the model still learns
+UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level; a healthy one falls past 10% early
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -47,8 +77,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Snapshot:
-    """A healthy point to roll back to: this rank's shards of the weights and optimizer state,
-    copied to host memory, the RNG, and the train state."""
+    """A point to return to: this rank's shards of the weights and optimizer state, copied to host
+    memory, the RNG, and the train state."""
 
     state: TrainState
     params: list[torch.Tensor]
@@ -59,8 +89,7 @@ class Snapshot:
     @classmethod
     def take(cls, state: TrainState, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> "Snapshot":
         copy = lambda t: _local(t).detach().to("cpu", copy=True) if torch.is_tensor(t) else t  # noqa: E731
-        return cls(dataclasses.replace(state, skip=[list(r) for r in state.skip], rollbacks=list(state.rollbacks)),
-                   [copy(p) for p in params],
+        return cls(_copy_state(state), [copy(p) for p in params],
                    [{k: copy(v) for k, v in optimizer.state[p].items()} for p in params],
                    torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
 
@@ -82,108 +111,236 @@ class Snapshot:
             torch.cuda.set_rng_state(self.cuda_rng)
 
 
+def _copy_state(state: TrainState) -> TrainState:
+    return dataclasses.replace(state, skip=[list(r) for r in state.skip], rollbacks=list(state.rollbacks),
+                               guard=dict(state.guard))
+
+
 class Guard:
-    """Judges each step and acts on the verdict (see the module docstring)."""
+    """Judges each step, and acts on what the canary says (see the module docstring)."""
 
     def __init__(self, run_cfg: Config, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-                 events_path: str, run_uri: str):
+                 canary: ValidationSet, events_path: str, run_uri: str):
         self.run_cfg, self.cfg, self.optimizer, self.world = run_cfg, run_cfg.guard, optimizer, world
+        self.model, self.canary = model, canary
         self.events_path, self.run_uri = events_path, run_uri
         self.params = unique_parameters(model.parts)
         self.losses: deque = deque(maxlen=self.cfg.window)
         self.norms: deque = deque(maxlen=self.cfg.window)
-        self.outliers: deque = deque()  # steps of recent outliers
         self.snapshot: Optional[Snapshot] = None
-        self.skipped = 0
-        self.trigger: dict = {}  # why the last verdict was not "ok"
+        self.reference = math.inf  # the canary loss of the snapshot: the best so far
+        # This rank's rows and the loss of the last healthy steps: does the model still learn?
+        self.recent: deque = deque(maxlen=RECENT_STEPS)
+        # Sample ranges of the strange batches trained on since the snapshot: the prime suspects
+        # when the model is found damaged.
+        self.suspects: list[list[int]] = []
+        self.trigger: dict = {}  # why the step in hand is not healthy
+
+    # -- history ------------------------------------------------------------------------------
 
     def start(self, state: TrainState) -> None:
         """Take up the history a resumed run saved, and keep the starting point as the first snapshot."""
         saved = state.guard
         self.losses.extend(saved.get("losses", []))
         self.norms.extend(saved.get("norms", []))
-        self.outliers.extend(saved.get("outliers", []))
-        self.skipped = saved.get("skipped", 0)
         self.snapshot = Snapshot.take(state, self.params, self.optimizer)
+        # The uninterrupted run's reference, so that a resumed run judges as it would have.
+        self.reference = saved.get("canary_reference") or self.canary_loss()
 
     def save_history(self, state: TrainState) -> None:
         """Put the rolling history into `state`, for a checkpoint."""
-        state.guard = {"losses": list(self.losses), "norms": list(self.norms), "outliers": list(self.outliers),
-                       "skipped": self.skipped}
+        state.guard = {**state.guard, "losses": list(self.losses), "norms": list(self.norms),
+                       "canary_reference": self.reference}
 
-    def judge(self, step: int, loss: float, grad_norm: float) -> str:
-        """"ok", "skip" or "rollback" for a step whose loss and gradient norm are given."""
+    # -- judging ------------------------------------------------------------------------------
+
+    def judge(self, loss: float, grad_norm: float) -> str:
+        """"ok", "suspect" or "nonfinite" for a step whose loss and gradient norm are given."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.trigger = {"reason": "non-finite", "loss": loss, "grad_norm": grad_norm}
-            return "rollback"
+            return "nonfinite"
         if len(self.losses) >= self.cfg.min_history:
             scores = {name: _sigmas(value, history)
                       for name, value, history in (("loss", loss, self.losses), ("grad_norm", grad_norm, self.norms))}
             worst = max(scores, key=scores.get)
             if scores[worst] > self.cfg.sigmas:
-                while self.outliers and self.outliers[0] <= step - self.cfg.rollback_window:
-                    self.outliers.popleft()
-                self.outliers.append(step)
                 self.trigger = {"reason": f"{worst} spike", "loss": loss, "grad_norm": grad_norm,
-                                "sigmas": round(scores[worst], 2),
-                                "loss_mean": math.fsum(self.losses) / len(self.losses),
-                                "grad_norm_mean": math.fsum(self.norms) / len(self.norms),
-                                "outliers_in_window": len(self.outliers)}
-                return "rollback" if len(self.outliers) >= self.cfg.rollback_after else "skip"
-        self.losses.append(loss)
-        self.norms.append(grad_norm)
+                                "sigmas": round(scores[worst], 2)}
+                return "suspect"
         return "ok"
 
-    def loss_scale_floor(self, loss: float, scale: float, minimum: float) -> str:
+    def canary_loss(self) -> float:
+        return self.canary.loss(self.model, self.run_cfg.train.micro_batch_size)
+
+    def damaged(self, canary: float, before: Optional[float] = None, tolerance: Optional[float] = None) -> bool:
+        """Whether a canary loss says the model is damaged: `damage` (or `tolerance`) above the
+        best snapshot's, or above `before` (the canary before the update being judged: that
+        update did the damage).
+        A snapshot still at the unigram level holds nothing learned to lose: early training
+        spikes and recovers on its own (Adam's first steps), and a run that never leaves that
+        level is `at_unigram_level`'s to find."""
+        if not math.isfinite(canary):
+            return True
+        if before is None and self.at_unigram_level(self.reference):
+            return False
+        bound = self.reference if before is None else before
+        return canary > bound * (1 + (self.cfg.damage if tolerance is None else tolerance))
+
+    def learning(self) -> bool:
+        """Whether the model does better on the batches of its last healthy steps than it did when
+        it trained on them. A model that forgets the canary while it learns new data (a domain, a
+        mixture's component) does; a damaged one, or one whose steps are too large to learn from,
+        does not."""
+        if not self.recent:
+            return False
+        mbs = self.run_cfg.train.micro_batch_size
+        device = self.model.world.device
+        self.model.train(False)
+        try:
+            now = [float(self.model.eval_loss(torch.from_numpy(rows.astype(np.int64)).to(device), mbs))
+                   for rows, _ in self.recent]
+        finally:
+            self.model.train(True)
+        return sum(now) < sum(loss for _, loss in self.recent)
+
+    def at_unigram_level(self, canary: float) -> bool:
+        """A canary within UNIGRAM_MARGIN of the loss of token frequencies alone: the model knows
+        little more (a run at too high an LR stays there; a healthy one leaves it early)."""
+        unigram = self.canary.unigram_loss
+        return bool(unigram) and canary > unigram * (1 - UNIGRAM_MARGIN)
+
+    def noise(self, loss: float) -> bool:
+        """Whether a batch is noise to the model: it predicts the batch worse than token
+        frequencies alone would (random bytes, a broken shard), though it has learned more than
+        them (its snapshot is past the unigram level). Text of a new kind sits below that level: the
+        model draws on what it knows."""
+        unigram = self.canary.unigram_loss
+        return bool(unigram) and loss > unigram and not self.at_unigram_level(self.reference)
+
+    def helped(self, canary: float, before: float) -> bool:
+        """Whether an update left the canary no worse than `before` it."""
+        return math.isfinite(canary) and canary <= before
+
+    def loss_scale_floor(self, loss: float, scale: float, minimum: float) -> None:
         """fp16's scale fell below its floor: overflow after overflow is a divergence."""
         self.trigger = {"reason": "loss-scale floor", "loss": loss, "loss_scale": scale, "loss_scale_min": minimum}
-        return "rollback"
 
-    def skipped_step(self, step: int, sample_range: list[int]) -> None:
-        self.skipped += 1
-        self._event("spike_skipped", step=step, samples=sample_range, **self.trigger)
+    def hold(self, state: TrainState) -> Snapshot:
+        """The state before a suspect update, to undo it."""
+        return Snapshot.take(state, self.params, self.optimizer)
 
-    def after_healthy_step(self, state: TrainState) -> None:
-        """Keep a snapshot every `snapshot_every` steps while no outlier is recent."""
-        if state.step % self.cfg.snapshot_every == 0 and not self.outliers:
-            self.snapshot = Snapshot.take(state, self.params, self.optimizer)
+    def undo(self, held: Snapshot) -> None:
+        held.restore(self.params, self.optimizer)
 
-    def roll_back(self, step: int, state: TrainState, consumed_until: int) -> None:
-        """Restore the snapshot into `state` (in place) and the model, skip the samples consumed
-        since it, scale the LR; or stop when rollbacks keep coming."""
+    # -- after each step ----------------------------------------------------------------------
+
+    def healthy(self, state: TrainState, loss: float, grad_norm: float, rows: np.ndarray) -> bool:
+        """A step trained on: its history, the LR's recovery, and every `snapshot_every` steps a
+        check: False when the model is damaged and does not learn (roll back then); otherwise a
+        new best, or a canary that drifted while the model learns, becomes the snapshot."""
+        self.losses.append(loss)
+        self.norms.append(grad_norm)
+        self.recent.append((rows, loss))
+        self._recover_lr(state)
+        if state.step % self.cfg.snapshot_every:
+            return True
+        canary = self.canary_loss()
+        # Stuck: past the warmup (the LR at its peak), the model knows no more than token frequencies.
+        damaged = self.damaged(canary)
+        stuck = state.step >= self.run_cfg.schedule.warmup_steps and self.at_unigram_level(canary)
+        if (damaged or stuck) and not self.learning():
+            self.trigger = {"reason": "canary drift" if damaged else "unigram level", "canary": canary,
+                            "reference": self.reference, "unigram": self.canary.unigram_loss}
+            return False
+        state.guard = {k: v for k, v in state.guard.items() if k != "rolled_back_to"}  # it moved on
+        if damaged:  # it learns new data (a domain, a mixture's component) and forgets some of the canary
+            self._event("canary_drift", step=state.step, canary=canary, reference=self.reference)
+        if damaged or canary <= self.reference:  # the point to return to: the best, or the data's new normal
+            self.snapshot, self.reference = Snapshot.take(state, self.params, self.optimizer), canary
+            self.suspects = []
+        return True
+
+    def _recover_lr(self, state: TrainState) -> None:
+        ceiling = state.guard.get("lr_ceiling")
+        if state.lr_cap is None or ceiling is None or not self.cfg.lr_recovery_steps or state.lr_cap >= ceiling:
+            return
+        rate = (1 / self.cfg.lr_factor) ** (0.5 / self.cfg.lr_recovery_steps)  # half the cut, in log space
+        state.lr_cap = min(ceiling, state.lr_cap * rate)
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def hard_batch(self, step: int, samples: list[int], before: float, after: float, lr_factor: float = 1.0) -> None:
+        """A strange batch trained on (at `lr_factor` of the LR, for this step alone)."""
+        self.suspects.append(samples)
+        self._event("hard_batch", step=step, samples=samples, canary_before=before, canary_after=after,
+                    lr_factor=lr_factor, **self.trigger)
+
+    def lr_cut(self, step: int, state: TrainState, lr: float, before: float, after: float) -> None:
+        """The update at the cut of `lr` helped the model: keep the cut."""
+        self._cut(state, lr)
+        self._event("lr_cut", step=step, lr_cap=state.lr_cap, canary_before=before, canary_after=after,
+                    **self.trigger)
+
+    def rerun(self, step: int, first: dict) -> None:
+        self._event("rerun", step=step, first=first)
+
+    def skip_batch(self, step: int, state: TrainState, samples: list[int], **detail: float) -> None:
+        """The batch damages a healthy model (or fails twice): its samples are left out."""
+        state.skip = _merged([*state.skip, samples])
+        self._event("batch_skipped", step=step, samples=samples, skipped_samples=skipped_samples(state),
+                    **self.trigger, **detail)
+        self._say(f"{self.trigger.get('reason')} at step {step}; skipped samples [{samples[0]}, {samples[1]})")
+
+    def roll_back(self, step: int, state: TrainState, consumed_until: int, lr: float) -> None:
+        """Restore the snapshot into `state` (in place) and the model. What is left out: the
+        strange batches trained on since the snapshot, if any (the prime suspects); else the LR is
+        cut (nothing but the step size to blame). At the same place as the previous rollback (back
+        to the same snapshot: the run never passed a check since) both were not enough: the data
+        since the snapshot is skipped (PaLM) and the LR cut; `max_rollbacks` there in a row stop
+        the run. A run that passes a check has moved on: its next rollback starts afresh."""
         snap = self.snapshot
-        window = [snap.state.position, consumed_until]
-        recent = [s for s in state.rollbacks if s > step - self.cfg.stop_window]
-        if len(recent) + 1 > self.cfg.max_rollbacks:
-            self._stop(step, state, window, recent)
-        lr_scale = snap.state.lr_scale * self.cfg.lr_factor
-        restored = dataclasses.replace(snap.state, skip=[*state.skip, window], lr_scale=lr_scale,
-                                       rollbacks=[*state.rollbacks, step])
+        same_place = bool(state.rollbacks) and state.guard.get("rolled_back_to") == snap.state.step
+        streak = state.guard.get("rollback_streak", 0) + 1 if same_place else 1
+        if streak > self.cfg.max_rollbacks:
+            self._stop(step, state, state.rollbacks[-(streak - 1):])
+        left_out = [[snap.state.position, consumed_until]] if same_place else list(self.suspects)
+        restored = _copy_state(snap.state)
+        restored.rollbacks = [*state.rollbacks, step]
+        restored.skip = _merged([*state.skip, *left_out])
+        restored.lr_cap = min((c for c in (state.lr_cap, snap.state.lr_cap) if c is not None), default=None)
+        restored.guard = {**state.guard, "rollback_streak": streak, "rolled_back_to": snap.state.step}
         snap.restore(self.params, self.optimizer)
+        self.recent.clear()  # trained on by weights that are gone
+        self.suspects = []
         for name, value in vars(restored).items():
             setattr(state, name, value)
-        self.snapshot = dataclasses.replace(snap, state=dataclasses.replace(
-            restored, skip=[list(r) for r in restored.skip], rollbacks=list(restored.rollbacks)))
-        self.outliers.clear()
-        self._event("rollback", step=step, to_step=restored.step, samples=window, **self.trigger)
-        self._event("data_skipped", step=step, samples=window, skip=restored.skip)
-        if self.cfg.lr_factor != 1.0:
-            self._event("lr_scaled", step=step, lr_scale=lr_scale, factor=self.cfg.lr_factor)
-        if self.world.rank == 0:
-            print(f"raylm: guard: {self.trigger.get('reason')} at step {step}; rolled back to step "
-                  f"{restored.step}, skipping samples [{window[0]}, {window[1]}), LR scale {lr_scale:g}", flush=True)
+        if same_place or not left_out:
+            self._cut(state, lr)
+        self.snapshot = dataclasses.replace(snap, state=_copy_state(state))
+        self._event("rollback", step=step, to_step=state.step, lr_cap=state.lr_cap, skipped=left_out,
+                    skipped_samples=skipped_samples(state), **self.trigger)
+        cap = f", LR at most {state.lr_cap:.3g}" if state.lr_cap is not None else ""
+        self._say(f"{self.trigger.get('reason')} at step {step}; rolled back to step {state.step}{cap}"
+                  + (f", skipping samples {left_out}" if left_out else ""))
 
-    def _stop(self, step: int, state: TrainState, window: list[int], recent: list[int]) -> None:
+    def _cut(self, state: TrainState, lr: float) -> None:
+        """Cap the LR below `lr`, the rate that did the damage: the schedule runs on beneath the cap
+        (a decaying schedule soon passes under it), which may climb back to halfway, in log space,
+        to `lr` (guard.lr_recovery_steps), never to it."""
+        cap = lr * self.cfg.lr_factor
+        state.lr_cap = cap if state.lr_cap is None else min(state.lr_cap, cap)
+        state.guard = {**state.guard, "lr_ceiling": lr * math.sqrt(self.cfg.lr_factor)}
+
+    def _stop(self, step: int, state: TrainState, recent: list[int]) -> None:
         message = (f"the stability guard stopped the run at step {step} ({self.trigger.get('reason')}: loss "
                    f"{self.trigger.get('loss')}, grad norm {self.trigger.get('grad_norm')}) after "
-                   f"{len(recent)} rollback(s) within {self.cfg.stop_window} steps (at steps {recent}); skipped "
-                   f"sample ranges {state.skip + [window]}, LR scale {state.lr_scale:g} "
-                   f"(guard.lr_factor={self.cfg.lr_factor}). Tried: skipping outlier steps, rolling back to a "
-                   "healthy snapshot and skipping the data since. Resume with a lower optim.lr, other "
-                   "data.skip ranges, a tighter optim.grad_clip or other guard settings; the run directory "
-                   f"holds {STOP_MARKER} until then")
-        self._event("guard_stopped", step=step, samples=window, rollbacks=recent, skip=state.skip + [window],
-                    message=message, **self.trigger)
+                   f"{len(recent)} rollback(s) in a row at the same place (at steps {recent}); skipped "
+                   f"sample ranges {state.skip}, LR cap {state.lr_cap} (guard.lr_factor={self.cfg.lr_factor}). "
+                   "Tried: judging each strange step by the canary, undoing damaging updates, cutting the LR, "
+                   "rolling back to healthy snapshots and skipping the data since. Resume with a lower "
+                   "optim.lr, other data.skip ranges, a tighter optim.grad_clip or other guard settings; the "
+                   f"run directory holds {STOP_MARKER} until then")
+        self._event("guard_stopped", step=step, rollbacks=recent, skip=state.skip, message=message, **self.trigger)
         if self.world.rank == 0:
             marker = {"step": step, "message": message, "settings": intervention_settings(self.run_cfg)}
             storage.write_bytes(storage.join(self.run_uri, STOP_MARKER), json.dumps(marker).encode(),
@@ -193,6 +350,26 @@ class Guard:
     def _event(self, name: str, **fields) -> None:
         if self.world.rank == 0:
             append_event(self.events_path, {"event": name, "time": time.time(), **fields})
+
+    def _say(self, what: str) -> None:
+        if self.world.rank == 0:
+            print(f"raylm: guard: {what}", flush=True)
+
+
+def skipped_samples(state: TrainState) -> int:
+    """Samples the guard has left out so far (its skip ranges; data.skip is the user's)."""
+    return sum(end - start for start, end in state.skip)
+
+
+def _merged(ranges: list[list[int]]) -> list[list[int]]:
+    """Sample ranges, sorted, overlapping ones joined."""
+    out: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
 
 
 def _sigmas(value: float, history: deque) -> float:

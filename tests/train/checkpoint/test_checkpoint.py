@@ -9,7 +9,9 @@ import pytest
 
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.format import CheckpointWriteError
+from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
 from tests.support.checkpoints import flip_byte
 from tests.train.test_loop import losses, tiny_config
 
@@ -64,18 +66,22 @@ def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
     assert checkpoint.latest_complete(str(tmp_path)) == str(tmp_path / "checkpoint_00000010")
 
 
-@pytest.fixture
-def tiny_filesystem(tmp_path):
-    """A real 256 KiB filesystem (tmpfs): too small for a checkpoint of the test model."""
-    mount = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
+def _tmpfs(tmp_path, size: str):
+    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
     yield mount
     if subprocess.run(["umount", str(mount)]).returncode != 0:
         subprocess.run(["umount", "-l", str(mount)], check=True)  # detach now, free when unused
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 256 KiB filesystem (tmpfs): too small for a checkpoint of the test model."""
+    yield from _tmpfs(tmp_path, "256k")
 
 
 def test_full_disk_stops_training_with_a_clear_error(tiny_dataset, tiny_filesystem, tmp_path):
@@ -97,6 +103,57 @@ def test_allowed_failures_continue_but_warn_every_step(tiny_dataset, tiny_filesy
     assert max(losses(run)) == 6
     assert out.count("WARNING: no checkpoint has been written since step 3") == 4  # steps 3, 4, 5, 6
     assert checkpoint.latest_complete(str(run)) is None
+
+
+class FillDisk(Hook):
+    """A stray file takes every free byte of the run's filesystem at `fill`, and is deleted at
+    `free` (steps as the loop counts them)."""
+
+    def __init__(self, directory: str, fill: int, free: int):
+        self.path, self.fill, self.free = os.path.join(directory, "stray"), fill, free
+
+    def on_step_begin(self, run, step):
+        if step == self.fill:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT)
+            for size in (1 << 20, 4096, 1):  # to the last byte
+                try:
+                    while True:
+                        os.write(fd, b"\0" * size)
+                except OSError:
+                    pass
+            os.close(fd)
+        if step == self.free:
+            os.remove(self.path)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 8 MiB filesystem (tmpfs): room for the test model's checkpoints, until filled."""
+    yield from _tmpfs(tmp_path, "8m")
+
+
+def test_a_full_disk_is_loud_loses_no_record_and_saves_again_once_freed(tiny_dataset, small_filesystem, capsys):
+    """IBM's run silently stopped checkpointing when its disk filled. Here a stray file fills the
+    disk from step 5 to step 10: the saves at steps 6 and 9 fail, with an event each and a
+    warning and an `unprotected_steps` metric every step; every metrics row of those steps is
+    written once there is space; the save at step 12 succeeds, with a `checkpoint_recovered`."""
+    run = small_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=14", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "checkpoint.write_attempts=1", "checkpoint.allow_failures=true", "checkpoint.keep_last=10")
+    train_local(cfg, str(run), hooks=(FillDisk(str(small_filesystem), fill=4, free=9),))
+    rows = {r["step"]: r for r in read_jsonl(str(run / "metrics.jsonl"))}
+    assert sorted(rows) == list(range(1, 15))  # nothing lost to the full disk
+    assert [s for s in rows if "unprotected_steps" in rows[s]] == list(range(7, 13))
+    assert rows[12]["unprotected_steps"] == 6
+    events = read_jsonl(str(run / "events.jsonl"))
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [6, 9] and all("space" in e["error"] for e in failed)
+    (recovered,) = [e for e in events if e["event"] == "checkpoint_recovered"]
+    assert recovered["step"] == 12 and recovered["unprotected_since"] == 6
+    assert checkpoints(run) == ["checkpoint_00000003", "checkpoint_00000012", "checkpoint_00000014"]
+    assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000014")
+    out = capsys.readouterr().out
+    assert out.count("WARNING: no checkpoint has been written since step 6") == 6  # steps 6 .. 11
 
 
 def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
