@@ -102,3 +102,19 @@ def train_worker(cluster: LocalCluster, node: int) -> Proc:
     if not found:
         raise ChaosError(f"no Ray Train worker process on node {node}")
     return found[0]
+
+
+def fill_filesystem(path: Path) -> int:
+    """A stray file at `path` takes every free byte of its filesystem, to the last one (a full
+    disk); returns its size. Deleting it frees the space."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return os.stat(path).st_size

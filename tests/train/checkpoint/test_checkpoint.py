@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from cluster.chaos import fill_filesystem
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.format import CheckpointWriteError
 from raylm.train.hooks import Hook
@@ -114,14 +115,7 @@ class FillDisk(Hook):
 
     def on_step_begin(self, run, step):
         if step == self.fill:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT)
-            for size in (1 << 20, 4096, 1):  # to the last byte
-                try:
-                    while True:
-                        os.write(fd, b"\0" * size)
-                except OSError:
-                    pass
-            os.close(fd)
+            fill_filesystem(self.path)
         if step == self.free:
             os.remove(self.path)
 

@@ -1,0 +1,493 @@
+"""The OPT logbook drill: one elastic run meets every fault OPT's, IBM's and PaLM's teams met, and
+no human acts.
+
+    .venv/bin/python benchmarks/drill.py [--seed 0] [--json-out PATH]     # the full drill
+    .venv/bin/python benchmarks/drill.py --quick                           # the slow suite's
+
+It starts the README's local multi-node cluster (a head and 3 nodes of 2 CPUs on 127.0.0.x) and
+runs the demo model elastically (`parallel.min_workers=1`, 2 workers) as `raylm train` driver
+processes, as `ray job submit` would, on the built-in corpus with a poisoned window (random
+printable bytes as one document of the training split). At steps spread over the run, jittered
+from the seed, it:
+
+- kills a training worker (SIGKILL);
+- kills a node (every process of it), and brings it back a slot later;
+- fills the checkpoint storage (a tmpfs as `run.storage_path`; needs root, else left out) with a
+  stray file for three checkpoint intervals, then deletes it (`checkpoint.allow_failures`);
+- injects a non-finite loss (`train.inject_nonfinite`);
+- kills the driver process and runs the same command again, as a resubmitted job.
+
+Then the same run without faults, on the corpus without the poison: the reference (`--quick`
+leaves it out). It reports, printed and as JSON (`--json-out`):
+
+- human_actions: runs that ended other than by the drill's hand, which a person would have had
+  to start again (the drill does, and counts them); must be 0;
+- val_loss against clean_val_loss (goal: within 1%);
+- samples_once: every sample of the planned order trained exactly once in the final model,
+  except the guard's recorded skips (from the run's own audit rows and its final state);
+- goodput: the time of the steps that count in the final model ÷ wall time, and where the rest
+  went (startup, restarts and resizes, lost steps, guard replays, checkpoint stalls, evaluation);
+- each fault's step and the seconds from it to the next good step;
+- the same figures projected to OPT-175B's run (992 A100s, ~35 restarts in two months), with the
+  Young–Daly checkpoint interval, from the costs measured here (`raylm.train.checkpoint.interval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import string
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from _common import load_average, print_table, python_sources
+
+from cluster.chaos import ChaosError, TrainDriver, fill_filesystem, train_workers
+from cluster.local import LocalCluster, kill_process_trees
+from raylm.config import load_config
+from raylm.data.prepare import _is_val, prepare_dataset
+from raylm.data.stream import Datasets
+from raylm.data.tokenizer import load_tokenizer
+from raylm.model.sizes import count_params
+from raylm.parallel.planner.plan import model_from_arg
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.interval import project
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo-cpu.yaml"
+RUN_NAME = "drill"
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_step: Optional[int] = None  # the last step the run had finished when it struck
+    time: Optional[float] = None
+    next_good_step_s: Optional[float] = None
+    detail: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def poison_text(size: int, seed: int, val_fraction: float) -> str:
+    """`size` random printable characters that the hash split puts in the training split."""
+    rng = random.Random(seed)
+    while True:
+        text = "".join(rng.choice(string.printable[:95]) for _ in range(size))
+        if not _is_val(text, val_fraction):
+            return text
+
+
+def prepare(workdir: Path, quick: bool, poison_bytes: int, seed: int) -> tuple[str, str, str]:
+    """(poisoned, clean) prepared datasets of the built-in corpus, and the poison: the poisoned
+    one has one more document, of random printable bytes, in its training split."""
+    seq_len, documents = (64, 60) if quick else (256, None)
+    corpus = python_sources(workdir / "text" / f"corpus-{documents}", documents)
+    poison = workdir / "text" / "poison.txt"
+    poison.parent.mkdir(parents=True, exist_ok=True)
+    text = poison_text(poison_bytes, seed, 0.1)
+    poison.write_text(text)
+    out = {}
+    for name, inputs in (("clean", [str(corpus)]), ("poisoned", [str(corpus), str(poison)])):
+        path = workdir / "data" / f"{name}-{seq_len}"
+        if not (path / "manifest.json").exists():
+            prepare_dataset(inputs, str(path), tokenizer="byte", seq_len=seq_len, val_fraction=0.1)
+        out[name] = str(path)
+    return out["poisoned"], out["clean"], text
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+class Storage:
+    """The runs' storage: a tmpfs of `size_mb` at `path` when this process may mount one."""
+
+    def __init__(self, path: Path, size_mb: int):
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
+                                 capture_output=True, text=True)
+        self.tmpfs = mounted.returncode == 0
+        self.why_not = mounted.stderr.strip()
+        self.stray = path / "stray-file"
+
+    def fill(self) -> int:
+        """A stray file takes every free byte; returns its size."""
+        return fill_filesystem(self.stray)
+
+    def free(self) -> None:
+        self.stray.unlink(missing_ok=True)
+
+    def keep(self, run_dir: Path, to: Path) -> Path:
+        """A copy of a run directory outside the tmpfs, which goes when it is unmounted."""
+        shutil.rmtree(to, ignore_errors=True)
+        shutil.copytree(run_dir, to)
+        return to
+
+    def close(self) -> None:
+        if self.tmpfs:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def run_args(dataset: str, storage: Path, steps: int, quick: bool, extra: list[str]) -> list[str]:
+    small = ["model.d_model=64", "model.n_layers=2", "model.max_seq_len=64", "train.micro_batch_size=8",
+             "schedule.warmup_steps=20"] if quick else []
+    return [str(DEMO), f"data.path={dataset}", f"run.storage_path={storage}", f"run.name={RUN_NAME}",
+            f"train.steps={steps}", "parallel.num_workers=2", "parallel.min_workers=1", "parallel.resize_check_s=10",
+            "run.max_failures=-1", "checkpoint.allow_failures=true", "checkpoint.write_attempts=1",
+            f"checkpoint.every_steps={25 if quick else 100}", "checkpoint.keep_last=2",
+            f"train.eval_every={max(steps // 4, 1)}", "train.eval_batches=8", "train.audit_samples=true",
+            "train.log_every=50", "train.tensorboard=false", *small, *extra]
+
+
+class Drill:
+    def __init__(self, cluster: LocalCluster, storage: Storage, args: list[str]):
+        self.cluster, self.storage, self.args = cluster, storage, args
+        self.run_dir = storage.path / RUN_NAME
+        self.faults: list[Fault] = []
+        self.human_actions = 0
+        self.driver = self._start()
+        self.lost_node: Optional[int] = None
+
+    def _start(self) -> TrainDriver:
+        if self.human_actions > 3:
+            raise ChaosError(f"the run keeps failing ({self.human_actions} times): see {self.run_dir}-driver.log")
+        return TrainDriver(self.cluster, self.run_dir, self.args)
+
+    def last_step(self) -> int:
+        try:
+            return self.driver.last_step()
+        except OSError:
+            return 0
+
+    def step_seconds(self) -> float:
+        """The median wall time per step so far, checkpoints and evaluations included."""
+        rows = [r for r in self.driver.metrics() if "time" in r]
+        gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+        return statistics.median(gaps) if gaps else 1.0
+
+    def wait_for_step(self, step: int, timeout_s: float = 3600) -> None:
+        """Until the run has finished `step`; a run that ends meanwhile (not by the drill's
+        hand) is a human action: it is counted and the command run again."""
+        start = time.monotonic()
+        while self.last_step() < step:
+            code = self.driver.proc.poll()
+            if code is not None:
+                if code == 0:
+                    return
+                self.human_actions += 1
+                print(f"drill: the run ended (exit {code}) at step {self.last_step()}: a person would start it "
+                      f"again; so does the drill\n{self.driver.tail(20)}", flush=True)
+                self.driver = self._start()
+            if time.monotonic() - start > timeout_s:
+                raise ChaosError(f"no step {step} within {timeout_s:.0f} s:\n{self.driver.tail()}")
+            time.sleep(0.2)
+
+    def strike(self, kind: str, act) -> Fault:
+        fault = Fault(kind, at_step=self.last_step(), time=time.time())
+        fault.detail = act() or {}
+        self.faults.append(fault)
+        print(f"drill: {kind} at step {fault.at_step} {fault.detail or ''} (load {load_average()})", flush=True)
+        return fault
+
+    # -- the faults --------------------------------------------------------------------------
+
+    def node_with_workers(self) -> int:
+        for node in range(1, len(self.cluster.nodes)):
+            if self.cluster.processes(node) and train_workers(self.cluster, node):
+                return node
+        raise ChaosError("no node runs a training worker")
+
+    def kill_worker(self) -> dict:
+        node = self.node_with_workers()
+        worker = train_workers(self.cluster, node)[0]
+        kill_process_trees([worker])
+        return {"node": node, "pid": worker[0]}
+
+    def kill_node(self) -> dict:
+        self.lost_node = self.node_with_workers()
+        return {"node": self.lost_node, "pids": len(self.cluster.kill_node(self.lost_node))}
+
+    def return_node(self) -> dict:
+        node, self.lost_node = self.lost_node, None
+        self.cluster.start_node(node)
+        return {"node": node}
+
+    def fill_disk(self) -> dict:
+        return {"stray_bytes": self.storage.fill()}
+
+    def kill_driver(self) -> dict:
+        pid = self.driver.proc.pid
+        self.driver.stop()  # SIGKILL: no cleanup; Ray tears down what the driver owned
+        self.driver = self._start()
+        return {"pid": pid}
+
+    def finish(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.driver.proc.poll()
+            if code == 0:
+                return
+            if code is not None:
+                self.human_actions += 1
+                print(f"drill: the run ended (exit {code}); started again\n{self.driver.tail(20)}", flush=True)
+                self.driver = self._start()
+            if time.monotonic() > deadline:
+                self.driver.stop()
+                raise ChaosError(f"the run did not finish within {timeout_s:.0f} s:\n{self.driver.tail()}")
+            time.sleep(0.5)
+
+
+def schedule(steps: int, kinds: list[str], seed: int) -> list[tuple[int, str]]:
+    """Each fault at its slot of the run's middle 80%, jittered by up to a quarter slot."""
+    rng = random.Random(seed)
+    slot = 0.8 * steps / len(kinds)
+    return [(int(0.1 * steps + slot * (i + 0.5) + rng.uniform(-0.25, 0.25) * slot), kind)
+            for i, kind in enumerate(kinds)]
+
+
+# ----------------------------------------------------------------------------- what happened
+
+
+def final_rows(rows: list[dict]) -> dict[int, dict]:
+    """The row that counts of each step: the last one written."""
+    return {r["step"]: r for r in rows if isinstance(r.get("step"), int)}
+
+
+def audit(run_dir: Path, dataset: str, rows: dict[int, dict], poison: str) -> dict:
+    """Every planned sample up to the run's final position trained exactly once, except the
+    guard's skip ranges, from the audit rows against the run's own final state; and which of the
+    planned samples were poison (rows of the poison document), trained on or skipped."""
+    last = max(rows)
+    state = json.loads((run_dir / checkpoint.dir_name(last) / checkpoint.TRAIN_STATE).read_text())
+    skipped = {i for start, end in state["skip"] for i in range(start, end)}
+    step_of = {i: step for step in sorted(rows) for i in rows[step]["samples"]}
+    counts: dict[int, int] = {}
+    for step in rows:
+        for i in rows[step]["samples"]:
+            counts[i] = counts.get(i, 0) + 1
+    planned = set(range(state["position"])) - skipped
+    poisoned = poison_samples(dataset, state["position"], poison)
+    met = sorted(step_of[i] for i in poisoned if i in step_of)
+    return {"samples_once": set(counts) == planned and all(c == 1 for c in counts.values()),
+            "samples_trained": sum(counts.values()), "samples_repeated": sum(c > 1 for c in counts.values()),
+            "samples_missing": len(planned - set(counts)), "samples_unplanned": len(set(counts) - planned),
+            "skipped_samples": len(skipped), "skipped_ranges": state["skip"],
+            "poison": {"samples": len(poisoned), "trained": sum(i in step_of for i in poisoned),
+                       "skipped": len(poisoned & skipped), "clean_skipped": len(skipped - poisoned),
+                       "first_step": met[0] if met else None}}
+
+
+def poison_samples(dataset: str, end: int, poison: str, window: int = 16) -> set[int]:
+    """The global samples in [0, end) that hold part of the poison document: rows with a run of
+    `window` of its tokens."""
+    data = load_config(None, [f"data.path={dataset}"]).data
+    datasets = Datasets.load(data, None)
+    tokens = load_tokenizer(dataset).encode(poison)
+    grams = {tuple(tokens[i:i + window]) for i in range(len(tokens) - window)}
+    source, found = datasets.open_split("train", data, None), set()
+    for first in range(0, end, 4096):
+        block = source.rows(list(range(first, min(end, first + 4096))))
+        for offset, row in enumerate(block.tolist()):
+            if any(tuple(row[k:k + window]) in grams for k in range(0, len(row) - window, window)):
+                found.add(first + offset)
+    return found
+
+
+def goodput(rows: list[dict], events: list[dict], wall_start: float, wall_end: float) -> dict:
+    """Where the wall time went. Useful: the steps of the final model. Guard replays: rows a
+    later row of the same step replaced within one process (rollbacks, skipped batches).
+    Lost steps: steps trained after the last checkpoint before a restart (their rows were dropped
+    at the resume; timed at the median step). Downtime: the rest of the gaps between rows (process
+    start, restarts, resizes), attributed to the restart that ended each."""
+    counted = final_rows(rows)
+    useful = sum(r["step_time"] for r in counted.values())
+    kept = {id(r) for r in counted.values()}
+    replays = sum(r["step_time"] for r in rows if id(r) not in kept)
+    checkpoint_s = sum(r.get("checkpoint_s", 0.0) for r in rows)
+    median_step = statistics.median(r["step_time"] for r in counted.values())
+    lost = sum(e.get("steps_lost", 0) for e in events if e["event"] == "resumed") * median_step
+    wall = wall_end - wall_start
+    other = wall - useful - replays - checkpoint_s - lost
+    return {"goodput": useful / wall, "wall_s": wall, "useful_s": useful, "guard_replays_s": replays,
+            "checkpoint_stalls_s": checkpoint_s, "lost_steps_s": lost,
+            "startup_restarts_resizes_evaluation_s": other, "median_step_s": median_step}
+
+
+def next_good_step(fault: Fault, rows: list[dict], events: list[dict]) -> None:
+    """Seconds from the fault to the next step the final model keeps (a row written after it)."""
+    after = [r["time"] for r in rows if r["time"] > fault.time]
+    fault.next_good_step_s = (min(after) - fault.time) if after else None
+
+
+def nan_fault(events: list[dict], rows: list[dict]) -> Optional[Fault]:
+    """The injected non-finite loss, found by the guard's rerun of it."""
+    reruns = [e for e in events if e["event"] == "rerun"]
+    if not reruns:
+        return None
+    fault = Fault("non_finite_loss", at_step=reruns[0]["step"], time=reruns[0]["time"],
+                  detail={"reruns": len(reruns)})
+    next_good_step(fault, rows, events)
+    return fault
+
+
+def poison_fault(events: list[dict], rows: list[dict], poison: dict) -> Optional[Fault]:
+    """The poisoned window, from the first step that met it, and what the guard did there."""
+    step = poison["first_step"]
+    if step is None:
+        return None
+    at = next((r for r in rows if r["step"] == step), None)
+    acts = [e for e in events if e["event"] in ("hard_batch", "lr_cut", "batch_skipped", "rollback")]
+    fault = Fault("poisoned_window", at_step=step - 1, time=at["time"] - at["step_time"] if at else None,
+                  detail={**poison, **{k: sum(e["event"] == k for e in acts) for k in
+                                       ("hard_batch", "lr_cut", "batch_skipped", "rollback")}})
+    if fault.time is not None:
+        next_good_step(fault, rows, events)
+    return fault
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def run_one(cluster: LocalCluster, storage: Storage, args: list[str], plan: list[tuple[int, str]],
+            checkpoint_every: int, timeout_s: float) -> tuple[Drill, float, float]:
+    shutil.rmtree(storage.path / RUN_NAME, ignore_errors=True)
+    start = time.time()
+    drill = Drill(cluster, storage, args)
+    for step, kind in plan:
+        drill.wait_for_step(step)
+        if kind == "worker_killed":
+            drill.strike(kind, drill.kill_worker)
+        elif kind == "node_lost":
+            drill.strike(kind, drill.kill_node)
+        elif kind == "node_returned":
+            drill.strike(kind, drill.return_node)
+        elif kind == "disk_full":
+            drill.strike(kind, drill.fill_disk)
+            # Three checkpoint intervals, timed: the run keeps its metrics rows in memory while
+            # the disk is full, so its progress is not on disk to wait for.
+            time.sleep(3 * checkpoint_every * drill.step_seconds())
+            drill.strike("disk_freed", storage.free)
+        elif kind == "driver_killed":
+            drill.strike(kind, drill.kill_driver)
+    drill.finish(timeout_s)
+    return drill, start, time.time()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small model, a short run, fewer faults, no reference")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="training steps (default: 12000; --quick 400)")
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "drill")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    quick = args.quick
+    steps = args.steps or (400 if quick else 12000)
+    workdir = args.workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    poisoned, clean, poison = prepare(workdir, quick, 20_000 if quick else 300_000, args.seed)
+    storage = Storage(workdir / "storage", 256)
+    kinds = ["worker_killed", "disk_full", "non_finite_loss", "driver_killed"] if quick else \
+        ["worker_killed", "node_lost", "node_returned", "disk_full", "non_finite_loss", "driver_killed"]
+    if not storage.tmpfs:
+        print(f"drill: no tmpfs for the full-disk fault ({storage.why_not}); left out", flush=True)
+        kinds.remove("disk_full")
+    plan = schedule(steps, kinds, args.seed)
+    nan_step = next(step for step, kind in plan if kind == "non_finite_loss")
+    checkpoint_every = 25 if quick else 100
+    report: dict = {"quick": quick, "seed": args.seed, "steps": steps, "plan": plan,
+                    "full_disk_fault": storage.tmpfs}
+    print(f"drill: {steps} steps; faults at {plan}; start load {load_average()}", flush=True)
+    try:
+        with LocalCluster(3, 2) as cluster:
+            drill, start, end = run_one(cluster, storage,
+                                        run_args(poisoned, storage.path, steps, quick,
+                                                 [f"train.inject_nonfinite=[{nan_step}]"]),
+                                        [p for p in plan if p[1] != "non_finite_loss"], checkpoint_every,
+                                        timeout_s=7200)
+            run_dir = storage.keep(drill.run_dir, workdir / "runs" / "faults")
+            clean_dir = None
+            if not quick:
+                reference, ref_start, ref_end = run_one(cluster, storage, run_args(clean, storage.path, steps, quick, []),
+                                                        [], checkpoint_every, timeout_s=7200)
+                clean_dir = storage.keep(reference.run_dir, workdir / "runs" / "clean")
+                report["clean_wall_s"] = ref_end - ref_start
+    finally:
+        storage.close()
+    rows, events = read_jsonl(str(run_dir / METRICS_FILE)), read_jsonl(str(run_dir / EVENTS_FILE))
+    counted = final_rows(rows)
+    for fault in drill.faults:
+        if fault.kind.startswith("disk_"):
+            # The rows of a full disk's steps were held in memory and written once it had space:
+            # the step a disk fault met is found afterwards, from the rows' own times.
+            fault.at_step = max((r["step"] for r in rows if r["time"] <= fault.time), default=fault.at_step)
+        next_good_step(fault, rows, events)
+    checked = audit(run_dir, poisoned, counted, poison)
+    found = [nan_fault(events, rows), poison_fault(events, rows, checked["poison"])]
+    faults = sorted(drill.faults + [f for f in found if f is not None], key=lambda f: f.time or 0)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    clean_val = None
+    if clean_dir is not None:
+        clean_val = [r["val_loss"] for r in read_jsonl(str(clean_dir / METRICS_FILE)) if "val_loss" in r][-1]
+    times = goodput(rows, events, start, end)
+    report.update(human_actions=drill.human_actions, val_loss=val[-1] if val else None, clean_val_loss=clean_val,
+                  finished=max(counted) == steps, **times, **checked,
+                  faults=[{k: v for k, v in asdict(f).items() if k != "time"} for f in faults],
+                  run_dir=str(run_dir), clean_run_dir=str(clean_dir) if clean_dir else None)
+    # OPT-175B's run: 992 A100s (124 nodes of 8), ~35 restarts in two months. Assumed: each node
+    # writes and reads its share of the checkpoint at 1 GB/s; a restart costs what the drill's
+    # worker kills cost here (detect, reschedule, restart, reload of a small checkpoint) plus the
+    # read of OPT's.
+    restart = [f.next_good_step_s for f in faults if f.kind == "worker_killed" and f.next_good_step_s]
+    report["restart_s"] = statistics.median(restart) if restart else None
+    report["opt_175b"] = asdict(project(count_params(model_from_arg("175b")[0]), nodes=124,
+                                        gbps_per_node=1.0, failures_per_day=35 / 60,
+                                        restart_overhead_s=report["restart_s"] or 60.0))
+    subprocess.run([sys.executable, "-m", "raylm.cli", "report", str(run_dir)], check=False)
+    print_summary(report)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=1))
+    print(f"\ncommand: {' '.join([sys.executable, *sys.argv])}; end load {load_average()}")
+
+
+def print_summary(report: dict) -> None:
+    val, clean = report["val_loss"], report["clean_val_loss"]
+    rows = [["human actions", report["human_actions"], "0"],
+            ["final val loss / clean reference", f"{val:.4f} / {clean:.4f} ({val / clean - 1:+.2%})" if clean else
+             f"{val:.4f} / (no reference)", "within 1%"],
+            ["every planned sample once (but the skipped)", report["samples_once"], "true"],
+            ["skipped samples (ranges)", f"{report['skipped_samples']} {report['skipped_ranges']}", "recorded"],
+            ["poison samples: trained / skipped (clean samples skipped)",
+             f"{report['poison']['trained']} / {report['poison']['skipped']} of {report['poison']['samples']} "
+             f"({report['poison']['clean_skipped']})", ""],
+            ["goodput", f"{report['goodput']:.1%} of {report['wall_s']:.0f} s", "≥ 90%"]]
+    for key in ("guard_replays_s", "checkpoint_stalls_s", "lost_steps_s", "startup_restarts_resizes_evaluation_s"):
+        rows.append([f"  lost to {key[:-2].replace('_', ' ')}", f"{report[key]:.0f} s ({report[key] / report['wall_s']:.1%})",
+                     ""])
+    for fault in report["faults"]:
+        took = fault["next_good_step_s"]
+        rows.append([f"fault: {fault['kind']} at step {fault['at_step']}",
+                     f"next good step after {took:.1f} s" if took is not None else "no step after it", ""])
+    print_table(["drill", "result", "goal"], rows)
+    opt = report["opt_175b"]
+    print(f"\nOPT-175B on paper (992 A100s, 35 restarts in 60 days, 1 GB/s per node to storage, the restart "
+          f"measured here plus the read): checkpoint {opt['checkpoint_tb']:.2f} TB, save {opt['save_s']:.0f} s, "
+          f"restart {opt['restart_s']:.0f} s, a failure every {opt['mtbf_h']:.1f} h: checkpoint every "
+          f"{opt['interval_min']:.0f} min (Young–Daly), expected goodput {opt['goodput']:.1%}")
+
+
+if __name__ == "__main__":
+    main()

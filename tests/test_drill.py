@@ -1,0 +1,48 @@
+"""The OPT logbook drill's quick version (`benchmarks/drill.py --quick`), as its users run it: one
+elastic run on the local multi-node cluster meets a killed worker, a full disk (where this
+machine lets the test mount a tmpfs), a poisoned window, a non-finite loss and a killed driver
+whose command is run again; no human acts, and every planned sample is trained exactly once but
+the ones the guard skipped, which are recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from raylm.train.observe.records import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_quick_drill_needs_no_human_and_loses_no_sample(tmp_path):
+    out = tmp_path / "drill.json"
+    done = subprocess.run([sys.executable, "benchmarks/drill.py", "--quick", "--workdir", str(tmp_path / "drill"),
+                           "--json-out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["human_actions"] == 0 and report["finished"]
+    assert report["samples_once"], {k: report[k] for k in ("samples_missing", "samples_repeated", "samples_unplanned")}
+    kinds = {f["kind"] for f in report["faults"]}
+    assert {"worker_killed", "non_finite_loss", "driver_killed"} <= kinds
+    assert all(f["next_good_step_s"] is not None for f in report["faults"] if f["kind"] != "disk_freed")
+    # Every skipped sample is in the run's records: its skip ranges are what the audit left out.
+    assert report["skipped_samples"] == sum(end - start for start, end in report["skipped_ranges"])
+    run_dir = Path(report["run_dir"])
+    events = read_jsonl(str(run_dir / "events.jsonl"))
+    names = [e["event"] for e in events]
+    assert "rerun" in names and names.count("resumed") >= 2  # the killed worker, the killed driver
+    if report["full_disk_fault"]:
+        assert {"disk_full", "disk_freed"} <= kinds
+        assert "checkpoint_failed" in names and "checkpoint_recovered" in names
+    assert (run_dir / "report" / "report.html").exists()
+    for key in ("human_actions", "val_loss", "clean_val_loss", "goodput", "samples_once", "skipped_samples", "faults",
+                "run_dir", "clean_run_dir"):
+        assert key in report
