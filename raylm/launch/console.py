@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 # Where a block of noise begins: a worker's or the controller's traceback, and what introduces one.
 _BLOCK_START = re.compile(r"^(Error in training function:|Traceback \(most recent call last\):|"
-                          r"Error in control loop iteration|Graceful shutdown of backend failed)")
+                          r"Error in control loop iteration|Graceful shutdown of backend failed|"
+                          r"Raylet is terminated)")
 # What a block goes on with: indented frames and carets, chained-exception notes, an exception's
 # own line and the tab-indented details Ray adds to it.
 _BLOCK_BODY = re.compile(r"^(\s|$|The above exception|During handling|The actor died|[\w.]+(Error|Exception)\b)")
 # Single lines of noise: a raylet's account of a dead node, Ray Data's notices, C++ stack dumps
 # and the periodic state dumps of a raylet.
-_NOISE = re.compile(r"\[state-dump\]|^\*\*\* |^\s*@ +0x[0-9a-f]+|^PC: @|\(\+0x[0-9a-f]+\) \[0x[0-9a-f]+\]|"
+_NOISE = re.compile(r"\[state-dump\]|^\*\*\* |^\s*@ +0x[0-9a-f]+|^PC: @|\([\w.]*\+0x[0-9a-f]+\) \[0x[0-9a-f]+\]|"
                     r"An unexpected system state has occurred|has been marked dead because|"
                     r"raylet has lagging heartbeats|raylet crashed unexpectedly|"
                     r"Progress bars disabled|Ray deduplicates logs by default|"

@@ -48,6 +48,14 @@ def test_noise_outside_a_block_and_unknown_lines_are_told_apart():
                                     "unexpected system state has occurred. You have likely discovered a bug in Ray.")
     assert not noise.keep("raylet", "/x/ray/core/src/ray/raylet/raylet(+0x2eeeea) [0x5651b9742eea] "
                                     "ray::raylet::NodeManager::WaitForDashboardAgentPorts()")
+    assert not noise.keep("raylet", "/lib/x86_64-linux-gnu/libc.so.6(__libc_start_main+0x85) [0x7f6509845305] "
+                                    "__libc_start_main")
+    # A killed node's raylet, as another node's log monitor streams its end: the block and its
+    # indented last lines.
+    assert not noise.keep("raylet", "Raylet is terminated. Termination is unexpected. Possible reasons include: "
+                                    "(1) SIGKILL by the user or system OOM killer")
+    assert not noise.keep("raylet", "    [2026-11-26 21:05:25,679 I 17708 17708] (raylet) worker_pool.cc:564: "
+                                    "Started worker process with pid 19504")
     assert noise.keep("w", "a line of the user's own")  # not recognised as noise: shown
     assert not noise.keep("w", "Traceback (most recent call last):")
     assert not noise.keep("w", '  File "x.py", line 1, in <module>')
