@@ -148,7 +148,9 @@ def judge(results: dict[str, dict[bool, Outcome]]) -> list[list[object]]:
     for name, by_guard in results.items():
         on, off = by_guard[True], by_guard.get(False)
         goal, met = "", None
-        if name.startswith("clean"):
+        if name.startswith("clean") and off is None:
+            goal = "the reference"
+        elif name.startswith("clean"):
             goal = "0 skipped, no stop, val ≤ guard off (+1%)"
             met = on.skipped_samples == 0 and not on.stopped and off is not None and off.val_loss is not None \
                 and on.val_loss is not None and on.val_loss <= off.val_loss * 1.01
