@@ -114,8 +114,8 @@ def _non_negative_float(text: str) -> float:
 
 
 def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
+    value = _parsed(text, float, "a number")
+    if not value > 0 or value == float("inf"):  # nan fails the comparison
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 

@@ -35,7 +35,7 @@ from raylm.train.lease import RunLease
 from raylm.train.observe.metrics import MetricsLogger, peak_flops
 from raylm.train.observe.norms import NormsProbe
 from raylm.train.observe.profile import ProfileHook
-from raylm.train.observe.records import EVENTS_FILE, append_event
+from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
@@ -96,7 +96,6 @@ class Trainer:
         # What a checkpoint needs besides tensors to be usable on its own (generation, export).
         files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
-        self._checkpoint_failures_seen: tuple[int, Optional[int]] = (0, None)  # (failures, failing since)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
         self.logger = MetricsLogger(cfg, env.run_dir, world)
@@ -371,21 +370,10 @@ class Trainer:
         self._checkpoint_health()
 
     def _checkpoint_health(self) -> None:
-        """Loud while no checkpoint can be written (checkpoint.allow_failures): an event for each
-        failed save and for the first good one after, a warning every step, and each step's
-        `unprotected_steps` metric."""
-        saver, seen = self.checkpointer, self._checkpoint_failures_seen
-        if self.world.rank != 0:
-            return
-        if saver.failures > seen[0]:
-            append_event(self.events_path, {"event": "checkpoint_failed", "time": time.time(), "step": self.state.step,
-                                            "unprotected_since": saver.failing_since, "error": saver.last_error})
-        elif seen[1] is not None and saver.failing_since is None:
-            append_event(self.events_path, {"event": "checkpoint_recovered", "time": time.time(),
-                                            "step": self.state.step, "unprotected_since": seen[1]})
-            print(f"raylm: checkpoints are written again (none from step {seen[1]} to {self.state.step})", flush=True)
-        self._checkpoint_failures_seen = (saver.failures, saver.failing_since)
-        if saver.failing_since is not None:
+        """Loud while no checkpoint can be written (checkpoint.allow_failures): a warning every step
+        besides each step's `unprotected_steps` metric (the checkpointer records the events)."""
+        saver = self.checkpointer
+        if saver.failing_since is not None and self.world.rank == 0:
             print(f"WARNING: no checkpoint has been written since step {saver.failing_since} "
                   f"({saver.last_error}): this run is not protected against failures "
                   "(checkpoint.allow_failures=true)", flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -16,6 +17,7 @@ from raylm.config import CheckpointConfig, StorageConfig
 from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.format import CheckpointWriteError, FileEntry
+from raylm.train.observe.records import EVENTS_FILE, append_event
 
 if TYPE_CHECKING:
     from raylm.parallel.world import World
@@ -26,6 +28,7 @@ class CheckpointEnv(Protocol):
     """What saving needs of the loop's environment (`TrainEnv` has it)."""
 
     checkpoint_root: str  # where published checkpoints live (local path or s3:// URI)
+    run_dir: str  # the local run directory: events.jsonl
 
     def staging_dir(self, step: int) -> ContextManager[str]:
         """A local directory for this rank's part of the checkpoint of `step`."""
@@ -75,7 +78,6 @@ class Checkpointer:
         self.model, self.optimizer, self.world, self.files = model, optimizer, world, files
         self.last_save = time.monotonic()
         self.failing_since: Optional[int] = None  # the step of the first failed save since the last good one
-        self.failures = 0  # saves that failed, in this process
         self.last_error = ""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: Optional[_Pending] = None
@@ -170,12 +172,19 @@ class Checkpointer:
 
     def _failed(self, step: int, error: Optional[BaseException]) -> None:
         reason = error or "another rank could not write its part"
-        self.failures, self.last_error = self.failures + 1, str(reason)
         if not self.cfg.allow_failures:
             raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {self.env.checkpoint_root} "
                                        f"({reason}). Training stops so that it never runs unprotected; free space "
                                        "or fix storage, then resume") from error
-        self.failing_since = self.failing_since or step
+        self.failing_since, self.last_error = self.failing_since or step, str(reason)
+        self._record("checkpoint_failed", step, error=self.last_error)
+
+    def _record(self, event: str, step: int, **fields) -> None:
+        """An event of the run going unprotected (checkpoint.allow_failures) or protected again."""
+        if self.world.rank == 0:
+            append_event(os.path.join(self.env.run_dir, EVENTS_FILE),
+                         {"event": event, "time": time.time(), "step": step,
+                          "unprotected_since": self.failing_since, **fields})
 
     def _publish(self, pending: _Pending, entries: dict[str, FileEntry]) -> None:
         c, root, storage_cfg = self.cfg, self.env.checkpoint_root, self.storage_cfg
@@ -192,4 +201,9 @@ class Checkpointer:
             names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
             for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
                 storage.delete_dir(storage.join(root, name), storage_cfg)
+        if self.failing_since is not None:
+            self._record("checkpoint_recovered", pending.step)
+            if self.world.rank == 0:
+                print(f"raylm: checkpoints are written again (none from step {self.failing_since} to "
+                      f"{pending.step})", flush=True)
         self.failing_since = None

@@ -60,8 +60,8 @@ def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[di
 _unwritten: dict[str, list[bytes]] = {}
 
 
-def append_line(path: str, row: dict) -> bool:
-    """Append one row to a local JSON-lines record; False when the disk is full.
+def append_line(path: str, row: dict) -> None:
+    """Append one row to a local JSON-lines record.
 
     A full disk must not stop training (checkpoints have their own policy): the row is kept, with
     one warning, and written with the next row that fits, in order. A line cut short by the full
@@ -71,18 +71,20 @@ def append_line(path: str, row: dict) -> bool:
     pending.append(json.dumps(row).encode() + b"\n")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "ab") as f:
-            prefix = b"\n" if f.tell() and _last_byte(path) != b"\n" else b""
-            f.write(prefix + b"".join(pending))
+        with open(path, "a+b") as f:  # appends go to the end; the last byte is read in place
+            end, torn = f.seek(0, os.SEEK_END), False
+            if end:
+                f.seek(end - 1)
+                torn = f.read(1) != b"\n"
+            f.write((b"\n" if torn else b"") + b"".join(pending))
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         if len(pending) == 1:
             print(f"WARNING: {path}: the disk is full ({e.strerror}); its rows are kept in memory and "
                   "written once there is space", flush=True)
-        return False
+        return
     pending.clear()
-    return True
 
 
 def append_event(path: str, event: dict) -> None:
@@ -96,7 +98,3 @@ def rewrite_records(path: str, rows: list[dict]) -> None:
     storage.write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
 
 
-def _last_byte(path: str) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1)
