@@ -60,7 +60,10 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 # RAY_agent_register_timeout_ms: a raylet aborts (a C++ check) when its dashboard agent has not
 # reported its ports within this; on a machine loaded far past its cores that took longer than
 # Ray's default, and the node never came back.
-BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20", "RAY_agent_register_timeout_ms": "300000"}
+# RAY_TRAIN_ENABLE_PREEMPTION_WATCHER: these nodes can be drained (`ray drain-node`, a spot
+# reclaim's notice), which only the watcher that one machine's Ray goes without passes on to a run.
+BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20", "RAY_agent_register_timeout_ms": "300000",
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
 NODE_MARKER = "RAYLM_LOCAL_CLUSTER_NODE"  # value: the node's temp dir, unique per node
 _PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
@@ -229,6 +232,24 @@ class LocalCluster:
         killed = kill_process_trees(self._roots(node))
         node.procs = []
         return sorted(pid for pid, _ in killed)
+
+    def drain_node(self, index: int, deadline_s: int, message: str = "spot reclaim (simulated)") -> str:
+        """Announce worker node `index`'s preemption as a cloud's autoscaler does, and as Ray's own
+        tests simulate one: `ray drain-node` with the preemption reason and a deadline `deadline_s`
+        seconds away. Ray schedules nothing new there and does not kill it; `kill_node` at the
+        deadline is the cloud taking it. Returns the node's Ray id."""
+        node_id = self.node_ids().get(self._worker(index).index)
+        if node_id is None:
+            raise LocalClusterError(f"node {index} is not alive: nothing to drain")
+        args = [sys.executable, "-m", "ray.scripts.scripts", "drain-node", f"--address={self.address}",
+                f"--node-id={node_id}", "--reason=DRAIN_NODE_REASON_PREEMPTION", f"--reason-message={message}",
+                f"--deadline-remaining-seconds={deadline_s}"]
+        done = subprocess.run(args, env={**os.environ, **self.driver_env()}, capture_output=True, text=True,
+                              timeout=60)
+        if done.returncode != 0:
+            raise LocalClusterError(f"`ray drain-node` of node {index} exited with {done.returncode}:\n"
+                                    f"{done.stdout}{done.stderr}")
+        return node_id
 
     def stop(self) -> None:
         """Kill every process this cluster started, by PID, all frozen first (no node sees
@@ -408,7 +429,8 @@ class LocalCluster:
                 if attempt == _START_ATTEMPTS or time.monotonic() > deadline:
                     raise LocalClusterError(f"`ray start` of node {node.index} ({node.ip}) "
                                             f"{'timed out' if code is None else f'exited with {code}'} and its "
-                                            f"raylet is not running (attempt {attempt}):\n{_tail(log_path)}")
+                                            f"raylet is not running (attempt {attempt}):\n{_tail(log_path)}"
+                                            f"{_raylet_last_words(node)}")
                 pending.append(node)
             if not pending:
                 break
@@ -446,6 +468,19 @@ def _wait(done: Callable[[], bool], timeout_s: float, describe: Callable[[], str
             raise TimeoutError(f"after {timeout_s:.0f} s: {describe()}")
         time.sleep(0.2)
     return time.monotonic() - start
+
+
+def _raylet_last_words(node: Node) -> str:
+    """The fatal line of the node's newest raylet log and the frames that name its caller: why
+    the raylet exited (e.g. its dashboard agent's port file not written within Ray's 15 s)."""
+    logs = sorted(Path(node.temp_dir).glob("session_latest/logs/raylet*.out"), key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return ""
+    lines = logs[-1].read_text(errors="replace").splitlines()
+    fatal = [i for i, line in enumerate(lines) if "Check failed" in line or line.startswith("[") and " F " in line[:40]]
+    if not fatal:
+        return ""
+    return f"\nthe raylet's last words ({logs[-1]}):\n" + "\n".join(lines[fatal[-1]:fatal[-1] + 5]) + "\n"
 
 
 def _tail(path: str, lines: int = 25) -> str:
