@@ -4,6 +4,7 @@
     scripts/local-cluster status
     scripts/local-cluster kill-node 2      # SIGKILL node 2's processes: a node loss
     scripts/local-cluster start-node 2     # the node comes back (same IP and temp dir)
+    scripts/local-cluster preempt-node 2 --deadline 30   # a spot reclaim: notice, then kill at 30 s
     scripts/local-cluster stop
 
 The head serves Ray's job API on 127.0.0.1 (`ray job submit`, `raylm submit`), and Ray's token
@@ -71,6 +72,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, text in (("kill-node", "SIGKILL every process of worker node N"),
                        ("start-node", "start worker node N again after kill-node")):
         commands.add_parser(name, help=text).add_argument("index", type=int, metavar="N")
+    preempt = commands.add_parser("preempt-node", help="drain worker node N with a preemption deadline (a "
+                                  "spot reclaim's notice), then kill it at the deadline")
+    preempt.add_argument("index", type=int, metavar="N")
+    preempt.add_argument("--deadline", type=int, default=30, help="seconds from the notice to the kill "
+                         "(default: %(default)s; AWS gives 120, GCP 30)")
     commands.add_parser("status", help="nodes, Ray's view of them, their process counts")
     commands.add_parser("stop", help="kill every process the cluster started")
     args = parser.parse_args(argv)
@@ -106,6 +112,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             cluster.start_node(args.index)
             cluster.save(args.state)
             print(f"node {args.index} rejoined in {time.monotonic() - began:.1f} s\n{_status(cluster)}")
+        elif args.command == "preempt-node":
+            cluster = _load(args.state)
+            node_id = cluster.drain_node(args.index, args.deadline)
+            print(f"node {args.index} ({node_id}) drained for preemption; killing it in {args.deadline} s", flush=True)
+            time.sleep(args.deadline)
+            pids = cluster.kill_node(args.index)
+            cluster.save(args.state)
+            print(f"killed node {args.index} (pids {' '.join(map(str, pids))})")
         elif args.command == "status":
             print(_status(_load(args.state)))
         elif args.command == "stop":

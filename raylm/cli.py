@@ -120,6 +120,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _limit(text: str) -> int | float:
+    """lm-eval's --limit: documents per task, or below 1 a fraction of each task's."""
+    value = _parsed(text, float, "a number")
+    if not 0 < value < float("inf") or (value >= 1 and not value.is_integer()):
+        raise argparse.ArgumentTypeError(f"must be a whole number of documents or a fraction in (0, 1), got {text!r}")
+    return value if value < 1 else int(value)
+
+
+def _non_negative_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _parsed(text, float, "a number")
     if not 0 <= value < 1:
@@ -243,6 +258,20 @@ def cmd_import(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     import json
 
+    if (args.data is None) == (args.tasks is None):
+        raise ConfigError("give --data (loss over a prepared split) or --tasks (lm-eval benchmarks), one of them")
+    if args.tasks is not None:
+        from raylm.inference.tasks import evaluate_tasks  # lm_eval: only here
+
+        evaluate_tasks(args.checkpoint, [t.strip() for t in args.tasks.split(",") if t.strip()],
+                       args.output or "eval-tasks.json", args.include_path, args.limit, args.num_fewshot,
+                       args.workers, args.batch_rows, _storage(args), args.ray_address, args.cpus_per_worker,
+                       args.gpus_per_worker)
+        return
+    for flag, value in (("--include-path", args.include_path), ("--limit", args.limit),
+                        ("--num-fewshot", args.num_fewshot)):
+        if value is not None:
+            raise ConfigError(f"{flag} applies to --tasks, not to --data")
     from raylm.inference.evaluate import evaluate
 
     result = evaluate(args.checkpoint, args.data, args.split, args.output, args.workers, args.rows_per_part,
@@ -384,18 +413,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage_args(p)
     p.set_defaults(fn=cmd_import)
 
-    p = sub.add_parser("eval", help="loss, perplexity and bits-per-byte over a whole split, on Ray workers")
+    p = sub.add_parser("eval", help="loss, perplexity and bits-per-byte over a whole split (--data), or "
+                       "lm-evaluation-harness tasks (--tasks), on Ray workers",
+                       epilog="examples: raylm eval runs/demo --data data/prepared; "
+                       "raylm eval runs/demo --tasks hellaswag,arc_easy --limit 100")
     p.add_argument("checkpoint", help="checkpoint directory, or run directory (its newest complete checkpoint)")
-    p.add_argument("--data", required=True, help="prepared dataset (directory or s3://)")
+    p.add_argument("--data", help="prepared dataset (directory or s3://): the loss over its --split")
     p.add_argument("--split", default="val")
-    p.add_argument("--output", help="result JSON (default: eval-<split>.json); parts go to <stem>.parts/, "
-                   "and a rerun reuses them")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks, groups or tags (extra `eval`), e.g. "
+                   "hellaswag,arc_easy: scored with the checkpoint's own model and tokenizer")
+    p.add_argument("--include-path", help="--tasks: a directory of extra task YAMLs (lm-eval's --include_path)")
+    p.add_argument("--limit", type=_limit, help="--tasks: documents per task, or below 1 a fraction of them")
+    p.add_argument("--num-fewshot", type=_non_negative_int, help="--tasks: few-shot examples (default: each task's)")
+    p.add_argument("--output", help="result JSON (default: eval-<split>.json, parts in <stem>.parts/ that a rerun "
+                   "reuses; with --tasks eval-tasks.json, lm-eval's results)")
     p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default: as many as the "
                    "cluster's CPUs allow)")
     p.add_argument("--cpus-per-worker", type=_positive_int, default=1, help="CPUs (and torch threads) per actor")
     p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0, help="GPUs per actor (it evaluates on one when given)")
     p.add_argument("--rows-per-part", type=_positive_int, default=256, help="rows per unit of work and of resumption")
-    p.add_argument("--batch-rows", type=_positive_int, default=8, help="rows per forward pass")
+    p.add_argument("--batch-rows", type=_positive_int, default=8, help="rows (sequences) per forward pass")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_eval)

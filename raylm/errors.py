@@ -12,7 +12,15 @@
 Subclasses live beside the code that raises them (`CheckpointError` with the checkpoint format,
 `GuardStopped` with the guard); all are importable without torch, since Ray Train's controller
 unpickles a worker's error to decide.
+
+A third outcome is no error of the run: `Preempted`, raised by every rank once it has saved
+ahead of a node reclaim.
 """
+
+from __future__ import annotations
+
+import time
+from typing import Optional
 
 
 class DeterministicError(Exception):
@@ -40,3 +48,20 @@ class RecordError(DeterministicError, ValueError):
 class RunFailedError(DeterministicError):
     """Ray Train gave up on the run after `run.max_failures` restarts; the message names the last
     failure of each rank."""
+
+
+class Preempted(Exception):
+    """The cluster is taking nodes of the run back (a spot reclaim, announced by a drain with a
+    deadline): every rank stopped at the same step boundary after saving a checkpoint there, so
+    that Ray Train restarts the worker group from it without those nodes. Neither kind above:
+    the restart counts against `run.max_preemptions`, not `run.max_failures`
+    (`raylm.launch.recovery`)."""
+
+    def __init__(self, node_ranks: dict[str, list[int]], deadline: Optional[float], step: int, saved: bool):
+        self.node_ranks, self.deadline, self.step, self.saved = node_ranks, deadline, step, saved
+        left = "no deadline given" if deadline is None else f"deadline {deadline - time.time():+.0f} s"
+        super().__init__(f"node(s) {', '.join(sorted(node_ranks))} preempted ({left}); "
+                         + (f"saved step {step}" if saved else f"no checkpoint could be saved at step {step}"))
+
+    def __reduce__(self):  # the controller unpickles it with its fields, not the message alone
+        return type(self), (self.node_ranks, self.deadline, self.step, self.saved)

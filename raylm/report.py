@@ -30,7 +30,7 @@ NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
                 "batch_skipped": "tab:olive", "lr_cut": "tab:blue", "hard_batch": "tab:gray", "rerun": "tab:pink",
                 "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
-                "lease_taken_over": "tab:cyan"}
+                "lease_taken_over": "tab:cyan", "preempted": "gold"}
 RUN_STYLES = ("-", "--", ":", "-.")
 
 
@@ -98,8 +98,8 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
 def summarize(run: RunRecord) -> dict:
     """Final losses, tokens, time; time lost to failures; goodput.
 
-    Productive time is the step time of the committed steps. Time lost to a failure is the gap
-    from the failure to the resume that followed it, plus the steps trained again (the resume's
+    Productive time is the step time of the committed steps. Time lost to a failure (or a
+    preemption) is the gap from it to the resume that followed it, plus the steps trained again (the resume's
     `steps_lost`, at the median step time); a guard rollback loses the steps it trains again.
     Wall time comes from timestamps (metrics rows' `time`, when the loop writes it, and events);
     without them goodput is over the time accounted for: steps, checkpoint stalls and losses.
@@ -111,7 +111,7 @@ def summarize(run: RunRecord) -> dict:
     stalls = sum(r.get("checkpoint_s", 0.0) for r in rows)
     lost, failure_time = 0.0, None
     for event in sorted((e for e in events if "time" in e), key=lambda e: e["time"]):
-        if event.get("event") == "failure":
+        if event.get("event") in ("failure", "preempted"):
             failure_time = failure_time or event["time"]
         elif event.get("event") == "resumed":
             if failure_time is not None:
@@ -131,6 +131,7 @@ def summarize(run: RunRecord) -> dict:
         "final val_loss": val[-1]["val_loss"] if val else None,
         "best val_loss": min(r["val_loss"] for r in val) if val else None,
         "failures": sum(e.get("event") == "failure" for e in events),
+        "preemptions": sum(e.get("event") == "preempted" for e in events),
         "restarts": sum(e.get("event") == "resumed" for e in events),
         "resizes": sum("resize" in e or e.get("event") == "resize" for e in events),
         "skipped samples": _skipped(rows, events),

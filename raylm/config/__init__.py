@@ -8,12 +8,12 @@ from raylm.config.load import (build_dataclass, config_changes, config_from_dict
 from raylm.config.schema import (CONFIG_FILE, ActivationCheckpointing, BatchRampup, CheckpointConfig, Config,
                                  DataConfig, GuardConfig, LRScheduleName, MixtureComponent, ModelConfig, OptimConfig,
                                  ParallelConfig, PipelineScheduleName, ProfileConfig, RunConfig, ScheduleConfig,
-                                 Sharding, StorageConfig, TrainConfig)
+                                 Sharding, StorageConfig, TaskEvalConfig, TrainConfig)
 from raylm.errors import ConfigError
 
 __all__ = ["CONFIG_FILE", "ActivationCheckpointing", "BatchRampup", "CheckpointConfig", "Config", "ConfigError",
            "DataConfig", "GuardConfig", "LRScheduleName", "MixtureComponent", "ModelConfig", "OptimConfig",
            "ParallelConfig", "PipelineScheduleName", "ProfileConfig", "RunConfig", "ScheduleConfig", "Sharding", "StorageConfig",
-           "TrainConfig", "build_dataclass", "config_changes", "config_from_dict", "config_to_dict", "config_to_yaml",
+           "TaskEvalConfig", "TrainConfig", "build_dataclass", "config_changes", "config_from_dict", "config_to_dict", "config_to_yaml",
            "flat_keys", "global_batch_sequences", "load_config", "merge_trees", "parse_overrides", "saved_config",
            "validate"]

@@ -22,6 +22,20 @@ def validate(cfg: Config) -> None:
     if t.profile is not None and not (1 <= t.profile.start_step <= t.steps and t.profile.steps >= 1):
         raise ConfigError(f"train.profile: start_step must be in [1, train.steps={t.steps}] and steps >= 1, "
                           f"got start_step={t.profile.start_step}, steps={t.profile.steps}")
+    tasks = t.eval_tasks
+    if tasks is not None:
+        if not tasks.tasks or tasks.every_steps < 1 or tasks.batch_size < 1:
+            raise ConfigError(f"train.eval_tasks: tasks must name at least one task, every_steps and batch_size "
+                              f"must be >= 1, got tasks={tasks.tasks}, every_steps={tasks.every_steps}, "
+                              f"batch_size={tasks.batch_size}")
+        if (tasks.limit is not None and not (tasks.limit > 0 and (tasks.limit < 1 or tasks.limit.is_integer()))) \
+                or (tasks.num_fewshot is not None and tasks.num_fewshot < 0):
+            raise ConfigError(f"train.eval_tasks: limit must be a whole number of documents or a fraction in (0, 1) "
+                              f"and num_fewshot >= 0, got limit={tasks.limit}, num_fewshot={tasks.num_fewshot}")
+        if cfg.parallel.pp > 1:
+            # Its forwards run outside the pipeline schedule, on a whole model per rank.
+            raise ConfigError("train.eval_tasks needs a layout without pipeline stages (parallel.pp=1); "
+                              "score the run's checkpoints with `raylm eval CHECKPOINT --tasks ...` instead")
     if (t.global_batch_size is None) == (t.global_batch_tokens is None):
         raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
                           "(set the other to null)")

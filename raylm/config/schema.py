@@ -39,6 +39,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     pos_embedding: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0
+    attention: Literal["causal", "document"] = "causal"
+    """causal: a token attends to every earlier token of its packed row, across documents.
+    document: only to earlier tokens of its own document (documents end with the tokenizer's
+    end-of-text token), with positions restarting at each document; training and its validation
+    loss only: generation, `raylm eval` and export treat a sequence as one document."""
     mlp: Literal["swiglu", "gelu", "relu"] = "swiglu"
     ffn_hidden: Optional[int] = None
     """MLP hidden width; None gives 4*d_model (gelu, relu) or the LLaMA 2/3 * 4*d_model
@@ -140,6 +145,27 @@ class ProfileConfig:
 
 
 @dataclass
+class TaskEvalConfig:
+    """Downstream tasks scored with lm-evaluation-harness (extra `eval`) during training, as
+    `raylm eval --tasks` scores a checkpoint: every rank runs the same requests through its share
+    of the model (the forwards are collective) and rank 0 logs each score in metrics.jsonl as
+    `<task>/<metric>` (e.g. `hellaswag/acc_norm`). Keep the set small (limit): training waits."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task, group or tag names, e.g. [hellaswag, arc_easy]."""
+    every_steps: int = 1000
+    """Steps between evaluations (and at the last step)."""
+    limit: Optional[float] = None
+    """Documents per task, or below 1 a fraction of each task's (lm-eval's --limit); None: all."""
+    num_fewshot: Optional[int] = None
+    """Few-shot examples; None: each task's default."""
+    include_path: Optional[str] = None
+    """Directory of extra task YAMLs (lm-eval's --include_path), readable from every worker."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = 1000
     global_batch_size: Optional[int] = 32
@@ -170,6 +196,9 @@ class TrainConfig:
     eval_every: int = 100
     """Validation loss on the held-out split every N steps (and at the last step); 0: never."""
     eval_batches: int = 8
+    eval_tasks: Optional[TaskEvalConfig] = None
+    """lm-eval tasks every N steps, e.g. {tasks: [hellaswag], every_steps: 500, limit: 200} (see
+    TaskEvalConfig); None: never."""
     log_every: int = 1
     """Steps between progress lines; metrics.jsonl gets every step."""
     report_every_s: float = 30.0
@@ -312,6 +341,10 @@ class RunConfig:
     """Worker-group restarts from the latest checkpoint before the run fails (-1: unlimited). Only
     failures a restart can cure count (a dead worker or node, a network or storage hiccup): a
     deterministic error (config, data, guard stop, full disk) ends the run at once."""
+    max_preemptions: int = -1
+    """Restarts after a node reclaim (a spot instance taken back, announced by a drain with a
+    deadline: the run saves at the next step boundary and restarts from there) before the run
+    fails; -1 (Ray Train's default): unlimited. They do not count against max_failures."""
     lease_timeout_s: float = 120.0
     """A run holds a lease on its directory (run.lease) while it trains, so that a second run of
     the same name and storage is refused; a lease whose heartbeat is older than this is taken

@@ -72,10 +72,10 @@ def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) ->
     return model, tokenizer, cfg
 
 
-def read_checkpoint_tokenizer(directory: str, uri: str) -> Tokenizer:
-    """The tokenizer saved in the local checkpoint `directory` (`uri` names it in errors)."""
-    with open(os.path.join(directory, TOKENIZER_FILE), "rb") as f:
-        data = f.read()
+def read_checkpoint_tokenizer(directory: str, uri: str, storage_cfg: Optional[StorageConfig] = None) -> Tokenizer:
+    """The tokenizer saved in the checkpoint `directory` (a local copy of `uri`, or `uri` itself;
+    `uri` names it in errors)."""
+    data = storage.read_bytes(storage.join(directory, TOKENIZER_FILE), storage_cfg)
     try:
         return tokenizer_from_json(data.decode("utf-8"), name=storage.join(uri, TOKENIZER_FILE))
     except ValueError as e:  # not UTF-8, not JSON, not a tokenizer

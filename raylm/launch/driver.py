@@ -15,7 +15,7 @@ from raylm.data import storage
 from raylm.errors import RunFailedError
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
-from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures
+from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.lease import RunLease
@@ -99,7 +99,8 @@ def _fit(spec: RunSpec, uri: str) -> None:
             elastic_resize_monitor_interval_s=parallel.resize_check_s),
         run_config=ray.train.RunConfig(
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures,
+                                                   max_preemption_failures=cfg.run.max_preemptions),
             callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
             # Train's print patch tees every print into its logger as well: lines came out twice.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
@@ -111,14 +112,18 @@ def _fit(spec: RunSpec, uri: str) -> None:
     try:
         trainer.fit()
     except ray.train.WorkerGroupError as e:
-        raise run_error(e.worker_failures, cfg.run.max_failures) from None
+        raise run_error(e.worker_failures, cfg.run.max_failures, cfg.run.max_preemptions) from None
 
 
-def run_error(worker_failures: dict, max_failures: int) -> Exception:
+def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) -> Exception:
     """The error a failed run ends with: the deterministic error that stopped it, as its rank
-    raised it; else Ray Train's giving up after `max_failures` restarts, each rank's cause in a line."""
+    raised it; else Ray Train's giving up after `max_preemptions` node reclaims or `max_failures`
+    restarts, each rank's cause in a line."""
     if stopped := deterministic_failures(worker_failures):
         return next(iter(stopped.values()))
+    if notice := preemption(worker_failures):
+        return RunFailedError(f"the run was preempted more than run.max_preemptions={max_preemptions} time(s); "
+                              f"the last: {notice}. events.jsonl lists every preemption")
     causes = "; ".join(f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
                        for rank, e in sorted(worker_failures.items()))
     return RunFailedError(f"the run failed after {max_failures} restart(s) (run.max_failures); the last failure: "

@@ -19,6 +19,7 @@ from raylm.train.checkpoint import format as checkpoint
 from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
+from raylm.train.resilience.preemption import Notice
 from raylm.train.checkpoint.resume import open_latest
 from raylm.train.spec import RunSpec, local_run_dir, run_uri
 
@@ -75,6 +76,15 @@ class RayTrainEnv:
         import ray.train
 
         ray.train.report(metrics)
+
+    def preemption_notice(self) -> Optional[Notice]:
+        import ray.train
+
+        info = ray.train.get_preemption_info()  # rank 0's, broadcast: every rank gets the same
+        if info is None:
+            return None
+        deadline = None if info.deadline_ms is None else info.deadline_ms / 1000
+        return Notice(dict(info.preempted_node_to_ranks), deadline)
 
 
 def train_worker(loop_config: dict) -> None:

@@ -30,7 +30,7 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
         raise ConfigError(f"model.vocab_size must be a positive int to build a model, got {cfg.vocab_size!r} "
                           "(None is filled in from the prepared dataset)")
     choices = {"norm": ("rmsnorm", "layernorm"), "pos_embedding": ("rope", "learned"),
-               "mlp": ("swiglu", "gelu", "relu")}
+               "mlp": ("swiglu", "gelu", "relu"), "attention": ("causal", "document")}
     for name, valid in choices.items():
         if getattr(cfg, name) not in valid:
             raise ConfigError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")

@@ -62,12 +62,40 @@ def rope_cache(seq_len: int, head_dim: int, theta: float, device: Optional[torch
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, hd) by angle position * freq_i (LLaMA layout)."""
-    cos, sin = cache.chunk(2, dim=-1)  # (T, hd/2) each
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, hd/2)
+    """Rotate each pair (x[2i], x[2i+1]) of x (B, T, H, hd) by angle position * freq_i (LLaMA layout).
+
+    `cache` holds the rows of x's positions: (T, hd), the same for every sequence, or (B, T, hd).
+    """
+    cos, sin = cache.chunk(2, dim=-1)  # (T, hd/2) or (B, T, hd/2) each
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, hd/2) each; rotate in fp32
     rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (B, T, H, hd/2, 2)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_ids(tokens: torch.Tensor, end_id: int) -> torch.Tensor:
+    """The document of each token of packed rows (B, T) whose documents end with (and include) the
+    token `end_id`: the count of ends before it. A row's first tokens, the rest of a document
+    begun in an earlier row, are a document of their own."""
+    ends = (tokens == end_id).long()
+    return ends.cumsum(dim=1) - ends
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position within its document (B, T): 0 where the id changes, counting up
+    from there; a document's tokens must be contiguous."""
+    T = document_ids.shape[1]
+    index = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """SDPA's boolean mask (B, 1, T, T), True where query t may attend to key s: s <= t, same document."""
+    T = document_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
+    return ((document_ids[:, :, None] == document_ids[:, None, :]) & causal)[:, None]
 
 
 # Random initial values come in blocks of whole rows (dim 0) of about this many values, each
@@ -114,7 +142,8 @@ class ParamInit:
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped-query (GQA) and multi-query (MQA) variants."""
+    """Causal multi-head attention with grouped-query (GQA) and multi-query (MQA) variants, over
+    the whole sequence or, given a `document_mask`, within each document."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,7 +156,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, n_kv_heads * hd, bias=cfg.bias)
         self.wo = nn.Linear(cfg.n_heads * hd, d, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: tensor parallel gives this rank a slice of the heads, so count them from shapes.
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
@@ -140,8 +169,12 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)  # (B, T, H, hd)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        # A boolean mask rather than flex_attention: torch 2.13 has no flex_attention backward on
+        # CPU, where SDPA's fused kernel takes the mask (a step costs 1.11x a causal one,
+        # benchmarks/RESULTS.md); on CUDA a mask moves SDPA from flash to memory-efficient attention.
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, is_causal=True)  # (B, H, T, hd)
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=mask is None)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.wo(y)
 
@@ -176,11 +209,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.dropout = nn.Dropout(cfg.dropout)  # residual dropout on each branch's output
 
-    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
         h = self.attention_norm(x)  # (B, T, d)
         if self.parallel_block:  # one norm feeds both branches, so their matmuls can run together
-            return x + self.dropout(self.attention(h, rope)) + self.dropout(self.feed_forward(h))
-        x = x + self.dropout(self.attention(h, rope))
+            return x + self.dropout(self.attention(h, rope, mask)) + self.dropout(self.feed_forward(h))
+        x = x + self.dropout(self.attention(h, rope, mask))
         return x + self.dropout(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -260,28 +293,36 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(self.param_init(name).draw(tuple(param.shape), seed))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens (B, T) ids -> logits (B, T, vocab).
 
         A pipeline stage without tok_embeddings takes hidden states (B, T, d) instead, and one
-        without output returns hidden states. Positions are 0..T-1.
+        without output returns hidden states (every stage is given the same `document_ids`).
+        Without `document_ids` a row is one sequence: positions 0..T-1, each token attending to
+        every earlier one. With them (B, T; see `document_ids()`), a token attends only to earlier
+        tokens of its own document and positions restart at each document's first token, so a
+        packed document gets the logits it would get alone.
         """
         T = tokens.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len ({self.cfg.max_seq_len})")
+        if document_ids is None:
+            positions, mask = torch.arange(T, device=tokens.device), None  # (T,): the same for every row
+        else:
+            positions, mask = document_positions(document_ids), document_mask(document_ids)  # (B, T), (B, 1, T, T)
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)  # (B, T, d)
             if self.pos_embeddings is not None:
-                h = h + self.pos_embeddings(torch.arange(T, device=tokens.device))  # (T, d) broadcast over B
+                h = h + self.pos_embeddings(positions)  # (T, d) broadcast over B, or (B, T, d)
             h = self.dropout(h)
         elif self.pos_embeddings is not None:
             raise ValueError("pos_embeddings is set but tok_embeddings is None: a pipeline stage that "
                              "does not embed tokens must drop pos_embeddings too")
         else:
             h = tokens  # hidden states from the previous pipeline stage, (B, T, d)
-        rope = self.rope_cache[:T] if self.rope_cache is not None else None  # (T, hd)
+        rope = self.rope_cache[positions] if self.rope_cache is not None else None  # (T, hd) or (B, T, hd)
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

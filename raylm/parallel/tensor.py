@@ -71,8 +71,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             # A parallel block feeds the attention norm's output to both branches: each gathers it.
-            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                   desired_input_layouts=(Replicate(), None))
+            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
             if block.ffn_norm is not None:
                 plan["ffn_norm"] = SequenceParallel()
@@ -81,9 +81,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, 
     _replicate_the_rest(model, tp_mesh)
     if sequence_parallel:
         blocks = list(model.layers.values())
-        # Enter whole (B, T, d) -> local (B, T/tp, d): a slice, no communication.
+        # Enter whole (B, T, d) -> local (B, T/tp, d): a slice, no communication. The RoPE rows and
+        # the document mask stay whole: attention runs on whole sequences.
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+            input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
+            use_local_output=True))
         if model.norm is None:  # a stage that hands hidden states on: gather them whole
             parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
                 output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))

@@ -14,6 +14,7 @@ from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import open_latest
 from raylm.train.observe.records import EVENTS_FILE
+from raylm.train.resilience.preemption import Notice
 
 
 class TrainEnv(Protocol):
@@ -35,6 +36,10 @@ class TrainEnv(Protocol):
 
     def report(self, metrics: dict) -> None:
         """Progress for the cluster's bookkeeping (not every step: it may block)."""
+
+    def preemption_notice(self) -> Optional[Notice]:
+        """The cluster's notice that it takes nodes of the run back, the same on every rank (all
+        ranks call it together), or None."""
 
 
 class LocalEnv:
@@ -72,3 +77,6 @@ class LocalEnv:
 
     def report(self, metrics: dict) -> None:
         pass
+
+    def preemption_notice(self) -> Optional[Notice]:
+        return None  # no cluster takes its nodes back

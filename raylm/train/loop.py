@@ -13,7 +13,7 @@ import contextlib
 import math
 import os
 import time
-from typing import Iterator, Optional
+from typing import Iterator, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
 from raylm.data.stream import Batch, TokenStream
 from raylm.data.tokenizer import TOKENIZER_FILE
-from raylm.errors import DivergedError
+from raylm.errors import DivergedError, Preempted
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.world import World
@@ -40,10 +40,11 @@ from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience.guard import Guard, skipped_samples
+from raylm.train.resilience.preemption import Notice, PreemptionPoll
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
-from raylm.train.validation import ValidationSet
+from raylm.train.validation import TaskScores, ValidationSet
 
 
 def train(spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
@@ -77,7 +78,8 @@ class Trainer:
         self.events_path = os.path.join(env.run_dir, EVENTS_FILE)
         self.world = world = World.current(env.device())
         self.source = spec.datasets.open_split("train", cfg.data, cfg.storage)
-        self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size))
+        self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size),
+                                 spec.datasets.manifest.tokenizer.eot_id)
         self.optimizer = build_optimizer(self.model.parts, cfg.optim)
         self.state = self._restore()
         self.guard: Optional[Guard] = None
@@ -93,9 +95,11 @@ class Trainer:
             if self.state.loss_scale else None
         self.evals = ValidationSet(spec, self.model, spec.global_batch, cfg.train.eval_batches) \
             if cfg.train.eval_every > 0 else None
+        self.tasks = TaskScores(spec, self.model) if cfg.train.eval_tasks is not None else None
         # What a checkpoint needs besides tensors to be usable on its own (generation, export).
         files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
+        self.preemption = PreemptionPoll(env.preemption_notice, world)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
         self.logger = MetricsLogger(cfg, env.run_dir, world)
@@ -170,6 +174,8 @@ class Trainer:
                 continue
             metrics = step_metrics
             self._after_step(batch.step, metrics)
+            if self.state.step < self.last and (notice := self.preemption.poll()):
+                self._stop_for_preemption(notice, metrics)
         self.checkpointer.wait()
         return metrics
 
@@ -349,25 +355,47 @@ class Trainer:
             metrics["val_loss"] = self.evals.loss(self.model, cfg.train.micro_batch_size)
             metrics["val_bpb"] = self.evals.bits_per_byte(metrics["val_loss"])
             self.t0 = time.perf_counter()  # evaluation is not step time
+        if self.tasks is not None and (state.step == self.last or state.step % cfg.train.eval_tasks.every_steps == 0):
+            metrics.update(self.tasks.scores(state.step))
+            self.t0 = time.perf_counter()
         if self.checkpointer.failing_since is not None:
             metrics["unprotected_steps"] = state.step - self.checkpointer.failing_since
         for hook in self.hooks:
             hook.on_step_end(self.run, step, metrics)
         self.run.history.append(metrics)
         if self.checkpointer.due(state.step, self.last):
-            save_start = time.perf_counter()
-            if self.guard is not None:
-                self.guard.save_history(state)
-            self.checkpointer.save(state.step, {**vars(state), "tokenizer_sha256": self.spec.tokenizer_sha256},
-                                   metrics)
-            self.t0 = time.perf_counter()
-            self.checkpoint_s = self.t0 - save_start  # outside step_time: reported with the next step
-            self.last_report = time.monotonic()
+            self._save(metrics)
         elif cfg.train.report_every_s > 0 and self.world.agree(
                 time.monotonic() - self.last_report >= cfg.train.report_every_s, "rank0"):
             self.env.report(metrics)
             self.last_report = time.monotonic()
         self._checkpoint_health()
+
+    def _save(self, metrics: dict) -> None:
+        save_start = time.perf_counter()
+        if self.guard is not None:
+            self.guard.save_history(self.state)
+        self.checkpointer.save(self.state.step, {**vars(self.state), "tokenizer_sha256": self.spec.tokenizer_sha256},
+                               metrics)
+        self.t0 = time.perf_counter()
+        self.checkpoint_s = self.t0 - save_start  # outside step_time: reported with the next step
+        self.last_report = time.monotonic()
+
+    def _stop_for_preemption(self, notice: Notice, metrics: dict) -> NoReturn:
+        """Nodes of the run are being taken back: a checkpoint of this step boundary (unless this
+        step's own is already written, or the deadline has passed), then every rank stops with
+        `Preempted`, for Ray Train to restart the run from it without those nodes. Stopping, not
+        training on until the node goes: a step after the save would be trained again."""
+        step = self.state.step
+        self.checkpointer.wait()
+        # Rank 0's clock decides for all: the save is collective.
+        if self.world.agree(self.checkpointer.published_step != step and not notice.passed(), "rank0"):
+            self._save(metrics)
+            self.checkpointer.wait()
+        # Also a barrier: rank 0 gets here only once it has finalized the checkpoint, which a rank
+        # stopping sooner could otherwise have Ray Train tear down half-written.
+        saved = self.world.agree(self.checkpointer.published_step == step, "all")
+        raise Preempted(notice.node_ranks, notice.deadline, step, saved)
 
     def _checkpoint_health(self) -> None:
         """Loud while no checkpoint can be written (checkpoint.allow_failures): a warning every step

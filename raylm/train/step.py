@@ -9,7 +9,7 @@ rank's pipeline stages through a torch.distributed.pipelining schedule. Both are
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from raylm.config import Config
+from raylm.config import Config, ConfigError
+from raylm.model.transformer import document_ids
 from raylm.parallel.fsdp import set_micro_batch_sync
 from raylm.parallel.layout import ParallelDims, num_stages
 from raylm.parallel.mesh import ParallelMesh
@@ -117,10 +118,15 @@ def merged_view(parts: list[nn.Module]) -> nn.Module:
 
 
 class ParallelModel:
-    """A rank's share of the model (one part, or several pipeline chunks) and how to run it."""
+    """A rank's share of the model (one part, or several pipeline chunks) and how to run it.
 
-    def __init__(self, parts: list[nn.Module], cfg: Config, world: World, mesh: ParallelMesh):
+    With model.attention=document, `eot_id` (the token that ends each document of the packed
+    rows) gives every forward its rows' document ids: the model needs no tokenizer."""
+
+    def __init__(self, parts: list[nn.Module], cfg: Config, world: World, mesh: ParallelMesh,
+                 eot_id: Optional[int] = None):
         self.parts, self.cfg, self.world, self.mesh = parts, cfg, world, mesh
+        self.document_end = eot_id if cfg.model.attention == "document" else None
         # Every parameter this rank holds, under the plain model's names (with pp > 1 a view of
         # the chunks for checkpoints and optimizers, not a callable model).
         self.model = merged_view(parts)
@@ -141,6 +147,10 @@ class ParallelModel:
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.cfg.parallel.loss_parallel else contextlib.nullcontext()
 
+    def _documents(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments for `inputs` (B, T): their document ids, or none (causal)."""
+        return {} if self.document_end is None else {"document_ids": document_ids(inputs, self.document_end)}
+
     def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
         """Forward and backward over this rank's share of the global batch, in micro-batches.
 
@@ -155,7 +165,7 @@ class ParallelModel:
             set_micro_batch_sync(model, self.cfg.parallel.sharding, last=i == len(micro) - 1)
             with self._loss_context():
                 with autocast(self.cfg, self.world.device):
-                    logits = model(mb[:, :-1])  # (B, T, vocab)
+                    logits = model(mb[:, :-1], **self._documents(mb[:, :-1]))  # (B, T, vocab)
                 loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
                 (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             total += _whole(loss.detach())
@@ -168,7 +178,8 @@ class ParallelModel:
         total = torch.zeros((), device=self.world.device)
         for mb in micro:
             with self._loss_context(), autocast(self.cfg, self.world.device):
-                total += _whole(cross_entropy(model(mb[:, :-1]), mb[:, 1:])) / len(micro)
+                logits = model(mb[:, :-1], **self._documents(mb[:, :-1]))
+                total += _whole(cross_entropy(logits, mb[:, 1:])) / len(micro)
         self.reshard()
         return self.mean_across_dp(total)
 
@@ -227,8 +238,9 @@ class ParallelModel:
 class PipelineModel(ParallelModel):
     """Pipeline stages on this rank, driven by a torch.distributed.pipelining schedule."""
 
-    def __init__(self, stages: list[PipelineStage], cfg: Config, world: World, mesh: ParallelMesh):
-        super().__init__([s.submod for s in stages], cfg, world, mesh)
+    def __init__(self, stages: list[PipelineStage], cfg: Config, world: World, mesh: ParallelMesh,
+                 eot_id: Optional[int] = None):
+        super().__init__([s.submod for s in stages], cfg, world, mesh, eot_id)
         self.stages = stages
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
@@ -273,7 +285,10 @@ class PipelineModel(ParallelModel):
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval
         with self._loss_context(), autocast(self.cfg, self.world.device):
-            run(*inputs, target=tokens[:, 1:], losses=losses, return_outputs=False)
+            # Keyword arguments reach every stage, split into the same micro-batches as the rows:
+            # each stage masks by documents of tokens it never sees (every rank has the rows).
+            run(*inputs, target=tokens[:, 1:], losses=losses, return_outputs=False,
+                **self._documents(tokens[:, :-1]))
         # The last stage's rank knows the loss; a sum over the pipeline group hands it to all.
         loss = torch.stack([_whole(x.detach()) for x in losses]).mean() if self.has_last else \
             torch.zeros((), device=self.world.device)
@@ -298,14 +313,18 @@ class PipelineModel(ParallelModel):
 
 
 def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World,
-                dims: ParallelDims) -> ParallelModel:
-    """The model with the run's layout (`dims`, resolved for this world) applied, ready for steps."""
+                dims: ParallelDims, eot_id: Optional[int] = None) -> ParallelModel:
+    """The model with the run's layout (`dims`, resolved for this world) applied, ready for steps;
+    `eot_id`, the data's end-of-text token, is needed with model.attention=document."""
+    if cfg.model.attention == "document" and eot_id is None:
+        raise ConfigError("model.attention=document needs the end-of-text token id of the data (eot_id) "
+                          "to find the documents of a packed row")
     built = parallelize(model_factory, cfg, world, dims)
     if built.stages:
-        model: ParallelModel = PipelineModel(built.stages, cfg, world, built.mesh)
+        model: ParallelModel = PipelineModel(built.stages, cfg, world, built.mesh, eot_id)
         model.layout["pp_layers"] = built.pp_layers
     else:
-        model = ParallelModel(built.parts, cfg, world, built.mesh)
+        model = ParallelModel(built.parts, cfg, world, built.mesh, eot_id)
     if world.rank == 0:
         print(f"[raylm.parallel] layout {model.layout}", flush=True)
     return model

@@ -1,17 +1,20 @@
 """Fixed held-out batches and their loss: the validation loss the loop reports (`val_loss`,
-`val_bpb`), and the stability guard's canary."""
+`val_bpb`), and the stability guard's canary; and downstream task scores (`train.eval_tasks`)."""
 
 from __future__ import annotations
 
+import random
 from typing import Optional
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from raylm.data.stream import TokenStream
 from raylm.data.tokenizer import bits_per_byte, token_byte_lengths, tokenizer_from_json
+from raylm.downstream.scoring import Scorer
 from raylm.train.spec import RunSpec
-from raylm.train.step import ParallelModel
+from raylm.train.step import ParallelModel, autocast
 
 
 class ValidationSet:
@@ -49,3 +52,52 @@ class ValidationSet:
             return float(torch.stack(losses).mean())  # reported: the one host sync of an evaluation
         finally:
             model.train(True)
+
+
+class TaskScores:
+    """lm-evaluation-harness tasks (`train.eval_tasks`) on the model being trained, as `raylm eval
+    --tasks` scores a checkpoint. Every rank runs the same requests in the same order (lm-eval
+    seeds its own choices of documents and examples), each forward through its share of the
+    model: FSDP's gathers and TP's collectives see every rank, and every rank gets the scores."""
+
+    def __init__(self, spec: RunSpec, model: ParallelModel):
+        from raylm.downstream import harness  # lm_eval: only in runs that score tasks
+
+        cfg = spec.config
+        self.settings, self.model, self.harness = cfg.train.eval_tasks, model, harness
+        self.manager = harness.task_manager(self.settings.tasks, self.settings.include_path,
+                                            "train.eval_tasks.tasks")
+        (part,) = model.parts  # config checks refuse pipeline stages
+        device = model.world.device
+
+        def logits(ids: torch.Tensor) -> torch.Tensor:
+            with autocast(cfg, device):
+                out = part(ids.to(device))
+            return out.full_tensor() if isinstance(out, DTensor) else out  # loss_parallel: sharded by vocabulary
+
+        tokenizer = tokenizer_from_json(spec.tokenizer_json)
+        scorer = Scorer(logits, tokenizer, cfg.model.max_seq_len, self.settings.batch_size)
+        self.lm = harness.RaylmLM(tokenizer, cfg.model.max_seq_len,
+                                  lambda method, requests: getattr(scorer, method)(requests))
+
+    def scores(self, step: int) -> dict[str, float]:
+        """`task/metric` -> value (see `raylm.downstream.harness.scores`), printed by rank 0."""
+        model, settings = self.model, self.settings
+        device = model.world.device
+        model.train(False)
+        # lm-eval seeds Python's, NumPy's and torch's generators: the run's own draws (dropout)
+        # go on after it as they would have without it, so a resumed run repeats its losses.
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                results = self.harness.run_tasks(self.lm, settings.tasks, self.manager, settings.limit,
+                                                 settings.num_fewshot, bootstrap_iters=0, verbosity="WARNING")
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+            model.reshard()
+            model.train(True)
+        scores = self.harness.scores(results)
+        if model.world.rank == 0:
+            print(f"step {step:>6} | " + " | ".join(f"{name} {value:.4f}" for name, value in scores.items()), flush=True)
+        return scores

@@ -15,7 +15,7 @@ from raylm.config import ConfigError, ModelConfig, load_config
 from raylm.export.adapters import adapter_for
 from raylm.export.hf import export_hf, import_hf
 from raylm.export.hf_tokenizer import byte_tokenizer_json
-from raylm.inference.generate import generate
+from raylm.model.sampling import generate
 from raylm.inference.load import load_for_inference
 from raylm.data.tokenizer import ByteTokenizer
 from raylm.train.checkpoint import format as checkpoint

@@ -78,6 +78,7 @@ class Checkpointer:
         self.model, self.optimizer, self.world, self.files = model, optimizer, world, files
         self.last_save = time.monotonic()
         self.failing_since: Optional[int] = None  # the step of the first failed save since the last good one
+        self.published_step: Optional[int] = None  # the step of the newest checkpoint published here
         self.last_error = ""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: Optional[_Pending] = None
@@ -201,6 +202,7 @@ class Checkpointer:
             names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
             for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
                 storage.delete_dir(storage.join(root, name), storage_cfg)
+        self.published_step = pending.step
         if self.failing_since is not None:
             self._record("checkpoint_recovered", pending.step)
             if self.world.rank == 0:

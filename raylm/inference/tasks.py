@@ -1,0 +1,86 @@
+"""`raylm eval --tasks`: lm-evaluation-harness tasks (`raylm.downstream`) on a checkpoint, with
+Ray actors that each hold its model and score a share of lm-eval's requests. The actors never
+import lm_eval (it takes seconds): only the driver does, in `evaluate_tasks`."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from raylm.config import StorageConfig, saved_config
+from raylm.data import storage
+from raylm.downstream.scoring import Scorer
+from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
+from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.resume import read_saved_config
+
+if TYPE_CHECKING:
+    from raylm.downstream.harness import Limit, Runner
+
+
+class ScoringWorker(Scorer):
+    """A Ray actor's scorer over a checkpoint's own model and tokenizer, loaded once."""
+
+    def __init__(self, checkpoint_uri: str, batch_size: int, storage_cfg: Optional[StorageConfig], threads: int = 1):
+        torch.set_num_threads(threads)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        model, tokenizer, cfg = load_for_inference(checkpoint_uri, storage_cfg)
+        model = model.to(device)
+        super().__init__(lambda ids: model(ids.to(device)), tokenizer, cfg.model.max_seq_len, batch_size)
+
+    def run(self, method: str, requests: list) -> list:
+        return getattr(self, method)(requests)
+
+
+def _on_actors(pool, workers: int, batch_size: int) -> Runner:
+    """Requests in contiguous chunks over the actor pool (a few per actor, so a slow chunk does
+    not hold the others up), results put back in order."""
+    def run(method: str, requests: list) -> list:
+        size = max(batch_size, -(-len(requests) // (4 * workers)))
+        chunks = [requests[i:i + size] for i in range(0, len(requests), size)]
+        return [r for part in pool.map(lambda actor, chunk: actor.run.remote(method, chunk), chunks) for r in part]
+
+    return run
+
+
+def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_path: Optional[str] = None,
+                   limit: Limit = None, num_fewshot: Optional[int] = None, workers: Optional[int] = None,
+                   batch_size: int = 8, storage_cfg: Optional[StorageConfig] = None,
+                   ray_address: Optional[str] = None, cpus_per_worker: int = 1, gpus_per_worker: float = 0,
+                   log: Callable[[str], None] = print) -> dict:
+    """lm-eval's `tasks` on a checkpoint (or a run's newest) with Ray actors that each hold its
+    model; writes lm-eval's results JSON to `output` (local or s3://), prints lm-eval's table
+    through `log` and returns the results."""
+    import ray
+    from ray.util import ActorPool
+
+    from raylm.downstream.harness import RaylmLM, run_tasks, task_manager  # first: names the missing extra
+    from raylm.ray_runtime import start_ray
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    start = time.monotonic()
+    manager = task_manager(tasks, include_path)
+    uri = resolve_checkpoint(checkpoint_uri, storage_cfg)
+    problem = checkpoint.incomplete_reason(uri, storage_cfg)
+    if problem:
+        raise FileNotFoundError(f"checkpoint {uri} cannot be evaluated: {problem}")
+    state = json.loads(storage.read_bytes(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg))
+    tokenizer = read_checkpoint_tokenizer(uri, uri, storage_cfg)
+    max_len = saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len
+
+    start_ray(ray_address)
+    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
+    actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
+    pool = ActorPool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)])
+    log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")
+    results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size)), tasks, manager,
+                        limit, num_fewshot)
+    results["raylm"] = {"checkpoint": uri, "step": state["step"], "workers": workers,
+                        "seconds": round(time.monotonic() - start, 3)}
+    storage.write_bytes(output, json.dumps(results, indent=2, default=handle_non_serializable).encode(),
+                        storage_cfg)
+    log(make_table(results))
+    return results
