@@ -80,14 +80,18 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     try:
-        from raylm.sweep.run import SweepInterrupted, run_sweep, summary
+        from raylm.sweep.run import SweepInterrupted, refit, run_sweep, summary
     except ModuleNotFoundError as e:
         if e.name not in ("scipy", "matplotlib", "optuna"):
             raise
         print(f"raylm: error: raylm sweep needs the sweep extra (pip install 'raylm[sweep]'): {e}", file=sys.stderr)
         sys.exit(2)
+    if (args.sweep is None) == (args.refit is None):
+        raise ConfigError("give a sweep YAML to run (or resume), or --refit DIR to fit a finished sweep again")
+    if args.refit is not None and args.overrides:
+        raise ConfigError(f"--refit takes no overrides (got {' '.join(args.overrides)}): it refits what the sweep ran")
     try:
-        print(summary(run_sweep(args.sweep, args.overrides)))
+        print(summary(refit(args.refit) if args.refit else run_sweep(args.sweep, args.overrides)))
     except SweepInterrupted as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -324,8 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("sweep", help="scaling-law sweep on Ray Tune: fits, a checked prediction, a recommended run",
-                       epilog="example: raylm sweep configs/sweep-cpu.yaml run.name=my-sweep sweep.trial.evals=4")
-    p.add_argument("sweep", help="sweep YAML (see configs/sweep-cpu.yaml); running it again resumes it")
+                       epilog="examples: raylm sweep configs/sweep-cpu.yaml run.name=my-sweep sweep.trial.evals=4; "
+                       "raylm sweep --refit runs/sweep-cpu")
+    p.add_argument("sweep", nargs="?", help="sweep YAML (see configs/sweep-cpu.yaml); running it again resumes it")
+    p.add_argument("--refit", metavar="DIR", help="fit a finished sweep directory again from its trials.csv (no data, "
+                   "no Ray): the predictors, their choice, the noise floor and the check, into its fit.json")
     p.add_argument("overrides", nargs="*", help="section.key=value for the base run (data.path=..., run.name=...), "
                    "or sweep.section.key=value for the sweep")
     p.set_defaults(fn=cmd_sweep)

@@ -196,6 +196,8 @@ class TrainConfig:
     eval_every: int = 100
     """Validation loss on the held-out split every N steps (and at the last step); 0: never."""
     eval_batches: int = 8
+    """Global batches of the validation set: chunks of data.chunk_rows rows drawn across the val
+    split by a fixed seed (the same for every data.seed and world size)."""
     eval_tasks: Optional[TaskEvalConfig] = None
     """lm-eval tasks every N steps, e.g. {tasks: [hellaswag], every_steps: 500, limit: 200} (see
     TaskEvalConfig); None: never."""
@@ -381,7 +383,8 @@ class GuardConfig:
     min_history: int = 20
     """Healthy steps seen before any step is judged suspect (the start of a run moves fast)."""
     canary_rows: int = 32
-    """Sequences of the validation split (its first, in file order) whose loss judges the model."""
+    """Sequences of the validation split (the first batch of the validation set, drawn by a fixed
+    seed) whose loss judges the model."""
     damage: float = 0.02
     """A canary loss this fraction above its reference is damage: above the best snapshot's, or
     (after a suspect update) above the loss before the update."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -20,12 +20,18 @@ from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
 from raylm.train.spec import absolute, resolve_run
 
 COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", "error"
+CHINCHILLA, LOCAL = "chinchilla", "local"
+PREDICTORS = (CHINCHILLA, LOCAL)
+CHINCHILLA_FORM, LOCAL_FORM = "L(N, D) = E + A / N^alpha + B / D^beta", "L(N, D) = K / (N^a D^b)"
+LOCAL_SIZES = 2  # the local form is fitted on the rungs of the ladder's largest two sizes
+DISAGREEMENT = 0.01  # predictors further apart than this (or the noise floor, when measured) are flagged
 
 
 def rung_bests(rows: list[dict]) -> list[dict]:
-    """Per rung, the best completed trial: its loss, and the best learning rate refined between
-    the completed values (at its best batch size when batch sizes were swept). It is at the grid's
-    edge when no value tried beyond it, completed or stopped early as worse, brackets it."""
+    """Per rung, the best learning rate and its loss, both refined by the parabola through the
+    best completed trial and its neighbours in log lr (at its best batch size when batch sizes
+    were swept): one trial's loss alone carries its seed's noise. The best is at the grid's edge
+    when no value tried beyond it, completed or stopped early as worse, brackets it."""
     by_rung: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_rung[row["rung"]].append(row)
@@ -36,18 +42,34 @@ def rung_bests(rows: list[dict]) -> list[dict]:
             continue
         best = min(trials, key=lambda r: r["val_loss"])
         same_batch = [r for r in trials if r["batch"] == best["batch"]]
-        lr, _, _ = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
+        lr, loss, _ = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
         lrs = {r["lr"] for r in tried if r["batch"] == best["batch"] and r["status"] != ERROR}
         at_edge = len(lrs) > 1 and best["lr"] in (min(lrs), max(lrs))
         out.append({"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
-                    "tokens": best["tokens"], "flops": best["flops"], "loss": best["val_loss"], "lr": lr,
+                    "tokens": best["tokens"], "flops": best["flops"], "loss": loss, "best_trial_loss": best["val_loss"], "lr": lr,
                     "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)})
     return sorted(out, key=lambda r: (r["params"], r["tokens"]))
 
 
+@dataclass(frozen=True)
+class Predictor:
+    """One form of L(N, D) fitted to the ladder, with its bootstrap refits."""
+
+    name: str
+    form: str
+    fit: Union[fit.Parametric, fit.LocalPowerLaw]
+    bootstrap: list
+
+    def predict(self, params: float, tokens: float, confidence: float) -> dict:
+        loss = float(self.fit.loss(params, tokens))
+        samples = [b.loss(params, tokens) for b in self.bootstrap]
+        return {"loss": loss, "interval": fit.interval(samples, confidence) if samples else [loss, loss]}
+
+
 @dataclass
 class Laws:
-    """The fitted rules a prediction or recommendation uses."""
+    """The fitted rules a prediction or recommendation uses. `parametric` (Chinchilla's form) places
+    the compute-optimal N and D; a loss is predicted by the `chosen` one of `predictors`."""
 
     parametric: Optional[fit.Parametric]
     bootstrap: list[fit.Parametric]
@@ -55,11 +77,64 @@ class Laws:
     batch_vs_flops: Optional[dict]
     flops_per_token: Callable[[float], float]
     confidence: float
+    predictors: dict[str, Predictor] = field(default_factory=dict)
+    chosen: str = CHINCHILLA
 
-    def predict(self, params: float, tokens: float) -> dict:
-        loss = float(self.parametric.loss(params, tokens))
-        samples = [b.loss(params, tokens) for b in self.bootstrap]
-        return {"loss": loss, "interval": fit.interval(samples, self.confidence) if samples else [loss, loss]}
+    def predict(self, params: float, tokens: float, predictor: Optional[str] = None) -> dict:
+        name = predictor or self.chosen
+        if name in self.predictors:
+            return self.predictors[name].predict(params, tokens, self.confidence)
+        return Predictor(CHINCHILLA, CHINCHILLA_FORM, self.parametric, self.bootstrap).predict(
+            params, tokens, self.confidence)
+
+
+def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int) -> Predictor:
+    """`name`'s form fitted to these rungs (ValueError when they cannot determine it). The local
+    form takes the rungs of the largest LOCAL_SIZES sizes only: it describes the ladder's top end."""
+    if name == CHINCHILLA:
+        if len(bests) < 5:
+            raise ValueError(f"{len(bests)} rungs; the Chinchilla form has 5 constants and needs at least 5")
+        n, d, loss = ([b[k] for b in bests] for k in ("params", "tokens", "loss"))
+        p = fit.fit_parametric(n, d, loss, delta=sweep.fit.huber_delta)
+        boots = fit.bootstrap_parametric(n, d, loss, p, resamples, sweep.fit.seed, sweep.fit.huber_delta) \
+            if resamples else []
+        return Predictor(name, CHINCHILLA_FORM, p.fit, boots)
+    top = sorted({b["params"] for b in bests})[-LOCAL_SIZES:]
+    points = [b for b in bests if b["params"] in top]
+    n, d, loss = ([b[k] for b in points] for k in ("params", "tokens", "loss"))
+    local = fit.fit_local(n, d, loss)
+    return Predictor(name, LOCAL_FORM, local, fit.bootstrap_local(n, d, loss, resamples, sweep.fit.seed))
+
+
+def cross_validate(bests: list[dict], sweep: SweepConfig) -> dict[str, dict]:
+    """Each predictor's error inside the ladder: fitted without the largest size's rungs, it
+    predicts them. The held-out rung plays no part."""
+    largest = max(b["params"] for b in bests)
+    kept, left_out = [b for b in bests if b["params"] < largest], [b for b in bests if b["params"] == largest]
+    out = {}
+    for name in PREDICTORS:
+        try:
+            predictor = fit_predictor(name, kept, sweep, resamples=0)
+        except (ValueError, np.linalg.LinAlgError) as e:
+            out[name] = {"error": str(e)}
+            continue
+        errors = [float((predictor.fit.loss(b["params"], b["tokens"]) - b["loss"]) / b["loss"]) for b in left_out]
+        out[name] = {"left_out_params": largest, "relative_errors": errors,
+                     "mean_abs_error": float(np.mean(np.abs(errors)))}
+    return out
+
+
+def choose_predictor(validation: dict[str, dict]) -> tuple[str, str]:
+    """(the predictor with the smallest cross-validated error, why); Chinchilla's form when none
+    could be checked."""
+    checked = {name: v["mean_abs_error"] for name, v in validation.items() if "mean_abs_error" in v}
+    if not checked:
+        return CHINCHILLA, "no predictor could be cross-validated inside the ladder; Chinchilla's form by default"
+    name = min(checked, key=lambda k: (checked[k], k != CHINCHILLA))
+    others = [f"{k} {100 * v:.2f}%" for k, v in checked.items() if k != name]
+    others += [f"{k} could not be checked: {v['error']}" for k, v in validation.items() if k not in checked]
+    return name, (f"smallest error predicting the largest fitted size from the smaller ones: {100 * checked[name]:.2f}%"
+                  + (f" (against {'; '.join(others)})" if others else ""))
 
 
 def _safe(f: Callable[[], dict]) -> dict:
@@ -94,26 +169,37 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig) -> tuple[di
         batch_law = result["batch"]["batch_vs_flops"] if "coef" in result["batch"]["batch_vs_flops"] else None
     f_law = fit.flops_per_token_law([s.params for s in sizes], [s.flops_per_token for s in sizes])
 
-    parametric, boots = None, []
-    if len(bests) >= 5:
-        n, d, loss = ([b[k] for b in bests] for k in ("params", "tokens", "loss"))
-        p = fit.fit_parametric(n, d, loss, delta=sweep.fit.huber_delta)
-        parametric = p.fit
-        boots = fit.bootstrap_parametric(n, d, loss, p, sweep.fit.bootstrap, sweep.fit.seed, sweep.fit.huber_delta)
-        predicted = parametric.loss(n, d)
+    parametric, boots, predictors = None, [], {}
+    for name in PREDICTORS:
+        try:
+            predictors[name] = fit_predictor(name, bests, sweep, sweep.fit.bootstrap)
+        except (ValueError, np.linalg.LinAlgError) as e:
+            result.setdefault("predictors", {})[name] = {"error": str(e)}
+    if CHINCHILLA in predictors:
+        p = predictors[CHINCHILLA]
+        parametric, boots = p.fit, p.bootstrap
+        predicted = parametric.loss([b["params"] for b in bests], [b["tokens"] for b in bests])
         result["parametric"] = {
-            "form": "L(N, D) = E + A / N^alpha + B / D^beta", **parametric.to_dict(),
+            "form": CHINCHILLA_FORM, **parametric.to_dict(),
             "interval": {k: fit.interval([getattr(b, k) for b in boots], sweep.fit.confidence) for k in fit.NAMES}
             if boots else {},
             "confidence": sweep.fit.confidence, "bootstrap": len(boots), "huber_delta": sweep.fit.huber_delta,
-            "objective": p.objective,
             "residuals": [{"rung": b["rung"], "params": b["params"], "tokens": b["tokens"], "loss": b["loss"],
                            "fitted": float(fl), "relative": float((b["loss"] - fl) / fl)}
                           for b, fl in zip(bests, predicted)]}
     else:
         result["parametric"] = {"error": f"{len(bests)} rungs completed; the fit needs at least 5"}
+    validation = cross_validate(bests, sweep) if len({b["params"] for b in bests}) >= 3 else {}
+    chosen, why = choose_predictor({k: v for k, v in validation.items() if k in predictors})
+    if chosen not in predictors and predictors:
+        chosen, why = next(iter(predictors)), f"the only predictor the ladder determines ({why})"
+    for name, predictor in predictors.items():
+        result.setdefault("predictors", {})[name] = {
+            "form": predictor.form, **predictor.fit.to_dict(),
+            "cross_validation": validation.get(name, {"error": "fewer than 3 sizes: nothing to leave out"})}
+    result["predictor"] = {"chosen": chosen, "why": why}
     laws = Laws(parametric, boots, result["lr"]["lr_vs_params"] if "coef" in result["lr"]["lr_vs_params"] else None,
-                batch_law, f_law, sweep.fit.confidence)
+                batch_law, f_law, sweep.fit.confidence, predictors, chosen)
 
     iso_points: dict[float, list[tuple[float, float]]] = defaultdict(list)
     for b in bests:
@@ -206,7 +292,9 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
             "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
             "lr": lr, "batch": batch, "steps": steps,
             "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
-            "predicted_loss": laws.predict(size.params, trained)}
+            # Chinchilla's form, whatever predicted the check: the recommendation is a far
+            # extrapolation, where a local power law has nothing to stand on.
+            "predicted_loss": laws.predict(size.params, trained, CHINCHILLA)}
     return cfg, info
 
 
@@ -271,6 +359,17 @@ def warnings(result: dict) -> list[str]:
     if any(t["params"] < 1.01 * fit.SMALLEST_PARAMS for t in table):
         out.append("the fit puts the compute-optimal N at the smallest size searched: in it, more tokens always "
                    "beat more parameters (beta is small against alpha); N*(C) and the recommendation mean nothing")
+    check = result.get("check", {})
+    spread = [v for v in check.get("by_predictor", {}).values()]
+    floor = check.get("noise_floor") or DISAGREEMENT
+    if len(spread) > 1 and (max(spread) - min(spread)) / min(spread) > floor:
+        listed = ", ".join(f"{k} {v:.4f}" for k, v in check["by_predictor"].items())
+        out.append(f"the predictors disagree on the held-out rung by more than the noise floor ({100 * floor:.2f}%): "
+                   f"{listed}; {check['predictor']} was chosen by cross-validation inside the ladder")
+    pick = check.get("lr_pick")
+    if pick and pick.get("good") is False:
+        out.append(f"the extrapolated learning rate {pick['picked_lr']:.3g} lost {100 * pick['relative_gap']:.2f}% "
+                   f"against {pick['best_lr']:.3g}, more than the noise floor: lr_vs_params does not extrapolate well")
     rec = result.get("recommended", {})
     if rec.get("extrapolation", 0) > 100:
         out.append(f"the recommended run has {rec['extrapolation']:.3g}x the compute of the largest trial: a long "

@@ -70,8 +70,9 @@ class SearchConfig:
 class EarlyStoppingConfig:
     asha: bool = True
     """ASHA on validation loss, within each rung: hopeless learning rates stop early."""
-    grace_fraction: float = 0.25
-    """No trial is stopped before this fraction of its budget."""
+    grace_fraction: float = 0.5
+    """No trial is stopped before this fraction of its budget: earlier, a cosine schedule is still
+    near its peak learning rate, and a high rate that would end best looks worst."""
     reduction_factor: float = 2.0
     """At each milestone (grace_fraction x reduction_factor^k) a trial continues only if its loss
     is within the best 1/reduction_factor of its rung's trials so far."""
@@ -135,6 +136,9 @@ class SweepConfig:
     """Hold the largest size out of the fits, predict its loss, train it, and record the error."""
     check_tokens_per_param: Optional[float] = None
     """The held-out size's budget; None: the median of ladder.tokens_per_param (20 without)."""
+    allow_repeated_data: bool = False
+    """Let rungs whose budget exceeds the data's unique training tokens train on repeated tokens
+    (refused by default: repetition bends the curve the fits assume)."""
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:

@@ -5,6 +5,9 @@
   of log-loss residuals, L-BFGS from a grid of initializations, the log-sum-exp form for
   stability, and optimizer tolerances tight enough to converge. `bootstrap_parametric` refits on
   resampled points for confidence intervals.
+- `fit_local`: L(N, D) = K / (N^a D^b), log-log least squares on the ladder's upper sizes: a
+  near-extrapolation form that, unlike the sum above, is not forced to flatten along a budget.
+  `bootstrap_local` refits it on resampled points.
 - `best_lr`: a rung's best learning rate, refined by a parabola through the best grid point and
   its neighbours in log lr; `power_law`: log-log least squares (LR*(N), LR*(C), N*(C)).
 - `isoflop_fit`: Chinchilla approach 2, a parabola in log N per compute budget.
@@ -123,6 +126,50 @@ def bootstrap_parametric(params: Sequence[float], tokens: Sequence[float], losse
         args = (x, y, log_loss, delta, counts)
         best = min((_minimize(s, args) for s in base.starts), key=lambda r: r[0])
         fits.append(Parametric.from_theta(best[1]))
+    return fits
+
+
+@dataclass(frozen=True)
+class LocalPowerLaw:
+    """L(N, D) = K * N^-a * D^-b: a straight plane in log-log space."""
+
+    K: float
+    a: float
+    b: float
+
+    def loss(self, params, tokens) -> np.ndarray:
+        log_n, log_d = np.log(np.asarray(params, float)), np.log(np.asarray(tokens, float))
+        return self.K * np.exp(-self.a * log_n - self.b * log_d)
+
+    def to_dict(self) -> dict:
+        return {"K": self.K, "a": self.a, "b": self.b}
+
+
+def fit_local(params: Sequence[float], tokens: Sequence[float], losses: Sequence[float],
+              weights: Optional[np.ndarray] = None) -> LocalPowerLaw:
+    """Least squares of log L on (1, log N, log D). With one tokens-per-parameter ratio log N and
+    log D move together: the minimum-norm solution splits the slope between them, and predictions
+    along that ratio are the same whatever the split."""
+    x, y = np.log(np.asarray(params, float)), np.log(np.asarray(tokens, float))
+    if len(set(np.round(x, 9))) < 2:
+        raise ValueError("the local power law needs at least two sizes")
+    w = np.sqrt(np.ones_like(x) if weights is None else np.asarray(weights, float))
+    design = np.stack([np.ones_like(x), -x, -y], axis=1) * w[:, None]
+    (log_k, a, b), *_ = np.linalg.lstsq(design, np.log(np.asarray(losses, float)) * w, rcond=None)
+    return LocalPowerLaw(float(np.exp(log_k)), float(a), float(b))
+
+
+def bootstrap_local(params: Sequence[float], tokens: Sequence[float], losses: Sequence[float],
+                    resamples: int, seed: int = 0) -> list[LocalPowerLaw]:
+    """Refits on `resamples` resamplings of the points by multiplicity weights, as
+    `bootstrap_parametric`; a resample with a single size is drawn again."""
+    rng = np.random.default_rng(seed)
+    n, fits = len(params), []
+    while len(fits) < resamples:
+        counts = np.bincount(rng.integers(0, n, n), minlength=n).astype(float)
+        if len({p for p, c in zip(params, counts) if c}) < 2:
+            continue
+        fits.append(fit_local(params, tokens, losses, counts))
     return fits
 
 

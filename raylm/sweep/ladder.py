@@ -131,10 +131,12 @@ def steps_for(tokens: float, batch: int, seq_len: int) -> int:
     return max(1, round(tokens / (batch * seq_len)))
 
 
-def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch: int, run_name: str) -> Config:
+def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch: int, run_name: str,
+                 seed: int = 0) -> Config:
     """The complete run config of one trial: the base run with the rung's model and budget, this
     learning rate and batch, an evaluation every 1/trial.evals of the budget, and a checkpoint at
-    each evaluation (a restarted trial loses at most one interval)."""
+    each evaluation (a restarted trial loses at most one interval). `seed` > 0 moves the
+    initialization and the data order (`train.seed`, `data.seed`) by that much: a repeat."""
     seq_len = base.train.seq_len
     steps = steps_for(rung.target_tokens, batch, seq_len)
     warmup_fraction, min_lr_fraction = schedule_shape(base)
@@ -150,6 +152,8 @@ def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch:
     tree["checkpoint"].update(every_steps=eval_every, every_minutes=None, keep_last=1, keep_every=None,
                               resume="auto")
     tree["run"]["name"] = run_name
+    tree["train"]["seed"] += seed
+    tree["data"]["seed"] += seed
     if "guard" in tree:
         # A trial's loss must show what its learning rate does: no skipped data, no rollbacks
         # (a diverging trial ends as diverged), and no norm metrics nobody reads.
@@ -173,6 +177,26 @@ def check_budgets(sweep: SweepConfig, base: Config, rungs: list[Rung]) -> None:
                     f"{field}: the budget {rung.budget} gives {rung.size.where} ({rung.size.params:,} parameters) "
                     f"{rung.target_tokens:,.0f} tokens, less than one batch ({batch} x {seq_len} = "
                     f"{batch * seq_len:,} tokens); raise the budget or lower the batch size")
+
+
+def check_repetition(sweep: SweepConfig, rungs: list[Rung], unique_tokens: int) -> list[str]:
+    """Each rung's epochs over the data's unique training tokens, as lines to print. A rung that
+    would see a token twice is refused unless sweep.allow_repeated_data: repeated data bends the
+    loss curve (Muennighoff et al. 2023), and the fits assume fresh tokens."""
+    epochs = {r.name: r.target_tokens / unique_tokens for r in rungs}
+    repeated = [r for r in rungs if epochs[r.name] > 1]
+    if repeated and not sweep.allow_repeated_data:
+        listed = ", ".join(f"{r.name} {epochs[r.name]:.2f}" for r in repeated)
+        raise ConfigError(f"the data has {unique_tokens:,} unique training tokens, and these rungs would train on "
+                          f"repeated tokens (epochs: {listed}); repetition bends the loss curve the fits assume. "
+                          "Prepare more data, lower ladder.tokens_per_param, ladder.flops or the sizes, or set "
+                          "sweep.allow_repeated_data=true to fit them anyway")
+    most = max(rungs, key=lambda r: epochs[r.name])
+    lines = [f"data: {unique_tokens:,} unique training tokens; the rungs train {min(epochs.values()):.3g} to "
+             f"{epochs[most.name]:.3g} epochs ({most.name})"]
+    if repeated:
+        lines.append(f"warning: {len(repeated)} rung(s) train on repeated tokens (sweep.allow_repeated_data)")
+    return lines
 
 
 def check_fittable(sweep: SweepConfig, rungs: list[Rung]) -> None:

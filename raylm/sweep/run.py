@@ -17,6 +17,7 @@ import os
 import time
 from typing import Optional
 
+import numpy as np
 import yaml
 
 from raylm.config import Config, ParallelConfig, build_dataclass, config_to_dict
@@ -34,7 +35,9 @@ SWEEP_FILE, TRIALS_FILE, FIT_FILE, RECOMMENDED_FILE = "sweep.yaml", "trials.csv"
 CHECK_PLAN_FILE, ASHA_STATE_FILE = "check_plan.json", "asha_state.pkl"
 COLUMNS = ("trial_id", "phase", "rung", "size", "budget", "params", "params_non_embedding", "params_total", "tokens",
            "flops_per_token", "flops", "lr", "batch", "steps", "val_loss", "progress", "tokens_trained", "status",
-           "wall_s")
+           "wall_s", "seed")
+NOISE_SEEDS = 2  # the largest fitted rung's extra seeds
+LR_PICK_FACTORS = (2 ** -0.5, 1.0, 2 ** 0.5)  # the held-out rung's learning rates, x the predicted one
 
 
 class SweepInterrupted(RuntimeError):
@@ -75,6 +78,8 @@ def resolve(path: str, overrides: list[str]) -> Plan:
     sizes = ladder.build_sizes(sweep, spec.config)
     rungs = ladder.build_rungs(sweep, sizes)
     ladder.check_budgets(sweep, spec.config, rungs)
+    for line in ladder.check_repetition(sweep, rungs, sum(m.splits["train"].tokens for m in spec.datasets.manifests)):
+        print(f"raylm: {line}", flush=True)
     ladder.check_fittable(sweep, rungs)
     batches = ladder.batch_sizes(sweep, spec.config)
     probe_lr = sweep.lr.grid[0] if sweep.lr.grid else sweep.lr.low
@@ -184,15 +189,57 @@ def _rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
                      "flops": tokens * size.flops_per_token, "lr": config["lr"], "batch": config["batch"],
                      "steps": steps, "val_loss": metrics.get("val_loss", math.nan),
                      "progress": metrics.get("progress", 0.0), "tokens_trained": metrics.get("tokens", 0),
-                     "status": status, "wall_s": metrics.get("wall_s", metrics.get("time_total_s", math.nan))})
+                     "status": status, "wall_s": metrics.get("wall_s", metrics.get("time_total_s", math.nan)),
+                     "seed": config.get("seed", 0)})
     if len(rows) < expected:
         raise SweepInterrupted(f"the sweep was interrupted ({len(rows)} of {expected} trials of {phase} created); "
                                "run the same command again to resume it (finished trials are kept)")
     return sorted(rows, key=lambda r: (r["phase"] != "ladder", r["params"], r["tokens"], r["lr"]))
 
 
+def _noise_phase(plan: Plan, bests: list[dict], rows: list[dict], trials: TrialPlan) -> tuple[dict, list[dict]]:
+    """The largest fitted size's rung (at the held-out rung's budget where it has one) trained
+    again at its best trial's learning rate with NOISE_SEEDS other seeds (`train.seed`,
+    `data.seed`): the spread of the three losses is the noise floor a prediction is judged by."""
+    held = next(r for r in plan.rungs if r.held_out)
+    largest = [b for b in bests if b["params"] == max(x["params"] for x in bests)]
+    rung = next((b for b in largest if b["budget"] == held.budget), min(largest, key=lambda b: b["tokens"]))
+    best = min((r for r in rows if r["rung"] == rung["rung"] and r["status"] == COMPLETED),
+               key=lambda r: r["val_loss"])
+    seeds = list(range(1, NOISE_SEEDS + 1))
+    grid = _run_phase(plan, "tune-seeds", trials, {"CPU": plan.sweep.trial.cpus, "GPU": plan.sweep.trial.gpus},
+                      param_space={"rung": rung["rung"], "lr": best["lr"], "batch": best["batch"],
+                                   "seed": _grid_search(seeds)}, concurrency=len(seeds))
+    seed_rows = _rows(plan, grid, "seeds", expected=len(seeds))
+    return noise_floor(rows, seed_rows), seed_rows
+
+
+def noise_floor(ladder_rows: list[dict], seed_rows: list[dict]) -> Optional[dict]:
+    """The repeats' losses beside the ladder trial they repeat, and their relative spread
+    ((max - min) / mean): None without two completed losses."""
+    if not seed_rows:
+        return None
+    first = seed_rows[0]
+    original = [r for r in ladder_rows if r["rung"] == first["rung"] and r["status"] == COMPLETED
+                and r["batch"] == first["batch"] and math.isclose(r["lr"], first["lr"], rel_tol=1e-9)]
+    repeats = [r for r in seed_rows if r["status"] == COMPLETED]
+    losses = [r["val_loss"] for r in original[:1] + repeats]
+    if len(losses) < 2:
+        return None
+    return {"rung": first["rung"], "lr": first["lr"], "seeds": [int(r.get("seed", 0)) for r in original[:1] + repeats],
+            "losses": losses, "relative_spread": (max(losses) - min(losses)) / float(np.mean(losses))}
+
+
+def _grid_search(values: list):
+    from ray import tune
+
+    return tune.grid_search(values)
+
+
 def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: TrialPlan, cpus: float):
-    """Predict the held-out rung from the fit, then train it once at the predicted learning rate."""
+    """Predict the held-out rung from the chosen predictor, then train it at the predicted
+    learning rate and at that rate x 2^-1/2 and x 2^1/2: the loss at the picked rate is the
+    check, and the best of the three says whether the pick was good."""
     rung = next(r for r in plan.rungs if r.held_out)
     path = os.path.join(plan.directory, CHECK_PLAN_FILE)
     if os.path.exists(path):  # the prediction made before an interruption stands
@@ -204,23 +251,48 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
         batch = largest["batch"]  # the largest fitted size's best (batch sizes are not extrapolated here)
         seq_len = plan.resolved.train.seq_len
         tokens = ladder.steps_for(rung.target_tokens, batch, seq_len) * batch * seq_len
-        prediction = laws.predict(rung.size.params, tokens)
-        check = {"rung": rung.name, "params": rung.size.params, "tokens": tokens, "lr": lr, "batch": batch,
-                 "predicted_loss": prediction["loss"], "interval": prediction["interval"]}
+        check = {"rung": rung.name, "params": rung.size.params, "tokens": tokens, "lr": lr, "batch": batch}
         with open(path, "w") as f:
             json.dump(check, f, indent=1)
+    check.update(predict_check(laws, check))
     print(f"raylm: check: {rung.size.params:,} parameters x {check['tokens']:,} tokens, predicted val loss "
-          f"{check['predicted_loss']:.4f} {check['interval']}, training it at lr {check['lr']:.3g}", flush=True)
+          f"{check['predicted_loss']:.4f} {check['interval']} ({check['predictor']}), training it at lr "
+          f"{check['lr']:.3g} and x 2^-1/2, x 2^1/2", flush=True)
     resources = {"CPU": cpus, "GPU": plan.sweep.trial.gpus}
+    lrs = [check["lr"] * factor for factor in LR_PICK_FACTORS]
     grid = _run_phase(plan, "tune-check", dataclasses.replace(trials, threads=_threads(cpus)), resources,
-                      param_space={"rung": rung.name, "lr": check["lr"], "batch": check["batch"]})
-    rows = _rows(plan, grid, "check", expected=1)
-    measured = rows[0]["val_loss"] if rows[0]["status"] == COMPLETED else None
-    check["measured_loss"] = measured
-    if measured is not None:
-        check["relative_error"] = (check["predicted_loss"] - measured) / measured
-        check["within_interval"] = check["interval"][0] <= measured <= check["interval"][1]
-    return check, rows
+                      param_space={"rung": rung.name, "lr": _grid_search(lrs), "batch": check["batch"]})
+    return check, _rows(plan, grid, "check", expected=len(lrs))
+
+
+def predict_check(laws: analysis.Laws, check: dict) -> dict:
+    """The held-out rung's prediction by the chosen predictor, and by each of them."""
+    chosen = laws.predict(check["params"], check["tokens"])
+    return {"predictor": laws.chosen, "predicted_loss": chosen["loss"], "interval": chosen["interval"],
+            "by_predictor": {name: laws.predict(check["params"], check["tokens"], name)["loss"]
+                             for name in laws.predictors}}
+
+
+def measure_check(check: dict, check_rows: list[dict], noise: Optional[dict]) -> dict:
+    """The check's measured side from its trials: the loss at the picked learning rate, its
+    error, and the pick against the best of the learning rates tried."""
+    done = [r for r in check_rows if r["status"] == COMPLETED]
+    picked = next((r for r in done if math.isclose(r["lr"], check["lr"], rel_tol=1e-9)), None)
+    out = dict(check, measured_loss=picked["val_loss"] if picked else None,
+               noise_floor=noise["relative_spread"] if noise else None)
+    if picked:
+        measured = picked["val_loss"]
+        out["relative_error"] = (check["predicted_loss"] - measured) / measured
+        out["within_interval"] = check["interval"][0] <= measured <= check["interval"][1]
+        out["errors_by_predictor"] = {k: (v - measured) / measured for k, v in check["by_predictor"].items()}
+    if picked and done:
+        best = min(done, key=lambda r: r["val_loss"])
+        gap = (picked["val_loss"] - best["val_loss"]) / best["val_loss"]
+        out["lr_pick"] = {"picked_lr": picked["lr"], "picked_loss": picked["val_loss"], "best_lr": best["lr"],
+                          "best_loss": best["val_loss"], "relative_gap": gap,
+                          "tried": {f"{r['lr']:.6g}": r["val_loss"] for r in check_rows},
+                          "good": None if noise is None else gap <= noise["relative_spread"]}
+    return out
 
 
 def write_trials(directory: str, rows: list[dict]) -> None:
@@ -258,7 +330,6 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
 
 
 def _sweep(plan: Plan, path: str, started: float) -> dict:
-    from raylm.sweep import plots
     from raylm.sweep.search import RungASHA, RungSearcher, plan_slots
 
     sweep = plan.sweep
@@ -285,12 +356,14 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
         raise RuntimeError(f"no trial of the sweep completed; first error: {errors[0] if errors else 'none reported'}")
     result, laws = analysis.analyze(rows, plan.sizes, sweep)
     result = {"sweep": plan.directory, "asha": _asha_savings(rows), **result}
-    if sweep.check and laws.parametric is not None:
+    if sweep.check and laws.predictors:
         import ray
 
+        noise, seed_rows = _noise_phase(plan, result["rungs"], rows, trials)
         cpus = sweep.trial.check_cpus or ray.cluster_resources().get("CPU", 1)
-        result["check"], check_rows = _check_phase(plan, laws, result["rungs"], trials, cpus)
-        rows += check_rows
+        check, check_rows = _check_phase(plan, laws, result["rungs"], trials, cpus)
+        result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
+        rows += seed_rows + check_rows
     write_trials(plan.directory, rows)
     if (sweep.target.flops or sweep.target.params) and laws.parametric is not None:
         try:
@@ -305,17 +378,71 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
                 f.write(_recommended_yaml(cfg, info, plan.directory))
     result["warnings"] = analysis.warnings(result)
     result["wall_s"] = time.time() - started
-    with open(os.path.join(plan.directory, FIT_FILE), "w") as f:
-        json.dump(result, f, indent=1)
-    plots.write_all(os.path.join(plan.directory, "plots"), rows, result, laws)
+    _write_fit(plan.directory, result, rows, laws)
+    return result
+
+
+def _write_fit(directory: str, result: dict, rows: list[dict], laws: analysis.Laws) -> None:
+    from raylm.sweep import plots
+
+    storage.write_bytes(os.path.join(directory, FIT_FILE), json.dumps(result, indent=1).encode())  # whole or not at all
+    plots.write_all(os.path.join(directory, "plots"), rows, result, laws)
+
+
+def read_trials(directory: str) -> list[dict]:
+    """trials.csv's rows with their numbers as numbers (a column a sweep of an earlier raylm did not
+    write takes its default)."""
+    path = os.path.join(directory, TRIALS_FILE)
+    if not os.path.exists(path):
+        raise ConfigError(f"{directory} holds no {TRIALS_FILE}: not a finished sweep directory")
+    text = ("trial_id", "phase", "rung", "budget", "status")
+    with open(path, newline="") as f:
+        return [{k: (v if k in text else float(v)) for k, v in {"seed": 0, **row}.items() if k in COLUMNS}
+                for row in csv.DictReader(f)]
+
+
+def refit(directory: str) -> dict:
+    """fit.json again from the sweep directory alone (sweep.yaml, trials.csv, check_plan.json): the
+    fits, the choice of predictor, the noise floor and the check, with no data and no Ray. The
+    recommendation is carried over as the sweep made it: placing it needs the base run's data."""
+    record_path = os.path.join(directory, SWEEP_FILE)
+    if not os.path.exists(record_path):
+        raise ConfigError(f"{directory} holds no {SWEEP_FILE}: not a sweep directory")
+    with open(record_path) as f:
+        sweep = build_dataclass(SweepConfig, yaml.safe_load(f)["sweep"])
+    rows = read_trials(directory)
+    ladder_rows = [r for r in rows if r["phase"] == "ladder"]
+    sizes = {int(r["size"]): ladder.Size(int(r["size"]), TRIALS_FILE, None, r["params"], r["params_non_embedding"],
+                                         r["params_total"], r["flops_per_token"]) for r in rows}
+    result, laws = analysis.analyze(ladder_rows, [sizes[i] for i in sorted(sizes)], sweep)
+    previous = {}
+    if os.path.exists(os.path.join(directory, FIT_FILE)):
+        with open(os.path.join(directory, FIT_FILE)) as f:
+            previous = json.load(f)
+    result = {"sweep": directory, "asha": _asha_savings(ladder_rows), **result}
+    plan_path = os.path.join(directory, CHECK_PLAN_FILE)
+    check_rows = [r for r in rows if r["phase"] == "check"]
+    if laws.predictors and check_rows and os.path.exists(plan_path):
+        with open(plan_path) as f:
+            check = json.load(f)
+        check.update(predict_check(laws, check))
+        noise = noise_floor(ladder_rows, [r for r in rows if r["phase"] == "seeds"])
+        result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
+    if "recommended" in previous:
+        result["recommended"] = {**previous["recommended"], "refit": "carried over from the sweep: --refit does "
+                                 "not place the recommended run again"}
+    result["warnings"] = analysis.warnings(result)
+    result["wall_s"] = previous.get("wall_s")
+    _write_fit(directory, result, rows, laws)
     return result
 
 
 def summary(result: dict) -> str:
     """What `raylm sweep` prints at the end."""
     asha = result["asha"]
-    lines = [f"sweep {result['sweep']}: {asha['trials']} trials, {asha['stopped_early']} stopped early by ASHA "
-             f"({100 * asha['saved_fraction']:.0f}% of the planned compute saved), {result['wall_s'] / 60:.1f} min"]
+    took = f", {result['wall_s'] / 60:.1f} min" if result.get("wall_s") is not None else ""
+    lines = [f"sweep {result['sweep']}: {asha['trials']} ladder trials, {asha['stopped_early']} stopped early by ASHA "
+             f"({100 * asha['saved_fraction']:.0f}% of the planned compute saved){took}"]
     p = result.get("parametric", {})
     if "E" in p:
         lines.append(f"fit: L(N, D) = {p['E']:.3f} + {p['A']:.3g}/N^{p['alpha']:.3f} + {p['B']:.3g}/D^{p['beta']:.3f}")
@@ -324,12 +451,25 @@ def summary(result: dict) -> str:
     law = result["lr"].get("lr_vs_params", {})
     if "coef" in law:
         lines.append(f"best lr: {law['coef']:.3g} * N^{law['exponent']:.3f}")
+    chosen = result.get("predictor")
+    if chosen:
+        lines.append(f"predictor: {chosen['chosen']} ({chosen['why']})")
+    noise = result.get("noise")
+    if noise:
+        lines.append(f"noise floor: {100 * noise['relative_spread']:.2f}% (losses {', '.join(f'{x:.4f}' for x in noise['losses'])} "
+                     f"of {noise['rung']} with seeds {noise['seeds']})")
     check = result.get("check")
     if check and check.get("measured_loss") is not None:
+        others = ", ".join(f"{k} {100 * v:+.2f}%" for k, v in check["errors_by_predictor"].items())
         lines.append(f"check: {check['params']:,} parameters, {check['tokens']:,} tokens: "
                      f"predicted {check['predicted_loss']:.4f} "
                      f"[{check['interval'][0]:.4f}, {check['interval'][1]:.4f}], measured {check['measured_loss']:.4f} "
-                     f"({100 * check['relative_error']:+.2f}%)")
+                     f"({100 * check['relative_error']:+.2f}%; by predictor: {others})")
+    pick = (check or {}).get("lr_pick")
+    if pick:
+        lines.append(f"lr pick: {pick['picked_lr']:.3g} -> {pick['picked_loss']:.4f}; best of the three "
+                     f"{pick['best_lr']:.3g} -> {pick['best_loss']:.4f} ({100 * pick['relative_gap']:+.2f}%"
+                     + (f", {'within' if pick['good'] else 'beyond'} the noise floor)" if pick["good"] is not None else ")"))
     rec = result.get("recommended")
     if rec and "error" not in rec:
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "

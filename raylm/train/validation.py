@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Optional
 
@@ -16,10 +17,14 @@ from raylm.downstream.scoring import Scorer
 from raylm.train.spec import RunSpec
 from raylm.train.step import ParallelModel, autocast
 
+VAL_SEED = 0  # the validation rows' order: the same for every data.seed
+
 
 class ValidationSet:
-    """The first `batches` global batches of `global_batch` rows of the val split, in file order,
-    so every evaluation and every world size sees the same tokens.
+    """`batches` global batches of `global_batch` rows of the val split: chunks of
+    `data.chunk_rows` rows drawn across the whole split by a fixed seed, not `data.seed`, so every
+    evaluation, every world size and every seed of a run sees the same tokens, and they stand for
+    the split rather than its first file.
 
     Bits per byte compare runs with different tokenizers: the mean loss in nats over every
     target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
@@ -27,7 +32,7 @@ class ValidationSet:
 
     def __init__(self, spec: RunSpec, model: ParallelModel, global_batch: int, batches: int):
         cfg = spec.config
-        source = spec.datasets.open_split("val", cfg.data, cfg.storage, shuffle=False)
+        source = spec.datasets.open_split("val", dataclasses.replace(cfg.data, seed=VAL_SEED), cfg.storage)
         stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
         self.batches = [torch.from_numpy(b.tokens.astype(np.int64)) for b in stream.batches(0, 0, batches)]
         token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))

@@ -19,15 +19,15 @@ def best_lr_of(n):
     return 0.01 * (n / 1e4) ** -0.3
 
 
-def synthetic_rows():
-    """3 learning rates per rung; loss = the true law at the rung's best lr, rising quadratically
-    in log lr away from it; the worst lr of each rung stopped early."""
+def synthetic_rows(law=TRUE.loss):
+    """3 learning rates per rung; loss = the law at the rung's best lr, rising quadratically in
+    log lr away from it; the worst lr of each rung stopped early."""
     rows = []
     for size, n in enumerate([1e4, 2e4, 4e4, 8e4, 1.6e5]):
         for ratio in (10, 20, 40):
             d = n * ratio
             for k, lr in enumerate(best_lr_of(n) * np.array([0.5, 1.1, 2.5])):
-                loss = TRUE.loss(n, d) + 0.05 * (math.log(lr) - math.log(best_lr_of(n))) ** 2
+                loss = law(n, d) + 0.05 * (math.log(lr) - math.log(best_lr_of(n))) ** 2
                 rows.append({"trial_id": f"t{len(rows)}", "phase": "ladder", "rung": f"s{size}-tpp{ratio}",
                              "size": size, "budget": f"tokens_per_param={ratio}", "params": n, "tokens": d,
                              "flops": 6 * n * d, "flops_per_token": 6 * n, "lr": lr, "batch": 8,
@@ -75,6 +75,61 @@ def test_a_ladder_whose_loss_steepens_with_size_is_flagged_and_a_chinchilla_one_
     bests = [{"budget": f"tokens_per_param={r}", "params": n, "loss": loss} for n, r, loss in measured]
     (warning,) = [w for w in analysis.warnings({"rungs": bests}) if "falls faster" in w]
     assert "tokens_per_param=5: 0.145, 0.182" in warning and "tokens_per_param=10: 0.127, 0.217" in warning
+
+
+def steepening(n, d):
+    """A ladder whose log-log slope in N grows with N (0.1 + 0.02 log(N / 1e4)), as the measured
+    CPU ladders did: a sum of power laws can only flatten there."""
+    x = math.log(n / 1e4)
+    return 3.0 * math.exp(-0.1 * x - 0.01 * x * x) * (d / n / 20) ** -0.1
+
+
+@pytest.mark.parametrize("law, chosen", [(TRUE.loss, analysis.CHINCHILLA), (steepening, analysis.LOCAL)],
+                         ids=["chinchilla_ladder", "steepening_ladder"])
+def test_the_predictor_is_chosen_by_predicting_the_largest_fitted_size_from_the_smaller(law, chosen):
+    sweep = SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]))
+    sweep.fit.bootstrap = 20
+    result, laws = analysis.analyze(synthetic_rows(law), sizes(), sweep)
+    validation = {name: p["cross_validation"] for name, p in result["predictors"].items()}
+    assert all(v["left_out_params"] == 1.6e5 and len(v["relative_errors"]) == 3 for v in validation.values())
+    other = next(name for name in validation if name != chosen)
+    assert validation[chosen]["mean_abs_error"] < validation[other]["mean_abs_error"] / 2
+    assert result["predictor"]["chosen"] == laws.chosen == chosen and "largest fitted size" in result["predictor"]["why"]
+    # Twice the largest size: the chosen form misses the law's loss by less than half the other's
+    # miss; the recommendation's far extrapolation stays with Chinchilla's form.
+    truth = law(3.2e5, 6.4e6)
+    miss = {name: abs(laws.predict(3.2e5, 6.4e6, name)["loss"] / truth - 1) for name in validation}
+    assert miss[chosen] < miss[other] / 2 and miss[chosen] < 0.011
+    assert laws.predict(3.2e5, 6.4e6)["loss"] == laws.predict(3.2e5, 6.4e6, chosen)["loss"]
+    lo, hi = laws.predict(3.2e5, 6.4e6)["interval"]
+    assert lo < hi
+
+
+def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_floor():
+    from raylm.sweep.run import measure_check, noise_floor
+
+    ladder_rows = [{"rung": "s2", "lr": 1e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": 2.00, "seed": 0},
+                   {"rung": "s2", "lr": 2e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": 2.10, "seed": 0}]
+    seeds = [{"rung": "s2", "lr": 1e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": v, "seed": i}
+             for i, v in ((1, 2.02), (2, 1.99))]
+    noise = noise_floor(ladder_rows, seeds)
+    assert noise["losses"] == [2.00, 2.02, 1.99] and noise["seeds"] == [0, 1, 2]
+    assert noise["relative_spread"] == pytest.approx(0.03 / np.mean([2.00, 2.02, 1.99]))
+    check = {"params": 1e5, "tokens": 2e6, "lr": 1e-3, "batch": 8, "predictor": "local", "predicted_loss": 1.50,
+             "interval": [1.45, 1.55], "by_predictor": {"local": 1.50, "chinchilla": 1.60}}
+    tried = [{"lr": 1e-3 * f, "status": analysis.COMPLETED, "val_loss": v}
+             for f, v in ((2 ** -0.5, 1.52), (1.0, 1.48), (2 ** 0.5, 1.47))]
+    out = measure_check(check, tried, noise)
+    assert out["measured_loss"] == 1.48 and out["relative_error"] == pytest.approx(0.02 / 1.48)
+    assert out["errors_by_predictor"]["chinchilla"] == pytest.approx(0.12 / 1.48) and out["within_interval"]
+    pick = out["lr_pick"]
+    assert (pick["picked_lr"], pick["picked_loss"], pick["best_lr"], pick["best_loss"]) == \
+        (1e-3, 1.48, 1e-3 * 2 ** 0.5, 1.47)
+    assert pick["relative_gap"] == pytest.approx(0.01 / 1.47) and pick["good"]  # 0.68% against a 1.50% floor
+    warnings = analysis.warnings({"check": out})
+    assert any("disagree" in w and "chinchilla 1.6000" in w for w in warnings)  # 6.7% apart
+    tight = dict(noise, relative_spread=0.001)
+    assert measure_check(check, tried, tight)["lr_pick"]["good"] is False
 
 
 def test_too_few_rungs_records_why_there_is_no_fit():

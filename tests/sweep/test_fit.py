@@ -96,3 +96,19 @@ def test_isoflop_fit_finds_the_optimum_of_each_budget():
     assert result["params_vs_flops"]["exponent"] == pytest.approx(expected, abs=0.02)
     too_few = fit.isoflop_fit({1e13: budgets[1e13][:2]}, flops_per_token)
     assert "error" in too_few["budgets"][0] and "params_vs_flops" not in too_few
+
+
+def test_the_local_power_law_is_exact_without_noise_and_predicts_along_a_single_ratio():
+    law = fit.LocalPowerLaw(K=20.0, a=0.2, b=0.1)
+    n = np.array([1e4, 2e4, 4e4, 1e4, 2e4, 4e4])
+    d = np.concatenate([10 * n[:3], 40 * n[3:]])
+    got = fit.fit_local(n, d, law.loss(n, d))
+    assert (got.K, got.a, got.b) == pytest.approx((20.0, 0.2, 0.1), rel=1e-6)
+    # One tokens-per-parameter ratio cannot split the slope between N and D; along it the
+    # prediction is the law's all the same.
+    one = fit.fit_local(n[:3], d[:3], law.loss(n[:3], d[:3]))
+    assert float(one.loss(1.6e5, 1.6e6)) == pytest.approx(float(law.loss(1.6e5, 1.6e6)), rel=1e-9)
+    boots = fit.bootstrap_local(n, d, law.loss(n, d) * np.exp(np.random.default_rng(0).normal(0, 0.01, 6)), 30)
+    assert len(boots) == 30 and np.median([b.a for b in boots]) == pytest.approx(0.2, abs=0.03)
+    with pytest.raises(ValueError, match="two sizes"):
+        fit.fit_local([1e4, 1e4], [1e5, 2e5], [2.0, 1.9])

@@ -51,6 +51,14 @@ def test_bad_input_is_refused_naming_the_field(tiny_dataset, tmp_path, override,
         plan(tiny_dataset, tmp_path, override)
 
 
+def test_rungs_that_would_repeat_data_are_refused_with_their_epochs(tiny_dataset, tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"24,352 unique training tokens.*epochs: s1-tpp2 1.15, .*s3-check 6.84\).*allow_repeated_data"):
+        plan(tiny_dataset, tmp_path, "sweep.allow_repeated_data=false")
+    plan(tiny_dataset, tmp_path)  # the tiny sweep allows it, and says so
+    out = capsys.readouterr().out
+    assert "unique training tokens; the rungs train" in out and "train on repeated tokens" in out
+
+
 def test_a_size_that_breaks_the_models_shape_rules_names_its_entry(tiny_dataset, tmp_path):
     sizes = ("sizes: [{d_model: 16, n_heads: 2, n_layers: 1}, {d_model: 24, n_heads: 5, n_layers: 2}, "
              "{d_model: 32, n_heads: 4}, {d_model: 48, n_heads: 6}]")

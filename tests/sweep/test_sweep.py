@@ -87,7 +87,40 @@ def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_d
     assert check["params"] == 83280 and check["tokens"] == 2 * 83280 // 512 * 512 and check["measured_loss"] > 0
     assert check["relative_error"] == pytest.approx((check["predicted_loss"] - check["measured_loss"])
                                                     / check["measured_loss"])
-    assert [r["phase"] for r in rows].count("check") == 1
+    # The predictor was chosen inside the ladder; the check names it and what each one said.
+    assert check["predictor"] == result["predictor"]["chosen"] and set(check["by_predictor"]) == {"chinchilla", "local"}
+    # Without its largest size the tiny ladder has 4 rungs: too few for Chinchilla's 5 constants.
+    validation = {name: p["cross_validation"] for name, p in result["predictors"].items()}
+    assert "at least 5" in validation["chinchilla"]["error"] and validation["local"]["mean_abs_error"] > 0
+    assert result["predictor"]["chosen"] == "local" and "chinchilla could not be checked" in result["predictor"]["why"]
+    # The noise floor: the largest fitted size's rung at its best lr, with two more seeds.
+    seeds = [r for r in rows if r["phase"] == "seeds"]
+    assert len(seeds) == 2 and {r["seed"] for r in seeds} == {"1", "2"} and {r["rung"] for r in seeds} == {"s2-tpp2"}
+    noise = result["noise"]
+    assert len(noise["losses"]) == 3 and len(set(noise["losses"])) == 3  # other seeds, other losses
+    assert check["noise_floor"] == noise["relative_spread"] > 0
+    # The held-out rung at the extrapolated lr and x 2^-1/2, x 2^1/2: the pick against the best.
+    checks = sorted((float(r["lr"]), float(r["val_loss"])) for r in rows if r["phase"] == "check")
+    assert len(checks) == 3 and checks[1][0] == pytest.approx(check["lr"])
+    assert checks[2][0] / checks[1][0] == pytest.approx(2 ** 0.5) and checks[1][0] / checks[0][0] == pytest.approx(2 ** 0.5)
+    pick = check["lr_pick"]
+    assert pick["picked_loss"] == check["measured_loss"] == checks[1][1] and pick["best_loss"] == min(l for _, l in checks)
+    assert pick["good"] == (pick["relative_gap"] <= noise["relative_spread"])
+
+    # The sweep directory alone refits the same numbers (no data, no Ray).
+    os.rename(tiny_dataset, f"{tiny_dataset}.away")
+    try:
+        again = subprocess.run([*RAYLM, "sweep", "--refit", directory], env=ENV, capture_output=True, text=True,
+                               timeout=300)
+    finally:
+        os.rename(f"{tiny_dataset}.away", tiny_dataset)
+    assert again.returncode == 0, again.stderr[-3000:]
+    with open(os.path.join(directory, "fit.json")) as f:
+        refitted = json.load(f)
+    for key in ("predictor", "predictors", "noise", "parametric", "lr"):
+        assert refitted[key] == result[key], key
+    assert {k: v for k, v in refitted["check"].items()} == result["check"]
+    assert f"predictor: {result['predictor']['chosen']}" in again.stdout
     for name in ("loss_vs_compute.png", "lr_curves.png", "residuals.png"):
         assert os.path.getsize(os.path.join(directory, "plots", name)) > 10_000
 
