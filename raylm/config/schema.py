@@ -383,8 +383,7 @@ class GuardConfig:
     min_history: int = 20
     """Healthy steps seen before any step is judged suspect (the start of a run moves fast)."""
     canary_rows: int = 32
-    """Sequences of the validation split (the first batch of the validation set, drawn by a fixed
-    seed) whose loss judges the model."""
+    """Sequences of the validation split (its first, in file order) whose loss judges the model."""
     damage: float = 0.02
     """A canary loss this fraction above its reference is damage: above the best snapshot's, or
     (after a suspect update) above the loss before the update."""

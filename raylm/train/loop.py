@@ -86,7 +86,7 @@ class Trainer:
         if cfg.guard.enabled:
             # Whole micro-batches on every data-parallel rank: the canary runs as an evaluation does.
             unit = self.model.dp_size * cfg.train.micro_batch_size
-            canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1)
+            canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1, across_split=False)
             self.guard = Guard(cfg, self.model, self.optimizer, world, canary, self.events_path, env.checkpoint_root)
             self.guard.start(self.state)
         if needs_loss_scaling(cfg):

@@ -21,18 +21,21 @@ VAL_SEED = 0  # the validation rows' order: the same for every data.seed
 
 
 class ValidationSet:
-    """`batches` global batches of `global_batch` rows of the val split: chunks of
-    `data.chunk_rows` rows drawn across the whole split by a fixed seed, not `data.seed`, so every
-    evaluation, every world size and every seed of a run sees the same tokens, and they stand for
-    the split rather than its first file.
+    """`batches` global batches of `global_batch` rows of the val split, the same for every
+    evaluation and every world size: chunks of `data.chunk_rows` rows drawn across the whole split
+    by a fixed seed (not `data.seed`: every seed of a run sees the same tokens), so that they stand
+    for the split rather than its first file; or, `across_split=False`, its first rows in file
+    order (the stability guard's canary, on which its thresholds were measured).
 
     Bits per byte compare runs with different tokenizers: the mean loss in nats over every
     target, times the targets, over ln 2 times the UTF-8 bytes those targets stand for (end of
     text stands for none; `raylm eval` also leaves its loss out, so it reads slightly lower)."""
 
-    def __init__(self, spec: RunSpec, model: ParallelModel, global_batch: int, batches: int):
+    def __init__(self, spec: RunSpec, model: ParallelModel, global_batch: int, batches: int,
+                 across_split: bool = True):
         cfg = spec.config
-        source = spec.datasets.open_split("val", dataclasses.replace(cfg.data, seed=VAL_SEED), cfg.storage)
+        source = spec.datasets.open_split("val", dataclasses.replace(cfg.data, seed=VAL_SEED), cfg.storage,
+                                          shuffle=across_split)
         stream = TokenStream(source, global_batch, model.dp_rank, model.dp_size, skip=[], engine="local")
         self.batches = [torch.from_numpy(b.tokens.astype(np.int64)) for b in stream.batches(0, 0, batches)]
         token_bytes = token_byte_lengths(tokenizer_from_json(spec.tokenizer_json))
