@@ -46,7 +46,8 @@ def rung_bests(rows: list[dict]) -> list[dict]:
         lrs = {r["lr"] for r in tried if r["batch"] == best["batch"] and r["status"] != ERROR}
         at_edge = len(lrs) > 1 and best["lr"] in (min(lrs), max(lrs))
         out.append({"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
-                    "tokens": best["tokens"], "flops": best["flops"], "loss": loss, "best_trial_loss": best["val_loss"], "lr": lr,
+                    "tokens": best["tokens"], "flops": best["flops"], "loss": loss,
+                    "best_trial_loss": best["val_loss"], "lr": lr,
                     "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)})
     return sorted(out, key=lambda r: (r["params"], r["tokens"]))
 

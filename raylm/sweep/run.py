@@ -456,7 +456,8 @@ def summary(result: dict) -> str:
         lines.append(f"predictor: {chosen['chosen']} ({chosen['why']})")
     noise = result.get("noise")
     if noise:
-        lines.append(f"noise floor: {100 * noise['relative_spread']:.2f}% (losses {', '.join(f'{x:.4f}' for x in noise['losses'])} "
+        losses = ", ".join(f"{x:.4f}" for x in noise["losses"])
+        lines.append(f"noise floor: {100 * noise['relative_spread']:.2f}% (losses {losses} "
                      f"of {noise['rung']} with seeds {noise['seeds']})")
     check = result.get("check")
     if check and check.get("measured_loss") is not None:
@@ -469,7 +470,8 @@ def summary(result: dict) -> str:
     if pick:
         lines.append(f"lr pick: {pick['picked_lr']:.3g} -> {pick['picked_loss']:.4f}; best of the three "
                      f"{pick['best_lr']:.3g} -> {pick['best_loss']:.4f} ({100 * pick['relative_gap']:+.2f}%"
-                     + (f", {'within' if pick['good'] else 'beyond'} the noise floor)" if pick["good"] is not None else ")"))
+                     + ("" if pick["good"] is None else f", {'within' if pick['good'] else 'beyond'} the noise floor")
+                     + ")")
     rec = result.get("recommended")
     if rec and "error" not in rec:
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "

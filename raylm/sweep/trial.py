@@ -97,7 +97,8 @@ def run_trial(config: dict, plan: TrialPlan) -> None:
     spec = RunSpec.from_dict(plan.spec)
     rung = plan.rungs[config["rung"]]
     cfg = trial_config(plan.sweep, spec.config, rung, config["lr"], config["batch"],
-                       run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}", seed=config.get("seed", 0))
+                       run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}",
+                       seed=config.get("seed", 0))
     trial = spec.with_config(cfg)
     preflight(trial, run_dir)
     try:

@@ -107,5 +107,6 @@ class TaskScores:
             model.train(True)
         scores = self.harness.scores(results)
         if model.world.rank == 0:
-            print(f"step {step:>6} | " + " | ".join(f"{name} {value:.4f}" for name, value in scores.items()), flush=True)
+            listed = " | ".join(f"{name} {value:.4f}" for name, value in scores.items())
+            print(f"step {step:>6} | {listed}", flush=True)
         return scores
