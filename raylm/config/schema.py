@@ -394,13 +394,15 @@ class GuardConfig:
     lr_factor: float = 0.5
     """The LR's cut when an update at the current LR damaged the model, or a damaged model is rolled
     back (OPT lowered its LR mid-flight): the LR is capped at this fraction of the rate that did the
-    damage; the schedule runs on beneath the cap."""
+    damage; the schedule runs on beneath the cap. A run stalled at the unigram level (its training
+    loss near that of token frequencies alone, no longer falling, past the warmup) is rolled back
+    with its whole schedule scaled by this factor."""
     lr_recovery_steps: int = 0
     """Healthy steps over which the cap climbs back part of the way (to the geometric mean of the
     rates before and after the cut: never to one that damaged the model); 0 keeps it."""
     max_rollbacks: int = 5
-    """This many rollbacks in a row to the same snapshot (the run never passed its next check)
-    stop the run with an error naming them."""
+    """This many rollbacks in a row to the same snapshot (the run never passed its next check), or
+    this many stalls at the unigram level, stop the run with an error naming them."""
     norms_every: int = 100
     """Every N steps, per-layer activation and parameter norms as metrics (act_norm/*,
     param_norm/*); 0: never. Works with the guard on or off."""

@@ -193,7 +193,7 @@ class Trainer:
         cfg, state, step = self.cfg, self.state, batch.step
         for hook in self.hooks:
             hook.on_step_begin(self.run, step)
-        self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps)
+        self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
         if state.lr_cap is not None:
             self.lr = min(self.lr, state.lr_cap)
         apply_lr(self.optimizer, self.lr)
@@ -277,6 +277,7 @@ class Trainer:
     def _roll_back(self, step: int, consumed_until: int) -> None:
         self._abandon(step)
         self.guard.roll_back(step, self.state, consumed_until, self.lr)
+        self.checkpointer.abandon_after(self.state.step)
 
     def _abandon(self, step: int) -> None:
         """The step ends without metrics; the batches go on from the run's state (and skip ranges)."""
@@ -344,6 +345,8 @@ class Trainer:
             metrics["skipped_samples"] = skipped_samples(state)
             if state.lr_cap is not None:
                 metrics["lr_cap"] = state.lr_cap
+            if state.lr_scale != 1.0:
+                metrics["lr_scale"] = state.lr_scale
         if self.cfg.train.audit_samples:
             metrics["samples"] = _samples_of_step(self.model.dp_rank, batch.indices)
         return metrics

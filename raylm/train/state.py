@@ -15,6 +15,7 @@ class TrainState:
     tokens_seen: int = 0
     skip: list[list[int]] = field(default_factory=list)  # sample ranges the guard skipped (beside data.skip)
     lr_cap: Optional[float] = None  # the guard's ceiling on the scheduled LR, after it cut the LR
+    lr_scale: float = 1.0  # the guard's factor on the whole schedule, after the run stalled at its LR
     rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back
     loss_scale: Optional[float] = None  # fp16's dynamic loss scale (None: no scaling)
     # The guard's rolling history (recent healthy losses and grad norms, recent outlier steps,

@@ -157,6 +157,23 @@ class Checkpointer:
             pending, self.pending = self.pending, None
             self._finish(pending)
 
+    def abandon_after(self, step: int) -> None:
+        """The guard rolled the run back to `step`: the checkpoints saved after it hold the
+        trajectory it abandoned, and a restart must not resume from them (nor a later save of
+        the same step write into one). Rank 0 removes them, once a save in flight is published."""
+        self.wait()
+        if self.world.rank == 0:
+            root = self.env.checkpoint_root
+            later = sorted(n for n in storage.list_dir(root, self.storage_cfg)
+                           if checkpoint.is_checkpoint_name(n) and int(n[len(checkpoint.PREFIX):]) > step)
+            for name in later:
+                storage.delete_dir(storage.join(root, name), self.storage_cfg)
+            if later:
+                append_event(os.path.join(self.env.run_dir, EVENTS_FILE),
+                             {"event": "checkpoints_abandoned", "time": time.time(), "step": step, "names": later})
+        if self.published_step is not None and self.published_step > step:
+            self.published_step = None
+
     def _finish(self, pending: _Pending) -> None:
         """Publish a written save once every rank agrees that its part is whole."""
         error = None

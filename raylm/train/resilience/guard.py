@@ -24,8 +24,7 @@ steps are too large to learn from).
   a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped.
 - Every `snapshot_every` steps a check: a canary that is the best so far becomes the snapshot
   to return to. A model found damaged (its canary `damage` above the snapshot's, at a check or
-  before a suspect update, or within UNIGRAM_MARGIN of the loss of token frequencies alone), and
-  not learning, is rolled back to the snapshot (`rollback`), leaving out the strange batches it
+  before a suspect update), and not learning, is rolled back to the snapshot (`rollback`), leaving out the strange batches it
   trained on since (the prime suspects), or, when there were none, with the LR capped at the cut.
   A canary above the snapshot's while the model learns is a shift in the data: trained on
   (`canary_drift`), and the new snapshot. A rollback to the same snapshot as the previous one
@@ -33,6 +32,10 @@ steps are too large to learn from).
   the snapshot (PaLM's remedy) and cuts the LR; `max_rollbacks` there in a row stop the run
   (`GuardStopped`, deterministic: no restart replays it), leaving a marker that a resume with the
   same settings respects.
+- A run stalled at the unigram level (past its warmup, `window` healthy steps whose training loss
+  sits near the loss of token frequencies alone and no longer falls: OPT's divergences, a run at
+  too high an LR) is rolled back to its snapshot with its whole LR schedule scaled by `lr_factor`,
+  skipping nothing; `max_rollbacks` such stalls stop the run.
 
 Every skipped sample joins the run's skip ranges (`TrainState.skip`, which the data order leaves
 out) and an event; a clean run skips nothing. A cut caps the LR below the rate that did the
@@ -69,6 +72,12 @@ from raylm.train.validation import ValidationSet
 
 RECENT_STEPS = 4  # healthy steps whose batches tell whether the model still learns
 UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level; a healthy one falls past 10% early
+# A run stalled by too high an LR trains at 89-99% of the unigram loss past its warmup (the nanoGPT
+# config at 0.05 and 0.1, `guard.window` steps after the warmup); healthy ones at 77% (at 1e-3 and
+# 0.025) and falling.
+STALL_LEVEL = 0.85
+STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
+STALLED = "stalled at the unigram level"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +138,9 @@ class Guard:
         self.norms: deque = deque(maxlen=self.cfg.window)
         self.snapshot: Optional[Snapshot] = None
         self.reference = math.inf  # the canary loss of the snapshot: the best so far
+        # The invocation's start and its canary, kept while the best snapshot is at the unigram level:
+        # a run stalled from its warmup on has learned nothing to go back to but its start.
+        self.origin: Optional[tuple[Snapshot, float]] = None
         # This rank's rows and the loss of the last healthy steps: does the model still learn?
         self.recent: deque = deque(maxlen=RECENT_STEPS)
         # Sample ranges of the strange batches trained on since the snapshot: the prime suspects
@@ -144,8 +156,10 @@ class Guard:
         self.losses.extend(saved.get("losses", []))
         self.norms.extend(saved.get("norms", []))
         self.snapshot = Snapshot.take(state, self.params, self.optimizer)
+        canary = self.canary_loss()
         # The uninterrupted run's reference, so that a resumed run judges as it would have.
-        self.reference = saved.get("canary_reference") or self.canary_loss()
+        self.reference = saved.get("canary_reference") or canary
+        self.origin = (self.snapshot, canary) if self.at_unigram_level(self.reference) else None
 
     def save_history(self, state: TrainState) -> None:
         """Put the rolling history into `state`, for a checkpoint."""
@@ -245,12 +259,15 @@ class Guard:
         if state.step % self.cfg.snapshot_every:
             return True
         canary = self.canary_loss()
-        # Stuck: past the warmup (the LR at its peak), the model knows no more than token frequencies.
         damaged = self.damaged(canary)
-        stuck = state.step >= self.run_cfg.schedule.warmup_steps and self.at_unigram_level(canary)
-        if (damaged or stuck) and not self.learning():
-            self.trigger = {"reason": "canary drift" if damaged else "unigram level", "canary": canary,
-                            "reference": self.reference, "unigram": self.canary.unigram_loss}
+        if damaged and not self.learning():
+            self.trigger = {"reason": "canary drift", "canary": canary, "reference": self.reference,
+                            "unigram": self.canary.unigram_loss}
+            return False
+        stalled = self.stalled(state)
+        if stalled is not None:
+            self.trigger = {"reason": STALLED, "canary": canary, "reference": self.reference,
+                            "recent_loss": stalled, "unigram": self.canary.unigram_loss}
             return False
         state.guard = {k: v for k, v in state.guard.items() if k != "rolled_back_to"}  # it moved on
         if damaged:  # it learns new data (a domain, a mixture's component) and forgets some of the canary
@@ -258,7 +275,27 @@ class Guard:
         if damaged or canary <= self.reference:  # the point to return to: the best, or the data's new normal
             self.snapshot, self.reference = Snapshot.take(state, self.params, self.optimizer), canary
             self.suspects = []
+            if not self.at_unigram_level(canary):
+                self.origin = None
         return True
+
+    def stalled(self, state: TrainState) -> Optional[float]:
+        """The mean loss of the last `window` healthy steps when the run has stalled at the unigram
+        level: past its warmup (and its last stall), they sit above STALL_LEVEL of the loss of token
+        frequencies alone, and their later half is no better than their earlier one. A run at
+        too high an LR does that for as long as the LR stays high (OPT's divergences); a healthy
+        one, or one meeting a new domain, trains well below that level or falls. The training
+        losses judge, not the canary: a canary drawn from a mixture sits near its unigram level
+        while the model trains on one component; None otherwise."""
+        window, unigram = self.cfg.window, self.canary.unigram_loss
+        start = max(self.run_cfg.schedule.warmup_steps, state.guard.get("stall_from", 0))
+        if not unigram or state.step < start + window or len(self.losses) < window:
+            return None
+        recent = list(self.losses)
+        half = len(recent) // 2
+        earlier, later = math.fsum(recent[:half]) / half, math.fsum(recent[half:]) / (len(recent) - half)
+        mean = math.fsum(recent) / len(recent)
+        return mean if mean > STALL_LEVEL * unigram and later >= earlier * (1 - STALL_PROGRESS) else None
 
     def _recover_lr(self, state: TrainState) -> None:
         ceiling = state.guard.get("lr_ceiling")
@@ -297,29 +334,49 @@ class Guard:
         cut (nothing but the step size to blame). At the same place as the previous rollback (back
         to the same snapshot: the run never passed a check since) both were not enough: the data
         since the snapshot is skipped (PaLM) and the LR cut; `max_rollbacks` there in a row stop
-        the run. A run that passes a check has moved on: its next rollback starts afresh."""
+        the run. A run that passes a check has moved on: its next rollback starts afresh.
+        A run stalled at the unigram level skips nothing (no data is to blame): its whole schedule
+        is scaled by `lr_factor` (OPT's restarts at a lower LR; the warmup and the decay kept),
+        and its recent history, trained at the rate that stalled it, is dropped; `max_rollbacks`
+        stalls stop it. A run that has not left the unigram level since its start goes back to it."""
+        stall = self.trigger.get("reason") == STALLED
         snap = self.snapshot
-        same_place = bool(state.rollbacks) and state.guard.get("rolled_back_to") == snap.state.step
+        if stall and self.origin is not None:  # it never left the unigram level: back to its start
+            snap, self.reference = self.origin
+        same_place = not stall and bool(state.rollbacks) and state.guard.get("rolled_back_to") == snap.state.step
         streak = state.guard.get("rollback_streak", 0) + 1 if same_place else 1
+        stalls = state.guard.get("stalls", 0) + stall
         if streak > self.cfg.max_rollbacks:
-            self._stop(step, state, state.rollbacks[-(streak - 1):])
-        left_out = [[snap.state.position, consumed_until]] if same_place else list(self.suspects)
+            self._stop(step, state, f"{streak - 1} rollback(s) in a row at the same place (at steps "
+                                    f"{state.rollbacks[-(streak - 1):]})")
+        if stalls > self.cfg.max_rollbacks:
+            self._stop(step, state, f"{stalls - 1} rollback(s) of a run stalled at the unigram level, its LR "
+                                    f"scaled to {state.lr_scale:.3g} of the schedule")
+        left_out = [] if stall else [[snap.state.position, consumed_until]] if same_place else list(self.suspects)
         restored = _copy_state(snap.state)
         restored.rollbacks = [*state.rollbacks, step]
         restored.skip = _merged([*state.skip, *left_out])
         restored.lr_cap = min((c for c in (state.lr_cap, snap.state.lr_cap) if c is not None), default=None)
-        restored.guard = {**state.guard, "rollback_streak": streak, "rolled_back_to": snap.state.step}
+        restored.lr_scale = min(state.lr_scale, snap.state.lr_scale) * (self.cfg.lr_factor if stall else 1.0)
+        restored.guard = {**state.guard, "rollback_streak": streak, "rolled_back_to": snap.state.step,
+                          "stalls": stalls}
+        if stall:
+            restored.guard["stall_from"] = snap.state.step
+            restored.guard.pop("rolled_back_to")
+            self.losses.clear()
+            self.norms.clear()
         snap.restore(self.params, self.optimizer)
         self.recent.clear()  # trained on by weights that are gone
         self.suspects = []
         for name, value in vars(restored).items():
             setattr(state, name, value)
-        if same_place or not left_out:
+        if not stall and (same_place or not left_out):
             self._cut(state, lr)
         self.snapshot = dataclasses.replace(snap, state=_copy_state(state))
-        self._event("rollback", step=step, to_step=state.step, lr_cap=state.lr_cap, skipped=left_out,
-                    skipped_samples=skipped_samples(state), **self.trigger)
+        self._event("rollback", step=step, to_step=state.step, lr_cap=state.lr_cap, lr_scale=state.lr_scale,
+                    skipped=left_out, skipped_samples=skipped_samples(state), **self.trigger)
         cap = f", LR at most {state.lr_cap:.3g}" if state.lr_cap is not None else ""
+        cap += f", the LR schedule scaled by {state.lr_scale:.3g}" if stall else ""
         self._say(f"{self.trigger.get('reason')} at step {step}; rolled back to step {state.step}{cap}"
                   + (f", skipping samples {left_out}" if left_out else ""))
 
@@ -331,16 +388,16 @@ class Guard:
         state.lr_cap = cap if state.lr_cap is None else min(state.lr_cap, cap)
         state.guard = {**state.guard, "lr_ceiling": lr * math.sqrt(self.cfg.lr_factor)}
 
-    def _stop(self, step: int, state: TrainState, recent: list[int]) -> None:
+    def _stop(self, step: int, state: TrainState, after: str) -> None:
         message = (f"the stability guard stopped the run at step {step} ({self.trigger.get('reason')}: loss "
                    f"{self.trigger.get('loss')}, grad norm {self.trigger.get('grad_norm')}) after "
-                   f"{len(recent)} rollback(s) in a row at the same place (at steps {recent}); skipped "
+                   f"{after}; skipped "
                    f"sample ranges {state.skip}, LR cap {state.lr_cap} (guard.lr_factor={self.cfg.lr_factor}). "
                    "Tried: judging each strange step by the canary, undoing damaging updates, cutting the LR, "
                    "rolling back to healthy snapshots and skipping the data since. Resume with a lower "
                    "optim.lr, other data.skip ranges, a tighter optim.grad_clip or other guard settings; the "
                    f"run directory holds {STOP_MARKER} until then")
-        self._event("guard_stopped", step=step, rollbacks=recent, skip=state.skip, message=message, **self.trigger)
+        self._event("guard_stopped", step=step, rollbacks=state.rollbacks, skip=state.skip, message=message, **self.trigger)
         if self.world.rank == 0:
             marker = {"step": step, "message": message, "settings": intervention_settings(self.run_cfg)}
             storage.write_bytes(storage.join(self.run_uri, STOP_MARKER), json.dumps(marker).encode(),
