@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,8 +75,8 @@ RECENT_STEPS = 4  # healthy steps whose batches tell whether the model still lea
 UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level; a healthy one falls past 10% early
 # A run stalled by too high an LR trains at 89-99% of the unigram loss past its warmup (the nanoGPT
 # config at 0.05 and 0.1, `guard.window` steps after the warmup); healthy ones at 77% (at 1e-3 and
-# 0.025) and falling.
-STALL_LEVEL = 0.85
+# 0.025) and falling; random bytes at 137% (noise, not a stall).
+STALL_LEVEL = (0.85, 1.1)
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
 
@@ -280,22 +281,26 @@ class Guard:
         return True
 
     def stalled(self, state: TrainState) -> Optional[float]:
-        """The mean loss of the last `window` healthy steps when the run has stalled at the unigram
-        level: past its warmup (and its last stall), they sit above STALL_LEVEL of the loss of token
-        frequencies alone, and their later half is no better than their earlier one. A run at
-        too high an LR does that for as long as the LR stays high (OPT's divergences); a healthy
-        one, or one meeting a new domain, trains well below that level or falls. The training
-        losses judge, not the canary: a canary drawn from a mixture sits near its unigram level
-        while the model trains on one component; None otherwise."""
+        """The median loss of the last `window` healthy steps when the run has stalled at the
+        unigram level: past its warmup (and its last stall), it lies within STALL_LEVEL of the loss
+        of token frequencies alone, and the median of their later half is no better than that of
+        their earlier one. A run at too high an LR does that for as long as the LR stays high
+        (OPT's divergences); a healthy one, or one meeting a new domain, trains well below that
+        level or falls. Medians, so that batches of noise among them (random bytes, far above the
+        level) do not make a stall; the training losses judge, not the canary: a canary drawn from
+        a mixture sits near its unigram level while the model trains on one component. None
+        otherwise."""
         window, unigram = self.cfg.window, self.canary.unigram_loss
         start = max(self.run_cfg.schedule.warmup_steps, state.guard.get("stall_from", 0))
         if not unigram or state.step < start + window or len(self.losses) < window:
             return None
         recent = list(self.losses)
         half = len(recent) // 2
-        earlier, later = math.fsum(recent[:half]) / half, math.fsum(recent[half:]) / (len(recent) - half)
-        mean = math.fsum(recent) / len(recent)
-        return mean if mean > STALL_LEVEL * unigram and later >= earlier * (1 - STALL_PROGRESS) else None
+        level = statistics.median(recent)
+        low, high = STALL_LEVEL
+        stalled = low * unigram < level <= high * unigram and \
+            statistics.median(recent[half:]) >= statistics.median(recent[:half]) * (1 - STALL_PROGRESS)
+        return level if stalled else None
 
     def _recover_lr(self, state: TrainState) -> None:
         ceiling = state.guard.get("lr_ceiling")

@@ -262,8 +262,8 @@ def test_a_run_stalled_at_the_unigram_level_restarts_at_a_scaled_lr_and_skips_no
     assert [e["reason"] for e in stalls] == ["stalled at the unigram level"] * 3
     assert [(e["to_step"], e["lr_scale"], e["skipped"]) for e in stalls] == [(0, 0.5, []), (0, 0.25, []),
                                                                               (0, 0.125, [])]
-    for e in stalls:  # the losses of its last window: near the unigram level (85% of it and up)
-        assert e["recent_loss"] > 0.85 * e["unigram"] and e["step"] >= 5 + 20
+    for e in stalls:  # the median loss of its last window: near the unigram level
+        assert 0.85 * e["unigram"] < e["recent_loss"] <= 1.1 * e["unigram"] and e["step"] >= 5 + 20
     # The checkpoints of each abandoned attempt are gone: a restart resumes the attempt that goes on.
     abandoned = _events(run, "checkpoints_abandoned")
     assert [e["names"] for e in abandoned] == [[f"checkpoint_{s:08d}" for s in range(20, e["step"] + 1, 20)]
