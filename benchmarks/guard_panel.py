@@ -19,7 +19,8 @@ with the guard off, and is judged by the run's own final validation loss:
 - cost: the mean step time of the clean nanoGPT run (the guard's checks land in the steps that take
   them), guard on against off, in alternating rounds (goal ≤ 2% more).
 
-`--quick` runs every case on small data and few steps: the same code path, in minutes.
+`--quick` runs every case on fewer steps (300; the demo 100) and a fifth of the poison: the same
+code path, in minutes (tests/test_guard_panel.py runs it on a text every Python carries).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Outcome:
     mean_step_s: float  # after the first 10% of steps; every step counts, the guard's checks included
     wall_s: float
     lr_cap: Optional[float] = None
+    lr_scale: float = 1.0
     extra: dict = field(default_factory=dict)
 
 
@@ -81,7 +83,8 @@ def run_case(name: str, cfg: Config, run_dir: Path, guard: bool) -> Outcome:
     return Outcome(name, guard, val[-1] if val and rows[-1]["step"] == cfg.train.steps else None,
                    rows[-1]["step"] if rows else 0, rows[-1].get("skipped_samples", 0) if rows else 0,
                    {k: sum(e["event"] == k for e in events) for k in ACTIONS}, stopped, statistics.fmean(steady),
-                   time.monotonic() - started, rows[-1].get("lr_cap") if rows else None)
+                   time.monotonic() - started, rows[-1].get("lr_cap") if rows else None,
+                   rows[-1].get("lr_scale", 1.0) if rows else 1.0)
 
 
 # ----------------------------------------------------------------------------- data
@@ -123,10 +126,10 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Config, bool]]:
     docs = write_shakespeare_documents(text, work / "text" / "shakespeare")
     py = python_sources(work / "text" / "python", 150 if quick else 600)
     contiguous = prepared([str(docs), str(py)], work / "data" / "contiguous-64", 64)
-    poison = write_shakespeare_documents(text, work / "text" / "poisoned", poison_bytes=300_000)
+    poison = write_shakespeare_documents(text, work / "text" / "poisoned", poison_bytes=60_000 if quick else 300_000)
     poisoned = prepared([str(poison)], work / "data" / "poisoned-64", 64)
     clean_docs = prepared([str(docs)], work / "data" / "shakespeare-docs-64", 64)
-    demo_data = prepared([], REPO / "runs" / "data" / "stdlib-byte-256", 256)
+    demo_data = prepared([], work / "data" / "stdlib-byte-256", 256)
     demo = load_config(DEMO, [f"data.path={demo_data}", "checkpoint.every_steps=0", "train.tensorboard=false",
                               "parallel.num_workers=1", *(["train.steps=100"] if quick else [])])
     return {
@@ -195,7 +198,9 @@ def _show(o: Outcome) -> str:
     acted = ", ".join(f"{k} {v}" for k, v in o.actions.items() if v)
     val = f"{o.val_loss:.4f}" if o.val_loss is not None else "none"
     stop = f"; STOPPED {o.stopped}" if o.stopped else ""
-    return f"val {val}; skipped {o.skipped_samples}; {acted or 'no action'}{f'; LR cap {o.lr_cap:.3g}' if o.lr_cap else ''}{stop}"
+    cap = f"; LR cap {o.lr_cap:.3g}" if o.lr_cap else ""
+    scale = f"; LR scale {o.lr_scale:.3g}" if o.lr_scale != 1.0 else ""
+    return f"val {val}; skipped {o.skipped_samples}; {acted or 'no action'}{cap}{scale}{stop}"
 
 
 def main() -> None:

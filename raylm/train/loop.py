@@ -44,7 +44,7 @@ from raylm.train.resilience.preemption import Notice, PreemptionPoll
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
-from raylm.train.validation import TaskScores, ValidationSet
+from raylm.train.validation import TaskScores, ValidationSet, unigram_loss
 
 
 def train(spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
@@ -87,7 +87,8 @@ class Trainer:
             # Whole micro-batches on every data-parallel rank: the canary runs as an evaluation does.
             unit = self.model.dp_size * cfg.train.micro_batch_size
             canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1, across_split=False)
-            self.guard = Guard(cfg, self.model, self.optimizer, world, canary, self.events_path, env.checkpoint_root)
+            self.guard = Guard(cfg, self.model, self.optimizer, world, canary, unigram_loss(spec), self.events_path,
+                               env.checkpoint_root)
             self.guard.start(self.state)
         if needs_loss_scaling(cfg):
             self.state.loss_scale = self.state.loss_scale or cfg.train.loss_scale_initial
@@ -257,7 +258,7 @@ class Trainer:
         guard.undo(held)
         if noise:
             guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
-                             unigram=guard.canary.unigram_loss)
+                             unigram=guard.unigram)
             return "skipped"
         apply_lr(self.optimizer, self.lr * self.cfg.guard.lr_factor)
         self.optimizer.step()

@@ -43,11 +43,6 @@ class ValidationSet:
         targets = [b.tokens[:, 1:] for b in whole.batches(0, 0, batches)]
         n_bytes = sum(int(token_bytes[t].sum()) for t in targets)
         self.targets_per_byte = sum(t.size for t in targets) / n_bytes if n_bytes else None
-        counts = np.unique(np.concatenate([t.ravel() for t in targets]), return_counts=True)[1] if targets else []
-        p = np.asarray(counts, dtype=np.float64) / max(1, int(np.sum(counts)))
-        # The loss of the best model that knows only token frequencies: a model at this level has
-        # learned nothing else (a diverged run climbs back to it).
-        self.unigram_loss = float(-(p * np.log(p)).sum()) if len(p) else None
 
     def bits_per_byte(self, loss: float) -> Optional[float]:
         return bits_per_byte(loss, 1 / self.targets_per_byte) if self.targets_per_byte else None
@@ -60,6 +55,21 @@ class ValidationSet:
             return float(torch.stack(losses).mean())  # reported: the one host sync of an evaluation
         finally:
             model.train(True)
+
+
+def unigram_loss(spec: RunSpec, tokens: int = 65536) -> Optional[float]:
+    """The loss of the best model that knows only token frequencies (their entropy), over about
+    `tokens` tokens of the val split drawn across it by the fixed seed, the same on every rank: a
+    model at this level has learned nothing else (a diverged run climbs back to it). Drawn
+    across the split, not from the canary's rows in file order, which may be one document of
+    an odd kind (a table: half the entropy of the text around it)."""
+    cfg = spec.config
+    source = spec.datasets.open_split("val", dataclasses.replace(cfg.data, seed=VAL_SEED), cfg.storage)
+    stream = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")
+    batches = max(1, -(-tokens // (spec.global_batch * spec.seq_len)))
+    counts = sum(np.bincount(b.tokens[:, 1:].ravel(), minlength=cfg.model.vocab_size) for b in stream.batches(0, 0, batches))
+    p = counts[counts > 0] / counts.sum() if np.sum(counts) else np.array([])
+    return float(-(p * np.log(p)).sum()) if len(p) else None
 
 
 class TaskScores:

@@ -9,7 +9,7 @@ them ("learning": true of a model meeting a new domain, false of a damaged one o
 steps are too large to learn from).
 
 - A step whose loss and gradient norm are within `sigmas` deviations of recent healthy steps
-  trains as usual.
+  trains as usual, unless its batch is noise to the model (below).
 - A suspect step (beyond them): the canary before the update, then after it. Sound (the canary
   rose by less than `damage` from before the update): hard data,
   trained on (`hard_batch`). Damaged: the update is undone and tried again at the LR cut by
@@ -79,6 +79,9 @@ UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level
 STALL_LEVEL = (0.85, 1.1)
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
+# Random printable bytes cost a model of Shakespeare 137-150% of the unigram loss; text of a new kind
+# (Python sources to that model) stays near or below it: the model draws on what it knows.
+NOISE_LEVEL = 1.2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,9 +133,10 @@ class Guard:
     """Judges each step, and acts on what the canary says (see the module docstring)."""
 
     def __init__(self, run_cfg: Config, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-                 canary: ValidationSet, events_path: str, run_uri: str):
+                 canary: ValidationSet, unigram: Optional[float], events_path: str, run_uri: str):
         self.run_cfg, self.cfg, self.optimizer, self.world = run_cfg, run_cfg.guard, optimizer, world
         self.model, self.canary = model, canary
+        self.unigram = unigram  # the data's unigram loss (validation.unigram_loss)
         self.events_path, self.run_uri = events_path, run_uri
         self.params = unique_parameters(model.parts)
         self.losses: deque = deque(maxlen=self.cfg.window)
@@ -174,6 +178,10 @@ class Guard:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.trigger = {"reason": "non-finite", "loss": loss, "grad_norm": grad_norm}
             return "nonfinite"
+        if self.noise(loss):  # early in training the spread of falling losses hides it from a z-score
+            self.trigger = {"reason": "noise", "loss": loss, "grad_norm": grad_norm,
+                            "unigram": self.unigram}
+            return "suspect"
         if len(self.losses) >= self.cfg.min_history:
             scores = {name: _sigmas(value, history)
                       for name, value, history in (("loss", loss, self.losses), ("grad_norm", grad_norm, self.norms))}
@@ -221,16 +229,16 @@ class Guard:
     def at_unigram_level(self, canary: float) -> bool:
         """A canary within UNIGRAM_MARGIN of the loss of token frequencies alone: the model knows
         little more (a run at too high an LR stays there; a healthy one leaves it early)."""
-        unigram = self.canary.unigram_loss
+        unigram = self.unigram
         return bool(unigram) and canary > unigram * (1 - UNIGRAM_MARGIN)
 
     def noise(self, loss: float) -> bool:
-        """Whether a batch is noise to the model: it predicts the batch worse than token
-        frequencies alone would (random bytes, a broken shard), though it has learned more than
-        them (its snapshot is past the unigram level). Text of a new kind sits below that level: the
-        model draws on what it knows."""
-        unigram = self.canary.unigram_loss
-        return bool(unigram) and loss > unigram and not self.at_unigram_level(self.reference)
+        """Whether a batch is noise to the model: it predicts the batch far worse (NOISE_LEVEL) than
+        token frequencies alone would (random bytes, a broken shard), though it has learned more
+        than them (its snapshot is past the unigram level). Text of a new kind stays near or below
+        that level: the model draws on what it knows."""
+        unigram = self.unigram
+        return bool(unigram) and loss > NOISE_LEVEL * unigram and not self.at_unigram_level(self.reference)
 
     def helped(self, canary: float, before: float) -> bool:
         """Whether an update left the canary no worse than `before` it."""
@@ -263,12 +271,12 @@ class Guard:
         damaged = self.damaged(canary)
         if damaged and not self.learning():
             self.trigger = {"reason": "canary drift", "canary": canary, "reference": self.reference,
-                            "unigram": self.canary.unigram_loss}
+                            "unigram": self.unigram}
             return False
         stalled = self.stalled(state)
         if stalled is not None:
             self.trigger = {"reason": STALLED, "canary": canary, "reference": self.reference,
-                            "recent_loss": stalled, "unigram": self.canary.unigram_loss}
+                            "recent_loss": stalled, "unigram": self.unigram}
             return False
         state.guard = {k: v for k, v in state.guard.items() if k != "rolled_back_to"}  # it moved on
         if damaged:  # it learns new data (a domain, a mixture's component) and forgets some of the canary
@@ -290,7 +298,7 @@ class Guard:
         level) do not make a stall; the training losses judge, not the canary: a canary drawn from
         a mixture sits near its unigram level while the model trains on one component. None
         otherwise."""
-        window, unigram = self.cfg.window, self.canary.unigram_loss
+        window, unigram = self.cfg.window, self.unigram
         start = max(self.run_cfg.schedule.warmup_steps, state.guard.get("stall_from", 0))
         if not unigram or state.step < start + window or len(self.losses) < window:
             return None
@@ -330,7 +338,7 @@ class Guard:
         """The batch damages a healthy model (or fails twice): its samples are left out."""
         state.skip = _merged([*state.skip, samples])
         self._event("batch_skipped", step=step, samples=samples, skipped_samples=skipped_samples(state),
-                    **self.trigger, **detail)
+                    **{**self.trigger, **detail})
         self._say(f"{self.trigger.get('reason')} at step {step}; skipped samples [{samples[0]}, {samples[1]})")
 
     def roll_back(self, step: int, state: TrainState, consumed_until: int, lr: float) -> None:

@@ -246,7 +246,8 @@ def test_repeated_trouble_stops_the_run_and_a_resume_needs_changed_settings(tiny
     assert final["step"] == 6 and not os.path.exists(os.path.join(run, "guard_stopped.json"))
 
 
-# At LR 0.3 the tiny model trains at the unigram level and stays there; at 1/8 of it, it learns.
+# At LR 0.3 the tiny model trains at the unigram level and stays there, at half of it too; at a
+# quarter of it, it learns.
 STALLING = ("optim.lr=0.3", "schedule.min_lr=0.03", "schedule.warmup_steps=5", "guard.window=20",
             "guard.min_history=10", "guard.snapshot_every=10", "train.eval_every=0", "train.tensorboard=false")
 
@@ -259,9 +260,8 @@ def test_a_run_stalled_at_the_unigram_level_restarts_at_a_scaled_lr_and_skips_no
     common = ("train.steps=100", *STALLING, "checkpoint.every_steps=20")
     train_local(tiny_config(tiny_dataset, *common), run)
     stalls = _events(run, "rollback")
-    assert [e["reason"] for e in stalls] == ["stalled at the unigram level"] * 3
-    assert [(e["to_step"], e["lr_scale"], e["skipped"]) for e in stalls] == [(0, 0.5, []), (0, 0.25, []),
-                                                                              (0, 0.125, [])]
+    assert [e["reason"] for e in stalls] == ["stalled at the unigram level"] * 2
+    assert [(e["to_step"], e["lr_scale"], e["skipped"]) for e in stalls] == [(0, 0.5, []), (0, 0.25, [])]
     for e in stalls:  # the median loss of its last window: near the unigram level
         assert 0.85 * e["unigram"] < e["recent_loss"] <= 1.1 * e["unigram"] and e["step"] >= 5 + 20
     # The checkpoints of each abandoned attempt are gone: a restart resumes the attempt that goes on.
@@ -270,9 +270,9 @@ def test_a_run_stalled_at_the_unigram_level_restarts_at_a_scaled_lr_and_skips_no
                                                 for e in stalls]
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}  # the last attempt's
     scheduled = lr_at(60, tiny_config(tiny_dataset, *common).schedule, 0.3, 100)
-    assert rows[61]["lr"] == pytest.approx(scheduled * 0.125) and rows[100]["lr_scale"] == 0.125
+    assert rows[61]["lr"] == pytest.approx(scheduled * 0.25) and rows[100]["lr_scale"] == 0.25
     assert rows[100]["skipped_samples"] == 0 and "lr_cap" not in rows[100]
-    assert rows[100]["loss"] < 0.7 * stalls[0]["unigram"]  # at 1/8 of the LR it learned
+    assert rows[100]["loss"] < 0.8 * stalls[0]["unigram"]  # at a quarter of the LR it learned
     # Stopped after the last stall and resumed: its checkpoint carries the scale.
     resumed = str(tmp_path / "resumed")
     train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=80"), resumed)
@@ -280,9 +280,9 @@ def test_a_run_stalled_at_the_unigram_level_restarts_at_a_scaled_lr_and_skips_no
     assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
     # A schedule that stalls at every scale tried: guard.max_rollbacks stalls end the run.
     stopped = str(tmp_path / "stopped")
-    with pytest.raises(GuardStopped, match=r"after 2 rollback\(s\) of a run stalled at the unigram level, its LR "
-                                           r"scaled to 0.25"):
-        train_local(tiny_config(tiny_dataset, *common, "guard.max_rollbacks=2"), stopped)
+    with pytest.raises(GuardStopped, match=r"after 1 rollback\(s\) of a run stalled at the unigram level, its LR "
+                                           r"scaled to 0.5"):
+        train_local(tiny_config(tiny_dataset, *common, "guard.max_rollbacks=1"), stopped)
 
 
 def test_with_the_guard_off_a_nan_stops_with_the_samples_named(tiny_dataset, tmp_path):
