@@ -209,7 +209,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "guard-panel")
     parser.add_argument("--high-lr", type=float, default=0.1, help="an LR at which the nanoGPT config diverges")
     parser.add_argument("--quick", action="store_true", help="every case, on less data and fewer steps")
-    parser.add_argument("--cases", default="all", help="';'-separated case names (prefixes), or all")
+    parser.add_argument("--cases", default="all",
+                        help="';'-separated case names (prefixes), all, or none (the cost alone)")
     parser.add_argument("--cost-rounds", type=int, default=3, help="rounds of the cost measurement (0: none)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
@@ -226,10 +227,10 @@ def main() -> None:
             results.setdefault(name, {})[guard] = outcome
             print(f"{name} (guard {'on' if guard else 'off'}): {_show(outcome)} in {outcome.wall_s:.0f} s "
                   f"(load {load_average()})", flush=True)
-    if args.cases == "all":
-        rows = judge(results)
-        if args.cost_rounds:
-            rows.append(measure_cost(args, args.cost_rounds, 100 if args.quick else 500))
+    rows = judge(results) if args.cases == "all" else []
+    if args.cost_rounds:
+        rows.append(measure_cost(args, args.cost_rounds, 100 if args.quick else 500))
+    if rows:
         print_table(["case", "guard on", "guard off", "goal", "verdict"], rows)
     if args.json_out:
         args.json_out.write_text(json.dumps({n: {str(g): vars(o) for g, o in r.items()} for n, r in results.items()},
