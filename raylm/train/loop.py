@@ -337,7 +337,8 @@ class Trainer:
         metrics = {"step": state.step, "loss": loss, "lr": self.lr, "grad_norm": grad_norm,
                    "global_batch": batch.global_batch,
                    "position": state.position, "tokens": state.tokens_seen, "time": time.time(),
-                   "step_time": now - self.t0, "data_wait": self.data_wait, "checkpoint_s": self.checkpoint_s, "tokens_per_s": tokens_per_s,
+                   "step_time": now - self.t0, "data_wait": self.data_wait, "checkpoint_s": self.checkpoint_s,
+                   "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)}
         self.t0, self.checkpoint_s = now, 0.0
         if self.scaler is not None:

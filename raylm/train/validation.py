@@ -67,7 +67,8 @@ def unigram_loss(spec: RunSpec, tokens: int = 65536) -> Optional[float]:
     source = spec.datasets.open_split("val", dataclasses.replace(cfg.data, seed=VAL_SEED), cfg.storage)
     stream = TokenStream(source, spec.global_batch, 0, 1, skip=[], engine="local")
     batches = max(1, -(-tokens // (spec.global_batch * spec.seq_len)))
-    counts = sum(np.bincount(b.tokens[:, 1:].ravel(), minlength=cfg.model.vocab_size) for b in stream.batches(0, 0, batches))
+    counts = sum(np.bincount(b.tokens[:, 1:].ravel(), minlength=cfg.model.vocab_size)
+                 for b in stream.batches(0, 0, batches))
     p = counts[counts > 0] / counts.sum() if np.sum(counts) else np.array([])
     return float(-(p * np.log(p)).sum()) if len(p) else None
 

@@ -24,8 +24,9 @@ steps are too large to learn from).
   a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped.
 - Every `snapshot_every` steps a check: a canary that is the best so far becomes the snapshot
   to return to. A model found damaged (its canary `damage` above the snapshot's, at a check or
-  before a suspect update), and not learning, is rolled back to the snapshot (`rollback`), leaving out the strange batches it
-  trained on since (the prime suspects), or, when there were none, with the LR capped at the cut.
+  before a suspect update), and not learning, is rolled back to the snapshot (`rollback`),
+  leaving out the strange batches it trained on since (the prime suspects), or, when there were
+  none, with the LR capped at the cut.
   A canary above the snapshot's while the model learns is a shift in the data: trained on
   (`canary_drift`), and the new snapshot. A rollback to the same snapshot as the previous one
   (the run never passed a check in between) is at the same place: it skips all the data since
@@ -410,7 +411,8 @@ class Guard:
                    "rolling back to healthy snapshots and skipping the data since. Resume with a lower "
                    "optim.lr, other data.skip ranges, a tighter optim.grad_clip or other guard settings; the "
                    f"run directory holds {STOP_MARKER} until then")
-        self._event("guard_stopped", step=step, rollbacks=state.rollbacks, skip=state.skip, message=message, **self.trigger)
+        self._event("guard_stopped", step=step, rollbacks=state.rollbacks, skip=state.skip, message=message,
+                    **self.trigger)
         if self.world.rank == 0:
             marker = {"step": step, "message": message, "settings": intervention_settings(self.run_cfg)}
             storage.write_bytes(storage.join(self.run_uri, STOP_MARKER), json.dumps(marker).encode(),
