@@ -17,19 +17,13 @@ alternative to SDPA with a boolean mask).
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
 
-from _common import load_average, print_table
+from _common import (MICRO_BATCH, SEQ_LEN, VOCAB, WARMUP_STEPS, load_average, mode_config, mode_parser, mode_rounds,
+                     mode_step, print_table, timed_steps)
 
 MODES = ("causal", "document")
-WARMUP_STEPS = 2
-SEQ_LEN, MICRO_BATCH, VOCAB = 256, 8, 256
 EOT = VOCAB - 1
 
 
@@ -50,36 +44,12 @@ def measure(mode: str, steps: int, threads: int, doc_len: int) -> dict:
     """In this process: build the model with `mode` attention, warm up, then time `steps` optimizer steps."""
     import torch
 
-    from raylm.config import Config, ModelConfig, TrainConfig
-    from raylm.model.transformer import Transformer
-    from raylm.parallel.layout import resolve_layout
-    from raylm.parallel.world import World
-    from raylm.train.optim import build_optimizer
-    from raylm.train.step import build_model
-
     torch.set_num_threads(threads)
-    cfg = Config(model=ModelConfig(d_model=256, n_layers=6, n_heads=4, vocab_size=VOCAB, max_seq_len=SEQ_LEN,
-                                   attention=mode),
-                 train=TrainConfig(micro_batch_size=MICRO_BATCH, seq_len=SEQ_LEN))
-    world = World.current()
-    model = build_model(lambda: Transformer(cfg.model), cfg, world,
-                        resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len), eot_id=EOT)
-    optimizer = build_optimizer(model.parts, cfg.optim)
+    step = mode_step(mode_config(attention=mode), eot_id=EOT)
     tokens = packed_rows(doc_len)
-
-    def step() -> None:
-        model.forward_backward(tokens, MICRO_BATCH)
-        model.clip_grad_norm(cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
     for _ in range(WARMUP_STEPS):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        step(tokens)
+    times = timed_steps(lambda: step(tokens), steps)
     documents = int((tokens[:, :-1] == EOT).sum()) + MICRO_BATCH  # the ends, plus each row's first (part) document
     return {"mode": mode, "step_s": times, "documents_per_row": documents / MICRO_BATCH}
 
@@ -97,34 +67,16 @@ def flex_attention_on_cpu() -> str:
     return "yes"
 
 
-def run_round(modes: list[str], args: argparse.Namespace) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    results = []
-    for mode in modes:
-        out = subprocess.run([sys.executable, __file__, "--one", mode, "--steps", str(args.steps),
-                              "--threads", str(args.threads), "--doc-len", str(args.doc_len)],
-                             env=env, capture_output=True, text=True, check=True)
-        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return results
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="timed steps per process")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of each process")
+    parser = mode_parser(__doc__, MODES)
     parser.add_argument("--doc-len", type=int, default=64, help="mean document length in tokens")
-    parser.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # a child process: one mode
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.one, args.steps, args.threads, args.doc_len)))
         return
     print(f"flex_attention trains on CPU: {flex_attention_on_cpu()}")
     print(f"load average before: {load_average()}")
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
-    for i in range(args.rounds):
-        for result in run_round(list(MODES if i % 2 == 0 else reversed(MODES)), args):
-            runs[result["mode"]].append(result)
+    runs = mode_rounds(__file__, MODES, args, extra=("--doc-len", str(args.doc_len)))
     print(f"load average after: {load_average()}")
     print(f"documents per row: {runs['document'][0]['documents_per_row']:.1f}")
     step = {mode: statistics.median(t for r in rs for t in r["step_s"]) for mode, rs in runs.items()}
