@@ -64,7 +64,7 @@ def _event_step(event: dict, rows: list[dict]) -> Optional[int]:
         before = [r["step"] for r in rows if r.get("time", float("inf")) <= event["time"]]
         return before[-1] if before else 0
     name = str(event.get("restart_from") or "").rstrip("/").rsplit("/", 1)[-1]
-    return int(name[len(checkpoint.PREFIX):]) if checkpoint.is_checkpoint_name(name) else None
+    return checkpoint.step_of(name)
 
 
 def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) -> RunRecord:

@@ -71,6 +71,11 @@ def is_checkpoint_name(name: str) -> bool:
     return re.fullmatch(rf"{PREFIX}\d{{8}}", name) is not None
 
 
+def step_of(name: str) -> Optional[int]:
+    """The step of a checkpoint directory's name; None for a name that is not one."""
+    return int(name[len(PREFIX):]) if is_checkpoint_name(name) else None
+
+
 # ----------------------------------------------------------------------------- files and hashes
 
 def _rng_name(rank: int) -> str:
@@ -450,5 +455,5 @@ def retained(names: list[str], keep_last: Optional[int], keep_every: Optional[in
     names = sorted(names)
     keep = set(names[-keep_last:] if keep_last else names) | set(names[-1:])
     if keep_every:
-        keep |= {n for n in names if int(n[len(PREFIX):]) % keep_every == 0}
+        keep |= {n for n in names if step_of(n) % keep_every == 0}
     return keep

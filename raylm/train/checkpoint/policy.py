@@ -165,7 +165,7 @@ class Checkpointer:
         if self.world.rank == 0:
             root = self.env.checkpoint_root
             later = sorted(n for n in storage.list_dir(root, self.storage_cfg)
-                           if checkpoint.is_checkpoint_name(n) and int(n[len(checkpoint.PREFIX):]) > step)
+                           if checkpoint.is_checkpoint_name(n) and checkpoint.step_of(n) > step)
             for name in later:
                 storage.delete_dir(storage.join(root, name), self.storage_cfg)
             if later:
