@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from _common import load_average, print_table, python_sources, shakespeare_bytes
 
@@ -62,6 +62,7 @@ class Outcome:
     actions: dict[str, int]
     stopped: Optional[str]
     mean_step_s: float  # after the first 10% of steps; every step counts, the guard's checks included
+    guard_share: float  # of all the steps' time, the guard's own work (metrics' guard_s)
     wall_s: float
     lr_cap: Optional[float] = None
     lr_scale: float = 1.0
@@ -83,6 +84,7 @@ def run_case(name: str, cfg: Config, run_dir: Path, guard: bool) -> Outcome:
     return Outcome(name, guard, val[-1] if val and rows[-1]["step"] == cfg.train.steps else None,
                    rows[-1]["step"] if rows else 0, rows[-1].get("skipped_samples", 0) if rows else 0,
                    {k: sum(e["event"] == k for e in events) for k in ACTIONS}, stopped, statistics.fmean(steady),
+                   sum(r.get("guard_s", 0.0) for r in rows) / max(sum(r["step_time"] for r in rows), 1e-9),
                    time.monotonic() - started, rows[-1].get("lr_cap") if rows else None,
                    rows[-1].get("lr_scale", 1.0) if rows else 1.0)
 
@@ -117,31 +119,47 @@ def nanogpt(data: str, *extra: str) -> Config:
                                  "train.log_every=500", *extra])
 
 
-def cases(args: argparse.Namespace) -> dict[str, tuple[Config, bool]]:
-    """name -> (config, whether to run it with the guard off as well)."""
+def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], bool]]:
+    """name -> (its config, the data prepared when called; whether to run it with the guard off as well)."""
     work, quick = args.workdir, args.quick
-    steps = ["train.steps=300", "schedule.warmup_steps=30", "train.eval_every=100"] if quick else []
+    # Reduced: 300 steps, checks every 25 (as the 2000-step runs' default every 100 are, near enough,
+    # against their length: a stall at the unigram level lasts a fraction of either run).
+    steps = ["train.steps=300", "schedule.warmup_steps=30", "train.eval_every=100",
+             "guard.snapshot_every=25"] if quick else []
     text = args.input.read_text()
-    shakespeare = shakespeare_bytes(args.input, work)
-    docs = write_shakespeare_documents(text, work / "text" / "shakespeare")
-    py = python_sources(work / "text" / "python", 150 if quick else 600)
-    contiguous = prepared([str(docs), str(py)], work / "data" / "contiguous-64", 64)
-    poison = write_shakespeare_documents(text, work / "text" / "poisoned", poison_bytes=60_000 if quick else 300_000)
-    poisoned = prepared([str(poison)], work / "data" / "poisoned-64", 64)
-    clean_docs = prepared([str(docs)], work / "data" / "shakespeare-docs-64", 64)
-    demo_data = prepared([], work / "data" / "stdlib-byte-256", 256)
-    demo = load_config(DEMO, [f"data.path={demo_data}", "checkpoint.every_steps=0", "train.tensorboard=false",
-                              "parallel.num_workers=1", *(["train.steps=100"] if quick else [])])
+    docs = lambda: write_shakespeare_documents(text, work / "text" / "shakespeare")  # noqa: E731
+
+    def shakespeare(*extra: str) -> Config:
+        return nanogpt(shakespeare_bytes(args.input, work), *steps, *extra)
+
+    def contiguous() -> Config:
+        py = python_sources(work / "text" / "python", 150 if quick else 600)
+        return nanogpt(prepared([str(docs()), str(py)], work / "data" / "contiguous-64", 64), "data.chunk_rows=4096",
+                       *steps)
+
+    def poisoned() -> Config:
+        poison = write_shakespeare_documents(text, work / "text" / "poisoned",
+                                             poison_bytes=60_000 if quick else 300_000)
+        return nanogpt(prepared([str(poison)], work / "data" / "poisoned-64", 64), "data.chunk_rows=64", *steps)
+
+    def demo() -> Config:
+        data = prepared([], work / "data" / "stdlib-byte-256", 256)
+        return load_config(DEMO, [f"data.path={data}", "checkpoint.every_steps=0", "train.tensorboard=false",
+                                  "parallel.num_workers=1", *(["train.steps=100"] if quick else [])])
+
     return {
         "clean, shuffled: demo": (demo, True),
-        "clean, shuffled: nanoGPT": (nanogpt(shakespeare, *steps), True),
-        "clean, contiguous": (nanogpt(contiguous, "data.chunk_rows=4096", *steps), True),
-        "poisoned window": (nanogpt(poisoned, "data.chunk_rows=64", *steps), True),
-        "clean text, chunks of 64 (poison's reference)": (nanogpt(clean_docs, "data.chunk_rows=64", *steps),
-                                                           False),
-        "too-high LR": (nanogpt(shakespeare, f"optim.lr={args.high_lr}", f"schedule.min_lr={args.high_lr / 10}",
-                                *steps), True),
-        "NaN once": (nanogpt(shakespeare, *steps, f"train.inject_nonfinite=[{150 if quick else 1000}]"), False),
+        "clean, shuffled: nanoGPT": (shakespeare, True),
+        "clean, contiguous": (contiguous, True),
+        "poisoned window": (poisoned, True),
+        "clean text, chunks of 64 (poison's reference)":
+            (lambda: nanogpt(prepared([str(docs())], work / "data" / "shakespeare-docs-64", 64), "data.chunk_rows=64",
+                             *steps), False),
+        # Guard off, a too-high LR is the divergence the case is about: the full panel measures it
+        # (RESULTS.md), the reduced one only what the guard did.
+        "too-high LR": (lambda: shakespeare(f"optim.lr={args.high_lr}", f"schedule.min_lr={args.high_lr / 10}"),
+                        not quick),
+        "NaN once": (lambda: shakespeare(f"train.inject_nonfinite=[{150 if quick else 1000}]"), False),
     }
 
 
@@ -178,20 +196,28 @@ def measure_cost(args: argparse.Namespace, rounds: int, steps: int) -> list[obje
     """The guard's cost on the clean nanoGPT run: runs of `steps` steps with the guard on and off
     in alternating order (on-off, off-on, ...), so that a drift of the machine's speed cancels;
     each run's mean step time after its first 10% (the guard's checks land in the steps that take
-    them); the median over rounds of on ÷ off."""
+    them); the median over rounds of on ÷ off. That ratio carries the machine's drift between two
+    runs (on this 2-core machine, rounds have scattered by ±20%); the verdict is the guard's own
+    work timed inside each guarded run (metrics' guard_s: its canary losses and snapshots) as a
+    share of the run's step time, which a drift moves in both alike."""
     data = shakespeare_bytes(args.input, args.workdir)
-    ratios, times = [], {True: [], False: []}
+    ratios, shares, times = [], [], {True: [], False: []}
     for i in range(rounds):
         for guard in (True, False) if i % 2 == 0 else (False, True):
             cfg = nanogpt(data, f"train.steps={steps}", "train.eval_every=0")
             outcome = run_case("cost", cfg, args.workdir / "runs" / f"cost-{'guard' if guard else 'off'}", guard)
             times[guard].append(outcome.mean_step_s)
+            if guard:
+                shares.append(outcome.guard_share)
         ratios.append(times[True][-1] / times[False][-1])
-    cost = statistics.median(ratios) - 1
-    print(f"cost rounds: on/off {[round(r, 4) for r in ratios]} (load {load_average()})", flush=True)
-    return [f"cost: clean nanoGPT mean step time ({rounds} rounds of {steps} steps, alternating)",
-            f"{1000 * statistics.median(times[True]):.1f} ms", f"{1000 * statistics.median(times[False]):.1f} ms",
-            "≤ +2%", f"{100 * cost:+.1f}% (median of rounds): {'met' if cost <= 0.02 else 'NOT met'}"]
+    cost, share = statistics.median(ratios) - 1, statistics.median(shares)
+    print(f"cost rounds: on/off {[round(r, 4) for r in ratios]}, the guard's share of step time "
+          f"{[round(s, 4) for s in shares]} (load {load_average()})", flush=True)
+    return [f"cost: clean nanoGPT, the guard's own work in its step time ({rounds} rounds of {steps} steps; "
+            "mean step times, alternating)",
+            f"{100 * share:.2f}% ({1000 * statistics.median(times[True]):.1f} ms)",
+            f"{1000 * statistics.median(times[False]):.1f} ms ({100 * cost:+.1f}%)",
+            "≤ +2%", "met" if share <= 0.02 else "NOT met"]
 
 
 def _show(o: Outcome) -> str:
@@ -218,9 +244,10 @@ def main() -> None:
     start_ray()
     print(f"start: load {load_average()}", flush=True)
     results: dict[str, dict[bool, Outcome]] = {}
-    for name, (cfg, both) in cases(args).items():
+    for name, (config, both) in cases(args).items():
         if args.cases != "all" and not any(name.startswith(c.strip()) for c in args.cases.split(";")):
             continue
+        cfg = config()
         for guard in (True, False) if both else (True,):
             slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-") + ("-guard" if guard else "-off")
             outcome = run_case(name, cfg, args.workdir / "runs" / slug, guard)

@@ -137,7 +137,10 @@ def summarize(run: RunRecord) -> dict:
         "skipped samples": _skipped(rows, events),
         "skipped tokens": _skipped(rows, events) * _tokens_per_sample(rows),
         "rollbacks": len(rollbacks),
-        "LR cuts": sum(e.get("event") == "lr_cut" for e in events) + len(rollbacks),
+        # A rollback that only left out its suspects kept the LR (runs before the field: so did any
+        # that left out samples but the same-place one, which cut too).
+        "LR cuts": sum(e.get("event") == "lr_cut" for e in events)
+        + sum(e.get("lr_cut", not e.get("skipped")) for e in rollbacks),
         "productive time (s)": productive,
         "checkpoint stalls (s)": stalls,
         "time lost to failures (s)": lost,

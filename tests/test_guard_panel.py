@@ -1,6 +1,6 @@
 """The stability guard's panel, reduced (`benchmarks/guard_panel.py --quick`: 300 steps a case, a
-fifth of the poison; the demo's case, whose model costs more than the rest together, is left to
-the full panel), on a text every Python carries
+fifth of the poison, checks every 25 steps; the demo's case, whose model costs more than the rest
+together, is left to the full panel), on a text every Python carries
 (the standard library's pydoc topics) in place of Shakespeare: the clean runs, shuffled and
 crossing a domain boundary, are left alone; a poisoned window, a too-high LR and a NaN are acted
 on. Whether acting pays is the full panel's measure (benchmarks/RESULTS.md): 300 steps are too
@@ -47,7 +47,7 @@ def test_the_reduced_guard_panel_leaves_clean_runs_alone_and_saves_troubled_ones
     # Stalled at the unigram level: back to its best snapshot with the whole schedule halved, no skip.
     high = on["too-high LR"]
     assert high["stopped"] is None and high["actions"]["rollback"] >= 1 and high["lr_scale"] == 0.5, high
-    assert high["skipped_samples"] == 0 and off["too-high LR"]["lr_scale"] == 1.0
+    assert high["skipped_samples"] == 0
     poisoned = on["poisoned window"]
     assert poisoned["stopped"] is None and poisoned["actions"]["batch_skipped"] >= 1, poisoned
     assert poisoned["val_loss"] < off["poisoned window"]["val_loss"], (poisoned, off["poisoned window"])

@@ -64,8 +64,8 @@ def validate(cfg: Config) -> None:
     if g.norms_every < 0 or g.lr_recovery_steps < 0:
         raise ConfigError(f"guard.norms_every and guard.lr_recovery_steps must be >= 0, got {g.norms_every} and "
                           f"{g.lr_recovery_steps}")
-    if g.min_history < 2 or g.snapshot_every < 1:
-        raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 1, got "
+    if g.min_history < 2 or g.snapshot_every < 0:
+        raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 0 (0: by cost), got "
                           f"{g.min_history} and {g.snapshot_every}")
     if cfg.data.shard_cache_mb < 0:
         raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")

@@ -344,6 +344,7 @@ class Trainer:
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
         if self.guard is not None:
+            metrics["guard_s"] = self.guard.spent()  # within step_time: the guard's cost
             metrics["skipped_samples"] = skipped_samples(state)
             if state.lr_cap is not None:
                 metrics["lr_cap"] = state.lr_cap

@@ -1,6 +1,6 @@
 """The console of a run that lost a node and recovered: Ray's tracebacks, a raylet's account of the
 dead node and Ray Data's notices are dropped; raylm's own lines all pass. The sample is a real
-driver console (tests/cluster/test_elastic.py's node loss, before this filter existed)."""
+driver console (a node loss on the README's cluster, before this filter existed)."""
 
 from __future__ import annotations
 

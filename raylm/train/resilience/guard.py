@@ -22,9 +22,10 @@ steps are too large to learn from).
   undone and the batch skipped, at any LR.
 - A non-finite loss or gradient: the step is computed again (the loop does); finite then, it was
   a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped.
-- Every `snapshot_every` steps a check: a canary that is the best so far becomes the snapshot
-  to return to. A model found damaged (its canary `damage` above the snapshot's, at a check or
-  before a suspect update), and not learning, is rolled back to the snapshot (`rollback`),
+- Every `snapshot_every` steps (by default spaced so that their canary passes cost at most 1%
+  of the training) a check: a canary that is the best so far becomes the snapshot to return to.
+  A model found damaged (its canary `damage` above the snapshot's, at a check or before a
+  suspect update), and not learning, is rolled back to the snapshot (`rollback`),
   leaving out the strange batches it trained on since (the prime suspects), or, when there were
   none, with the LR capped at the cut.
   A canary above the snapshot's while the model learns is a shift in the data: trained on
@@ -54,8 +55,9 @@ import math
 import statistics
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -78,6 +80,10 @@ UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level
 # config at 0.05 and 0.1, `guard.window` steps after the warmup); healthy ones at 77% (at 1e-3 and
 # 0.025) and falling; random bytes at 137% (noise, not a stall).
 STALL_LEVEL = (0.85, 1.1)
+# Checks (guard.snapshot_every=0) every CHECK_STEPS steps, or further apart where their canary
+# pass would cost more than CHECK_SHARE of the training compute.
+CHECK_STEPS = 25
+CHECK_SHARE = 0.01
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
 # Random printable bytes cost a model of Shakespeare 137-150% of the unigram loss; text of a new kind
@@ -153,6 +159,9 @@ class Guard:
         # when the model is found damaged.
         self.suspects: list[list[int]] = []
         self.trigger: dict = {}  # why the step in hand is not healthy
+        self.busy_s = 0.0  # the guard's own work (canary losses, snapshots) since the last `spent()`
+        self.check_every = self.cfg.snapshot_every or check_interval(canary, run_cfg.train.global_batch_size,
+                                                                     model.dp_size)
 
     # -- history ------------------------------------------------------------------------------
 
@@ -166,6 +175,20 @@ class Guard:
         # The uninterrupted run's reference, so that a resumed run judges as it would have.
         self.reference = saved.get("canary_reference") or canary
         self.origin = (self.snapshot, canary) if self.at_unigram_level(self.reference) else None
+        self.busy_s = 0.0  # start-up, not a step's
+
+    @contextmanager
+    def _working(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def spent(self) -> float:
+        """Seconds of the guard's own work since the last call: its cost, within the step times."""
+        spent, self.busy_s = self.busy_s, 0.0
+        return spent
 
     def save_history(self, state: TrainState) -> None:
         """Put the rolling history into `state`, for a checkpoint."""
@@ -194,7 +217,8 @@ class Guard:
         return "ok"
 
     def canary_loss(self) -> float:
-        return self.canary.loss(self.model, self.run_cfg.train.micro_batch_size)
+        with self._working():
+            return self.canary.loss(self.model, self.run_cfg.train.micro_batch_size)
 
     def damaged(self, canary: float, before: Optional[float] = None, tolerance: Optional[float] = None) -> bool:
         """Whether a canary loss says the model is damaged: `damage` (or `tolerance`) above the
@@ -219,12 +243,13 @@ class Guard:
             return False
         mbs = self.run_cfg.train.micro_batch_size
         device = self.model.world.device
-        self.model.train(False)
-        try:
-            now = [float(self.model.eval_loss(torch.from_numpy(rows.astype(np.int64)).to(device), mbs))
-                   for rows, _ in self.recent]
-        finally:
-            self.model.train(True)
+        with self._working():
+            self.model.train(False)
+            try:
+                now = [float(self.model.eval_loss(torch.from_numpy(rows.astype(np.int64)).to(device), mbs))
+                       for rows, _ in self.recent]
+            finally:
+                self.model.train(True)
         return sum(now) < sum(loss for _, loss in self.recent)
 
     def at_unigram_level(self, canary: float) -> bool:
@@ -251,22 +276,24 @@ class Guard:
 
     def hold(self, state: TrainState) -> Snapshot:
         """The state before a suspect update, to undo it."""
-        return Snapshot.take(state, self.params, self.optimizer)
+        with self._working():
+            return Snapshot.take(state, self.params, self.optimizer)
 
     def undo(self, held: Snapshot) -> None:
-        held.restore(self.params, self.optimizer)
+        with self._working():
+            held.restore(self.params, self.optimizer)
 
     # -- after each step ----------------------------------------------------------------------
 
     def healthy(self, state: TrainState, loss: float, grad_norm: float, rows: np.ndarray) -> bool:
-        """A step trained on: its history, the LR's recovery, and every `snapshot_every` steps a
+        """A step trained on: its history, the LR's recovery, and every `check_every` steps a
         check: False when the model is damaged and does not learn (roll back then); otherwise a
         new best, or a canary that drifted while the model learns, becomes the snapshot."""
         self.losses.append(loss)
         self.norms.append(grad_norm)
         self.recent.append((rows, loss))
         self._recover_lr(state)
-        if state.step % self.cfg.snapshot_every:
+        if state.step % self.check_every:
             return True
         canary = self.canary_loss()
         damaged = self.damaged(canary)
@@ -283,7 +310,8 @@ class Guard:
         if damaged:  # it learns new data (a domain, a mixture's component) and forgets some of the canary
             self._event("canary_drift", step=state.step, canary=canary, reference=self.reference)
         if damaged or canary <= self.reference:  # the point to return to: the best, or the data's new normal
-            self.snapshot, self.reference = Snapshot.take(state, self.params, self.optimizer), canary
+            with self._working():
+                self.snapshot, self.reference = Snapshot.take(state, self.params, self.optimizer), canary
             self.suspects = []
             if not self.at_unigram_level(canary):
                 self.origin = None
@@ -379,16 +407,18 @@ class Guard:
             restored.guard.pop("rolled_back_to")
             self.losses.clear()
             self.norms.clear()
-        snap.restore(self.params, self.optimizer)
+        with self._working():
+            snap.restore(self.params, self.optimizer)
         self.recent.clear()  # trained on by weights that are gone
         self.suspects = []
         for name, value in vars(restored).items():
             setattr(state, name, value)
-        if not stall and (same_place or not left_out):
+        cut = stall or same_place or not left_out  # a stall's cut is the schedule's scale
+        if cut and not stall:
             self._cut(state, lr)
         self.snapshot = dataclasses.replace(snap, state=_copy_state(state))
         self._event("rollback", step=step, to_step=state.step, lr_cap=state.lr_cap, lr_scale=state.lr_scale,
-                    skipped=left_out, skipped_samples=skipped_samples(state), **self.trigger)
+                    lr_cut=cut, skipped=left_out, skipped_samples=skipped_samples(state), **self.trigger)
         cap = f", LR at most {state.lr_cap:.3g}" if state.lr_cap is not None else ""
         cap += f", the LR schedule scaled by {state.lr_scale:.3g}" if stall else ""
         self._say(f"{self.trigger.get('reason')} at step {step}; rolled back to step {state.step}{cap}"
@@ -426,6 +456,13 @@ class Guard:
     def _say(self, what: str) -> None:
         if self.world.rank == 0:
             print(f"raylm: guard: {what}", flush=True)
+
+
+def check_interval(canary: ValidationSet, global_batch: int, dp_size: int) -> int:
+    """Steps between checks by their cost: a check is a forward pass over the canary's rows, a
+    step a forward and a backward (about three forwards) over the batch's, on each rank."""
+    rows = sum(len(batch) for batch in canary.batches)
+    return max(CHECK_STEPS, math.ceil(rows / (3 * global_batch / dp_size * CHECK_SHARE)))
 
 
 def skipped_samples(state: TrainState) -> int:
