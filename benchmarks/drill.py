@@ -3,6 +3,7 @@ no human acts.
 
     .venv/bin/python benchmarks/drill.py [--seed 0] [--json-out PATH]     # the full drill
     .venv/bin/python benchmarks/drill.py --quick                           # the slow suite's
+    .venv/bin/python benchmarks/drill.py --phase clean; ... --phase faults  # the full one in two sittings
 
 It starts the README's local multi-node cluster (a head and 3 nodes of 2 CPUs on 127.0.0.x) and
 runs the demo model elastically (`parallel.min_workers=1`, 2 workers) as `raylm train` driver
@@ -393,7 +394,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="training steps (default: 12000; --quick 400)")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "drill")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--phase", choices=("both", "clean", "faults"), default="both",
+                        help="both runs (default); the clean reference alone, kept under WORKDIR/runs/clean; or the "
+                             "faulty run against that kept reference (the drill in two sittings)")
     args = parser.parse_args()
+    if args.quick and args.phase != "both":
+        parser.error("--quick runs no reference: --phase is the full drill's")
     quick = args.quick
     steps = args.steps or (400 if quick else 12000)
     workdir = args.workdir.resolve()
@@ -405,28 +411,43 @@ def main() -> None:
     if not storage.tmpfs:
         print(f"drill: no tmpfs for the full-disk fault ({storage.why_not}); left out", flush=True)
         kinds.remove("disk_full")
+    clean_args = run_args(clean, storage.path, steps, quick, [])
+    kept = workdir / "runs" / "clean.json"  # the kept reference's arguments and wall time
+    saved = json.loads(kept.read_text()) if args.phase == "faults" and kept.exists() else None
+    if args.phase == "faults" and not quick and (saved is None or saved["args"] != clean_args):
+        storage.close()
+        sys.exit(f"drill: no clean reference of this drill under {kept.parent / 'clean'}: run it first with "
+                 "--phase clean (the same --steps and --workdir)")
     plan = schedule(steps, kinds, args.seed)
     nan_step = next(step for step, kind in plan if kind == "non_finite_loss")
     checkpoint_every = 25 if quick else 100
     report: dict = {"quick": quick, "seed": args.seed, "steps": steps, "plan": plan,
                     "full_disk_fault": storage.tmpfs}
     print(f"drill: {steps} steps; faults at {plan}; start load {load_average()}", flush=True)
+    clean_dir = workdir / "runs" / "clean" if saved else None
+    report["clean_wall_s"] = saved["wall_s"] if saved else None
     try:
         with LocalCluster(3, 2) as cluster:
-            drill, start, end = run_one(cluster, storage,
-                                        run_args(poisoned, storage.path, steps, quick,
-                                                 [f"train.inject_nonfinite=[{nan_step}]"]),
-                                        [p for p in plan if p[1] != "non_finite_loss"], checkpoint_every,
-                                        timeout_s=7200)
-            run_dir = storage.keep(drill.run_dir, workdir / "runs" / "faults")
-            clean_dir = None
-            if not quick:
-                reference, ref_start, ref_end = run_one(cluster, storage, run_args(clean, storage.path, steps, quick, []),
-                                                        [], checkpoint_every, timeout_s=7200)
+            if args.phase != "clean":
+                drill, start, end = run_one(cluster, storage,
+                                            run_args(poisoned, storage.path, steps, quick,
+                                                     [f"train.inject_nonfinite=[{nan_step}]"]),
+                                            [p for p in plan if p[1] != "non_finite_loss"], checkpoint_every,
+                                            timeout_s=7200)
+                run_dir = storage.keep(drill.run_dir, workdir / "runs" / "faults")
+            if not quick and args.phase != "faults":
+                reference, ref_start, ref_end = run_one(cluster, storage, clean_args, [], checkpoint_every,
+                                                        timeout_s=7200)
                 clean_dir = storage.keep(reference.run_dir, workdir / "runs" / "clean")
                 report["clean_wall_s"] = ref_end - ref_start
+                kept.write_text(json.dumps({"args": clean_args, "wall_s": report["clean_wall_s"]}))
     finally:
         storage.close()
+    if args.phase == "clean":
+        clean_val = [r["val_loss"] for r in read_jsonl(str(clean_dir / METRICS_FILE)) if "val_loss" in r][-1]
+        print(f"drill: the clean reference, val {clean_val:.4f} in {report['clean_wall_s']:.0f} s, kept in {clean_dir}; "
+              "now --phase faults")
+        return
     rows, events = read_jsonl(str(run_dir / METRICS_FILE)), read_jsonl(str(run_dir / EVENTS_FILE))
     counted = final_rows(rows)
     for fault in drill.faults:

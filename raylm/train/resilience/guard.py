@@ -293,7 +293,13 @@ class Guard:
         self.norms.append(grad_norm)
         self.recent.append((rows, loss))
         self._recover_lr(state)
-        if state.step % self.check_every:
+        every = self.check_every
+        if not self.cfg.snapshot_every and self.at_unigram_level(self.reference):
+            # Checks every CHECK_STEPS until one finds the model past the unigram level: the noise
+            # test waits on it (spaced by cost from the start, the poisoned panel trained on 10%
+            # more poison), and this early they are few.
+            every = CHECK_STEPS
+        if state.step % every:
             return True
         canary = self.canary_loss()
         damaged = self.damaged(canary)
