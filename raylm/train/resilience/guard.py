@@ -160,8 +160,7 @@ class Guard:
         self.suspects: list[list[int]] = []
         self.trigger: dict = {}  # why the step in hand is not healthy
         self.busy_s = 0.0  # the guard's own work (canary losses, snapshots) since the last `spent()`
-        self.check_every = self.cfg.snapshot_every or check_interval(canary, run_cfg.train.global_batch_size,
-                                                                     model.dp_size)
+        self.checks_by_cost = check_interval(canary, run_cfg.train.global_batch_size, model.dp_size)
 
     # -- history ------------------------------------------------------------------------------
 
@@ -286,20 +285,14 @@ class Guard:
     # -- after each step ----------------------------------------------------------------------
 
     def healthy(self, state: TrainState, loss: float, grad_norm: float, rows: np.ndarray) -> bool:
-        """A step trained on: its history, the LR's recovery, and every `check_every` steps a
+        """A step trained on: its history, the LR's recovery, and every `check_every()` steps a
         check: False when the model is damaged and does not learn (roll back then); otherwise a
         new best, or a canary that drifted while the model learns, becomes the snapshot."""
         self.losses.append(loss)
         self.norms.append(grad_norm)
         self.recent.append((rows, loss))
         self._recover_lr(state)
-        every = self.check_every
-        if not self.cfg.snapshot_every and self.at_unigram_level(self.reference):
-            # Checks every CHECK_STEPS until one finds the model past the unigram level: the noise
-            # test waits on it (spaced by cost from the start, the poisoned panel trained on 10%
-            # more poison), and this early they are few.
-            every = CHECK_STEPS
-        if state.step % every:
+        if state.step % self.check_every():
             return True
         canary = self.canary_loss()
         damaged = self.damaged(canary)
@@ -322,6 +315,15 @@ class Guard:
             if not self.at_unigram_level(canary):
                 self.origin = None
         return True
+
+    def check_every(self) -> int:
+        """Steps between checks: `snapshot_every`, or by default spaced by their cost, but every
+        CHECK_STEPS until one finds the model past the unigram level: the noise test waits on it
+        (spaced by cost from the start, the poisoned panel trained on 10% more poison), and this
+        early they are few."""
+        if self.cfg.snapshot_every:
+            return self.cfg.snapshot_every
+        return CHECK_STEPS if self.at_unigram_level(self.reference) else self.checks_by_cost
 
     def stalled(self, state: TrainState) -> Optional[float]:
         """The median loss of the last `window` healthy steps when the run has stalled at the
