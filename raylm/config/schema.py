@@ -392,8 +392,7 @@ class GuardConfig:
     snapshot of it (model, optimizer, RNG) to roll back to. The start of each invocation is the
     first. 0: spaced by their cost, every 25 steps or further apart where the batch is small
     against the canary, so that the canary's passes cost at most 1% of the training compute
-    (nanoGPT's 12-row batches: every 100 steps), once a check has found the model past the
-    unigram level (every 25 until then)."""
+    (nanoGPT's 12-row batches: every 100 steps)."""
     lr_factor: float = 0.5
     """The LR's cut when an update at the current LR damaged the model, or a damaged model is rolled
     back (OPT lowered its LR mid-flight): the LR is capped at this fraction of the rate that did the

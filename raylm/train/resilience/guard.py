@@ -260,10 +260,21 @@ class Guard:
     def noise(self, loss: float) -> bool:
         """Whether a batch is noise to the model: it predicts the batch far worse (NOISE_LEVEL) than
         token frequencies alone would (random bytes, a broken shard), though it has learned more
-        than them (its snapshot is past the unigram level). Text of a new kind stays near or below
-        that level: the model draws on what it knows."""
+        than them. Text of a new kind stays near or below that level: the model draws on what it
+        knows."""
         unigram = self.unigram
-        return bool(unigram) and loss > NOISE_LEVEL * unigram and not self.at_unigram_level(self.reference)
+        return bool(unigram) and loss > NOISE_LEVEL * unigram and self.past_unigram_level()
+
+    def past_unigram_level(self) -> bool:
+        """Whether the model has learned more than token frequencies: its snapshot's canary says
+        so, or, before a check has, the median of its last `min_history` training losses (free at
+        every step, where a check costs a canary pass: poison met before the first check is
+        caught as early as it would be by checks every few steps). A median, so that batches of
+        noise among them do not hide it."""
+        if not self.at_unigram_level(self.reference):
+            return True
+        recent = list(self.losses)[-self.cfg.min_history:]
+        return len(recent) == self.cfg.min_history and not self.at_unigram_level(statistics.median(recent))
 
     def helped(self, canary: float, before: float) -> bool:
         """Whether an update left the canary no worse than `before` it."""
@@ -317,13 +328,8 @@ class Guard:
         return True
 
     def check_every(self) -> int:
-        """Steps between checks: `snapshot_every`, or by default spaced by their cost, but every
-        CHECK_STEPS until one finds the model past the unigram level: the noise test waits on it
-        (spaced by cost from the start, the poisoned panel trained on 10% more poison), and this
-        early they are few."""
-        if self.cfg.snapshot_every:
-            return self.cfg.snapshot_every
-        return CHECK_STEPS if self.at_unigram_level(self.reference) else self.checks_by_cost
+        """Steps between checks: `snapshot_every`, or by default spaced by their cost."""
+        return self.cfg.snapshot_every or self.checks_by_cost
 
     def stalled(self, state: TrainState) -> Optional[float]:
         """The median loss of the last `window` healthy steps when the run has stalled at the

@@ -101,6 +101,18 @@ def test_a_batch_that_hurts_a_sound_model_is_skipped_like_a_run_told_to_skip_it(
     assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
 
 
+def test_noise_met_before_the_first_check_is_skipped(tiny_dataset, tmp_path):
+    """Checks spaced by their cost (the default) come every 267 steps in this run, past its end:
+    that the model has left the unigram level, which the noise test needs, its training losses
+    tell at every step."""
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 31))
+    run = str(tmp_path / "run")
+    run_distributed(_train_ranks, 2, data, run, "train.steps=40", *GUARD, *CONSTANT_LR, "guard.snapshot_every=0")
+    (skipped,) = _events(run, "batch_skipped")
+    assert skipped["step"] == 30 and skipped["samples"] == [30 * BATCH, 31 * BATCH]
+    assert skipped["reason"] == "noise" and skipped["canary_after"] > skipped["canary_before"]
+
+
 def test_a_poisoned_region_is_handled_and_only_poison_is_skipped(tiny_dataset, tmp_path):
     poison = range(30, 35)
     data = _poisoned(tiny_dataset, tmp_path, poison)
