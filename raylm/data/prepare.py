@@ -140,8 +140,8 @@ class _Progress:
         self.tokens += len(batch["tokens"].combine_chunks().flatten())
         if time.monotonic() - self.last >= self.every_s:
             self.last = time.monotonic()
-            print(f"raylm: prepare: {self.documents:,} documents, {self.tokens:,} tokens from {self.files} "
-                  f"file(s) in {self.last - self.started:.0f} s", flush=True)
+            print(f"raylm: prepare: {self.documents:,} documents, {self.tokens:,} tokens so far, "
+                  f"{self.last - self.started:.0f} s into {self.files} file(s)", flush=True)
         return batch
 
 

@@ -29,11 +29,18 @@ class World:
     def agree(self, flag: bool, op: Literal["all", "rank0"]) -> bool:
         """One decision for every rank: "all" is true when every rank's flag is; "rank0" is
         rank 0's flag. Ranks must take the same branches around collectives and reports."""
+        if op == "rank0":
+            return bool(self.from_rank0([int(flag)])[0])
         if self.world_size == 1:
             return flag
         t = torch.tensor([int(flag)], device=self.device)
-        if op == "all":
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        else:
-            dist.broadcast(t, src=0)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
+
+    def from_rank0(self, values: list[int]) -> list[int]:
+        """Rank 0's `values` on every rank (one collective)."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return t.tolist()

@@ -29,6 +29,7 @@ from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.policy import Checkpointer
 from raylm.train.checkpoint.resume import changes_since, record_config_change
+from raylm.train.clock import StepClock
 from raylm.train.env import LocalEnv, TrainEnv
 from raylm.train.hooks import Hook, Run
 from raylm.train.lease import RunLease
@@ -40,7 +41,7 @@ from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience.guard import Guard, skipped_samples
-from raylm.train.resilience.preemption import Notice, PreemptionPoll
+from raylm.train.resilience.preemption import Notice
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
@@ -100,7 +101,12 @@ class Trainer:
         # What a checkpoint needs besides tensors to be usable on its own (generation, export).
         files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
-        self.preemption = PreemptionPoll(env.preemption_notice, world)
+        self.clock = StepClock(world)
+        self.clock.add("preemption", lambda: True)  # each tick asks the cluster
+        if cfg.checkpoint.every_minutes is not None:
+            self.clock.add("save", self.checkpointer.minutes_passed)
+        if cfg.train.report_every_s > 0:
+            self.clock.add("report", lambda: time.monotonic() - self.last_report >= cfg.train.report_every_s)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
         self.logger = MetricsLogger(cfg, env.run_dir, world)
@@ -174,8 +180,9 @@ class Trainer:
                 self.t0 = time.perf_counter()
                 continue
             metrics = step_metrics
-            self._after_step(batch.step, metrics)
-            if self.state.step < self.last and (notice := self.preemption.poll()):
+            due = self.clock.tick()
+            self._after_step(batch.step, metrics, due)
+            if "preemption" in due and self.state.step < self.last and (notice := self.env.preemption_notice()):
                 self._stop_for_preemption(notice, metrics)
         self.checkpointer.wait()
         return metrics
@@ -354,8 +361,9 @@ class Trainer:
             metrics["samples"] = _samples_of_step(self.model.dp_rank, batch.indices)
         return metrics
 
-    def _after_step(self, step: int, metrics: dict) -> None:
-        """Evaluation, the hooks, then a checkpoint or a report to the cluster."""
+    def _after_step(self, step: int, metrics: dict, due: frozenset[str]) -> None:
+        """Evaluation, the hooks, then a checkpoint or a report to the cluster (`due`: the step
+        clock's timers due at this boundary)."""
         cfg, state = self.cfg, self.state
         if self.evals is not None and (state.step == self.last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = self.evals.loss(self.model, cfg.train.micro_batch_size)
@@ -369,10 +377,9 @@ class Trainer:
         for hook in self.hooks:
             hook.on_step_end(self.run, step, metrics)
         self.run.history.append(metrics)
-        if self.checkpointer.due(state.step, self.last):
+        if self.checkpointer.due(state.step, self.last) or "save" in due:
             self._save(metrics)
-        elif cfg.train.report_every_s > 0 and self.world.agree(
-                time.monotonic() - self.last_report >= cfg.train.report_every_s, "rank0"):
+        elif "report" in due:
             self.env.report(metrics)
             self.last_report = time.monotonic()
         self._checkpoint_health()

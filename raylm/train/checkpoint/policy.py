@@ -89,12 +89,14 @@ class Checkpointer:
             self.async_group = dist.new_group(backend="gloo") if self.distributed else None
 
     def due(self, step: int, last: int) -> bool:
+        """A save by the step count: the last step, every `every_steps`."""
         c = self.cfg
-        if step == last or (c.every_steps > 0 and step % c.every_steps == 0):
-            return True
-        if c.every_minutes is None:
-            return False
-        return self.world.agree(time.monotonic() - self.last_save >= 60 * c.every_minutes, "rank0")
+        return step == last or (c.every_steps > 0 and step % c.every_steps == 0)
+
+    def minutes_passed(self) -> bool:
+        """`every_minutes` since the last save, by this rank's clock (the step clock asks rank 0)."""
+        c = self.cfg
+        return c.every_minutes is not None and time.monotonic() - self.last_save >= 60 * c.every_minutes
 
     def _space_needed(self) -> tuple[int, int]:
         """Bytes this rank writes, and bytes of the whole checkpoint."""

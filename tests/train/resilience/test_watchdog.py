@@ -195,9 +195,10 @@ def test_ray_train_fails_the_worker_group_with_the_watchdogs_reason(ray_session,
 
 class WatcherWakeups(Hook):
     """Counts the watching thread's wakes (its voluntary context switches: each wake ends in
-    another wait) over the steps after the first. Not the involuntary ones: the scheduler takes
-    the CPU from a running thread as often as the machine's load has it (9 against a bound of 7
-    once, on 2 loaded cores)."""
+    another wait, and may first wait for the GIL the training thread holds: up to 2 switches a
+    wake, 10 in 5 s once on 2 loaded cores) over the steps after the first. Not the involuntary
+    ones: the scheduler takes the CPU from a running thread as often as the machine's load has it
+    (9 against a bound of 7 once)."""
 
     def __init__(self, last_step: int):
         self.last_step, self.start, self.switches, self.seconds = last_step, None, None, None
@@ -228,4 +229,4 @@ def test_steps_do_not_wake_the_watcher(tiny_dataset, tmp_path):
     train_local(cfg, str(tmp_path), (watchdog, wakeups))
     assert watchdog.reason is None
     # It wakes about once a second (its own period), not 2 × 148 times.
-    assert wakeups.switches <= wakeups.seconds + 4, (wakeups.switches, wakeups.seconds)
+    assert wakeups.switches <= 3 * wakeups.seconds + 4, (wakeups.switches, wakeups.seconds)

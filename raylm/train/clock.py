@@ -1,0 +1,57 @@
+"""Decisions by time that every rank must take at the same step boundary: a report to Ray Train
+every `train.report_every_s`, a save every `checkpoint.every_minutes`, asking the cluster whether it
+takes nodes back. Rank 0's clock decides; the ranks agree at ticks about TICK_S apart, spaced in
+steps by rank 0's recent step time, so that the steps between ticks pay no collective (asking at
+every boundary was one broadcast, and on a GPU one more host sync, per timer per step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from raylm.parallel.world import World
+
+# Ray Train's preemption watcher asks the GCS for drained nodes every 5 s, reports are every 30 s by
+# default and saves by the minute: a second between ticks delays none of them noticeably.
+TICK_S = 1.0
+MAX_TICK_STEPS = 100  # a step time that grows (evaluation, a slower phase) is met within this many steps
+
+
+class StepClock:
+    """`add(name, due)` a timer: `due()` runs on rank 0 at a tick and says whether it is time (its
+    own clock, e.g. seconds since the timer's last event). `tick()`, called at every step boundary
+    on every rank, returns the names of the timers due there, the same on every rank."""
+
+    def __init__(self, world: World, tick_s: float = TICK_S):
+        self.world, self.tick_s = world, tick_s
+        self.timers: dict[str, Callable[[], bool]] = {}
+        self.countdown = 0  # boundaries until the next tick (0: this one)
+        self.ticks = 0  # ticks so far: the collectives this clock made
+        self.last: tuple[int, float] | None = None  # (boundaries seen, time) at the last tick
+        self.seen = 0  # step boundaries so far (a rollback's steps count: they took time)
+
+    def add(self, name: str, due: Callable[[], bool]) -> None:
+        self.timers[name] = due
+
+    def tick(self) -> frozenset[str]:
+        self.seen += 1
+        if not self.timers or self.countdown > 0:
+            self.countdown -= 1
+            return frozenset()
+        names = sorted(self.timers)
+        now = time.monotonic()
+        flags = [int(self.timers[name]()) for name in names] if self.world.rank == 0 else [0] * len(names)
+        *flags, gap = self.world.from_rank0([*flags, self._gap(now)])
+        self.last = (self.seen, now)
+        self.countdown = gap - 1
+        self.ticks += 1
+        return frozenset(name for name, flag in zip(names, flags) if flag)
+
+    def _gap(self, now: float) -> int:
+        """Boundaries to the next tick, by rank 0's time per boundary since the last one."""
+        if self.last is None:
+            return 1
+        seen, then = self.last
+        per_step = (now - then) / max(1, self.seen - seen)
+        return max(1, min(MAX_TICK_STEPS, int(self.tick_s / per_step) if per_step > 0 else MAX_TICK_STEPS))
