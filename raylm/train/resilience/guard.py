@@ -11,8 +11,9 @@ steps are too large to learn from).
 - A step whose loss and gradient norm are within `sigmas` deviations of recent healthy steps
   trains as usual, unless its batch is noise to the model (below).
 - A suspect step (beyond them): the canary before the update, then after it. Sound (the canary
-  rose by less than `damage` from before the update): hard data,
-  trained on (`hard_batch`). Damaged: the update is undone and tried again at the LR cut by
+  rose by less than `damage` from before the update): hard data, trained on (`hard_batch`), its
+  loss and gradient norm part of the recent steps from then on (a new kind of text soon stops
+  looking strange). Damaged: the update is undone and tried again at the LR cut by
   `lr_factor`. If the smaller update helps the canary, it is kept and the LR is capped there
   (`lr_cut`: the update was too large for the model as it was). If it hurts the canary by less
   than `damage`, it is kept for this step alone (hard data, `hard_batch`). Otherwise the data
@@ -146,8 +147,11 @@ class Guard:
         self.unigram = unigram  # the data's unigram loss (validation.unigram_loss)
         self.events_path, self.run_uri = events_path, run_uri
         self.params = unique_parameters(model.parts)
+        # The z-scores' history: the steps trained on as judged (healthy steps and hard batches).
         self.losses: deque = deque(maxlen=self.cfg.window)
         self.norms: deque = deque(maxlen=self.cfg.window)
+        # The healthy steps' losses alone: where the run stands against the unigram level.
+        self.healthy_losses: deque = deque(maxlen=self.cfg.window)
         self.snapshot: Optional[Snapshot] = None
         self.reference = math.inf  # the canary loss of the snapshot: the best so far
         # The invocation's start and its canary, kept while the best snapshot is at the unigram level:
@@ -169,6 +173,7 @@ class Guard:
         saved = state.guard
         self.losses.extend(saved.get("losses", []))
         self.norms.extend(saved.get("norms", []))
+        self.healthy_losses.extend(saved.get("healthy_losses", saved.get("losses", [])))
         self.snapshot = Snapshot.take(state, self.params, self.optimizer)
         canary = self.canary_loss()
         # The uninterrupted run's reference, so that a resumed run judges as it would have.
@@ -192,6 +197,7 @@ class Guard:
     def save_history(self, state: TrainState) -> None:
         """Put the rolling history into `state`, for a checkpoint."""
         state.guard = {**state.guard, "losses": list(self.losses), "norms": list(self.norms),
+                       "healthy_losses": list(self.healthy_losses),
                        "canary_reference": self.reference}
 
     # -- judging ------------------------------------------------------------------------------
@@ -273,7 +279,7 @@ class Guard:
         noise among them do not hide it."""
         if not self.at_unigram_level(self.reference):
             return True
-        recent = list(self.losses)[-self.cfg.min_history:]
+        recent = list(self.healthy_losses)[-self.cfg.min_history:]
         return len(recent) == self.cfg.min_history and not self.at_unigram_level(statistics.median(recent))
 
     def helped(self, canary: float, before: float) -> bool:
@@ -301,6 +307,7 @@ class Guard:
         new best, or a canary that drifted while the model learns, becomes the snapshot."""
         self.losses.append(loss)
         self.norms.append(grad_norm)
+        self.healthy_losses.append(loss)
         self.recent.append((rows, loss))
         self._recover_lr(state)
         if state.step % self.check_every():
@@ -343,9 +350,9 @@ class Guard:
         otherwise."""
         window, unigram = self.cfg.window, self.unigram
         start = max(self.run_cfg.schedule.warmup_steps, state.guard.get("stall_from", 0))
-        if not unigram or state.step < start + window or len(self.losses) < window:
+        if not unigram or state.step < start + window or len(self.healthy_losses) < window:
             return None
-        recent = list(self.losses)
+        recent = list(self.healthy_losses)
         half = len(recent) // 2
         level = statistics.median(recent)
         low, high = STALL_LEVEL
@@ -363,8 +370,14 @@ class Guard:
     # -- actions ------------------------------------------------------------------------------
 
     def hard_batch(self, step: int, samples: list[int], before: float, after: float, lr_factor: float = 1.0) -> None:
-        """A strange batch trained on (at `lr_factor` of the LR, for this step alone)."""
+        """A strange batch trained on (at `lr_factor` of the LR, for this step alone). Unless it
+        is noise, its loss and gradient norm join the history the z-scores are taken from: text
+        of a new kind is the data's new normal, and judged against the old kind alone every batch
+        of it was probed (24% of a contiguous run's step time went to the guard)."""
         self.suspects.append(samples)
+        if self.trigger.get("reason") != "noise":
+            self.losses.append(self.trigger["loss"])
+            self.norms.append(self.trigger["grad_norm"])
         self._event("hard_batch", step=step, samples=samples, canary_before=before, canary_after=after,
                     lr_factor=lr_factor, **self.trigger)
 
@@ -421,6 +434,7 @@ class Guard:
             restored.guard.pop("rolled_back_to")
             self.losses.clear()
             self.norms.clear()
+            self.healthy_losses.clear()
         with self._working():
             snap.restore(self.params, self.optimizer)
         self.recent.clear()  # trained on by weights that are gone

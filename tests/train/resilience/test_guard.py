@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 
 import pytest
 import torch
 
+from raylm.config import GuardConfig
 from raylm.errors import DivergedError
+from raylm.parallel.world import World
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
 from raylm.train.optim import lr_at
+from raylm.train.resilience.guard import Guard
 from raylm.train.resilience.guard_stop import GuardStopped
 from tests.support.distributed import run_distributed
 from tests.support.poison import poisoned_copy
@@ -397,3 +401,29 @@ def test_activation_and_parameter_norms_every_n_steps_match_across_layouts(tiny_
             assert two[4][k] == pytest.approx(one[4][k], rel=1e-4), k
         else:
             assert two[4][k] == pytest.approx(one[4][k], rel=0.2), k
+
+
+def test_hard_data_becomes_the_history_it_is_judged_against(tmp_path):
+    """A new kind of text judged hard (its updates left the canary sound) joins the recent steps the
+    deviations are taken from: after a few of its batches, it trains as usual instead of every
+    batch of it costing a probe (two canary passes). The judging alone, on a guard without a model."""
+    guard = Guard.__new__(Guard)
+    guard.cfg, guard.unigram = GuardConfig(), None  # no unigram level: nothing is noise
+    guard.world, guard.events_path = World(0, 1, 0, torch.device("cpu")), str(tmp_path / "events.jsonl")
+    guard.losses, guard.norms, guard.healthy_losses = (deque(maxlen=guard.cfg.window) for _ in range(3))
+    guard.suspects, guard.trigger = [], {}
+    for i in range(100):  # one kind of text, learned: losses about 1.1
+        guard.losses.append(1.1 + 0.01 * (i % 5))
+        guard.norms.append(0.5 + 0.01 * (i % 3))
+    verdicts = []
+    for i in range(30):  # then another kind: losses about 2
+        loss, norm = 2.0 + 0.02 * (i % 4), 0.9 + 0.01 * (i % 3)
+        verdicts.append(guard.judge(loss, norm))
+        if verdicts[-1] == "suspect":
+            guard.hard_batch(100 + i, [i, i + 1], before=1.0, after=1.0)
+        else:
+            guard.losses.append(loss)
+            guard.norms.append(norm)
+    assert verdicts[0] == "suspect" and verdicts[-10:] == ["ok"] * 10, verdicts
+    assert verdicts.count("suspect") <= 5, verdicts
+    assert list(guard.healthy_losses) == []  # where the run stands is the healthy steps' alone
