@@ -432,8 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", help="--tasks: a directory of extra task YAMLs (lm-eval's --include_path)")
     p.add_argument("--limit", type=_limit, help="--tasks: documents per task, or below 1 a fraction of them")
     p.add_argument("--num-fewshot", type=_non_negative_int, help="--tasks: few-shot examples (default: each task's)")
-    p.add_argument("--output", help="result JSON (default: eval-<split>.json, parts in <stem>.parts/ that a rerun "
-                   "reuses; with --tasks eval-tasks.json, lm-eval's results)")
+    p.add_argument("--output", help="result JSON (default: eval-<split>.json; with --tasks eval-tasks.json, lm-eval's "
+                   "results); pieces in <stem>.parts/, which the same command run again reuses")
     p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default: as many as the "
                    "cluster's CPUs allow)")
     p.add_argument("--cpus-per-worker", type=_positive_int, default=1, help="CPUs (and torch threads) per actor")

@@ -135,7 +135,8 @@ def _saved_sums(parts_dir: str, part: Part, key: dict, storage_cfg: Optional[Sto
 # ----------------------------------------------------------------------------- the command
 
 
-def _parts_dir(output: str) -> str:
+def parts_dir(output: str) -> str:
+    """Where the pieces of an evaluation written to `output` are kept until it is whole."""
     return (output[:-len(".json")] if output.endswith(".json") else output) + ".parts"
 
 
@@ -178,14 +179,14 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     start = time.monotonic()
     uri, state, manifest = _checked_inputs(checkpoint_uri, data_uri, split, storage_cfg)
     output = output or f"eval-{split}.json"
-    parts_dir = _parts_dir(output)
+    pieces = parts_dir(output)
     # What a saved part must have been computed with to be reused (the checkpoint's files and
     # sizes, besides its path and step, tell a retrained checkpoint of the same name apart).
     key = {"checkpoint": uri, "train_state": state, "tokenizer_sha256": manifest.tokenizer.sha256,
            "checkpoint_files": json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg)),
            "batch_rows": batch_rows}
     parts = plan_parts(manifest, split, rows_per_part)
-    sums = {part: _saved_sums(parts_dir, part, key, storage_cfg) for part in parts}
+    sums = {part: _saved_sums(pieces, part, key, storage_cfg) for part in parts}
     pending = [part for part in parts if sums[part] is None]
     log(f"raylm eval: {len(parts)} part(s) of {split}, {len(parts) - len(pending)} already done")
     if pending:
@@ -194,7 +195,7 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
         workers = min(workers or max(1, cluster_cpus // cpus_per_worker), len(pending))
         token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
         actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)
-        pool = ActorPool([actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, parts_dir, key,
+        pool = ActorPool([actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key,
                                        storage_cfg, cpus_per_worker) for _ in range(workers)])
         by_name = {part.name: part for part in pending}
         for done, (name, result) in enumerate(pool.map_unordered(lambda a, p: a.run.remote(p), pending), 1):

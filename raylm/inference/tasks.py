@@ -4,6 +4,7 @@ import lm_eval (it takes seconds): only the driver does, in `evaluate_tasks`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import TYPE_CHECKING, Callable, Optional
@@ -13,6 +14,7 @@ import torch
 from raylm.config import StorageConfig, saved_config
 from raylm.data import storage
 from raylm.downstream.scoring import Scorer
+from raylm.inference.evaluate import parts_dir as _parts_dir
 from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
@@ -35,13 +37,48 @@ class ScoringWorker(Scorer):
         return getattr(self, method)(requests)
 
 
-def _on_actors(pool, workers: int, batch_size: int) -> Runner:
+class SavedChunks:
+    """Each chunk of requests' results, written under `directory` as it finishes, by a name drawn
+    from what it was computed with (`key`: the checkpoint, its files, the batch size) and the
+    chunk itself: the same command run again after an interruption scores only what is missing.
+    A rerun with another number of workers cuts the requests into other chunks and redoes them."""
+
+    def __init__(self, directory: str, key: dict, storage_cfg: Optional[StorageConfig]):
+        self.directory, self.key, self.storage_cfg = directory, key, storage_cfg
+        self.reused = self.total = 0
+
+    def _uri(self, method: str, chunk: list) -> str:
+        digest = hashlib.sha256(json.dumps([self.key, method, chunk], default=str).encode()).hexdigest()
+        return storage.join(self.directory, f"{method}-{digest[:32]}.json")
+
+    def get(self, method: str, chunk: list) -> Optional[list]:
+        self.total += 1
+        uri = self._uri(method, chunk)
+        if not storage.exists(uri, self.storage_cfg):
+            return None
+        try:
+            results = json.loads(storage.read_bytes(uri, self.storage_cfg))
+        except json.JSONDecodeError:
+            return None  # written whole or not at all, but a hand edit or another tool's file: redo
+        self.reused += 1
+        return [tuple(r) if isinstance(r, list) else r for r in results]  # JSON has no tuples: (logprob, greedy)
+
+    def put(self, method: str, chunk: list, results: list) -> None:
+        storage.write_bytes(self._uri(method, chunk), json.dumps(results).encode(), self.storage_cfg)
+
+
+def _on_actors(pool, workers: int, batch_size: int, saved: SavedChunks) -> Runner:
     """Requests in contiguous chunks over the actor pool (a few per actor, so a slow chunk does
-    not hold the others up), results put back in order."""
+    not hold the others up), results put back in order; chunks done before are read back."""
     def run(method: str, requests: list) -> list:
         size = max(batch_size, -(-len(requests) // (4 * workers)))
         chunks = [requests[i:i + size] for i in range(0, len(requests), size)]
-        return [r for part in pool.map(lambda actor, chunk: actor.run.remote(method, chunk), chunks) for r in part]
+        results = [saved.get(method, chunk) for chunk in chunks]
+        todo = [i for i, done in enumerate(results) if done is None]
+        for i, part in zip(todo, pool.map(lambda actor, i: actor.run.remote(method, chunks[i]), todo)):
+            saved.put(method, chunks[i], part)
+            results[i] = part
+        return [r for part in results for r in part]
 
     return run
 
@@ -71,14 +108,21 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     tokenizer = read_checkpoint_tokenizer(uri, uri, storage_cfg)
     max_len = saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len
 
+    key = {"checkpoint": uri, "train_state": state, "batch_size": batch_size,
+           "checkpoint_files": json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg))}
+    saved = SavedChunks(_parts_dir(output), key, storage_cfg)
+
     start_ray(ray_address)
     workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
     actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
     pool = ActorPool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)])
     log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")
-    results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size)), tasks, manager,
+    results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size, saved)), tasks, manager,
                         limit, num_fewshot)
+    if saved.reused:
+        log(f"raylm eval: {saved.reused} of {saved.total} request chunk(s) read back from {saved.directory}")
     results["raylm"] = {"checkpoint": uri, "step": state["step"], "workers": workers,
+                        "chunks": saved.total, "chunks_reused": saved.reused,
                         "seconds": round(time.monotonic() - start, 3)}
     storage.write_bytes(output, json.dumps(results, indent=2, default=handle_non_serializable).encode(),
                         storage_cfg)

@@ -121,6 +121,28 @@ def test_eval_tasks_on_ray_actors_matches_a_hand_computation(ray_session, run, t
     assert results["n-shot"][TASK] == 1
 
 
+@pytest.mark.slow
+def test_an_interrupted_eval_tasks_scores_only_what_is_missing(ray_session, run, task_dir, tmp_path):
+    """The pieces of the first run stand for the chunks an interrupted one had finished: the same
+    command again reads them back and scores the rest, to the same result."""
+    output = tmp_path / "results.json"
+    command = ("eval", run, "--tasks", TASK, "--include-path", task_dir, "--output", str(output),
+               "--workers", "2", "--batch-rows", "2")
+    assert run_main(*command).status == 0
+    first = json.loads(output.read_text())
+    pieces = sorted((tmp_path / "results.parts").iterdir())
+    assert len(pieces) == first["raylm"]["chunks"] >= 4 and first["raylm"]["chunks_reused"] == 0
+    for piece in pieces[::2]:
+        piece.unlink()
+    output.unlink()
+    again = run_main(*command)
+    assert again.status == 0, again.stderr
+    second = json.loads(output.read_text())
+    assert second["raylm"]["chunks_reused"] == len(pieces) - len(pieces[::2])
+    assert f"{second['raylm']['chunks_reused']} of {len(pieces)} request chunk(s) read back" in again.stdout
+    assert second["results"] == first["results"]
+
+
 def test_loglikelihood_batches_and_truncates_as_one_forward_per_request(run):
     model, tokenizer, lm = local_lm(run, batch_size=4)
     pairs = [(d["query"], " " + c) for d in DOCS for c in d["choices"]]  # 18: batches of 4, the last short
