@@ -371,6 +371,11 @@ def warnings(result: dict) -> list[str]:
     if pick and pick.get("good") is False:
         out.append(f"the extrapolated learning rate {pick['picked_lr']:.3g} lost {100 * pick['relative_gap']:.2f}% "
                    f"against {pick['best_lr']:.3g}, more than the noise floor: lr_vs_params does not extrapolate well")
+    pick = check.get("batch_pick")
+    if pick and pick.get("good") is False:
+        out.append(f"the batch size {pick['picked_batch']:g} (the largest fitted size's best) lost "
+                   f"{100 * pick['relative_gap']:.2f}% against {pick['best_batch']:g}, more than the noise floor: the "
+                   "best batch size moves with the model's size")
     rec = result.get("recommended", {})
     if rec.get("extrapolation", 0) > 100:
         out.append(f"the recommended run has {rec['extrapolation']:.3g}x the compute of the largest trial: a long "

@@ -260,9 +260,17 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
           f"{check['lr']:.3g} and x 2^-1/2, x 2^1/2", flush=True)
     resources = {"CPU": cpus, "GPU": plan.sweep.trial.gpus}
     lrs = [check["lr"] * factor for factor in LR_PICK_FACTORS]
-    grid = _run_phase(plan, "tune-check", dataclasses.replace(trials, threads=_threads(cpus)), resources,
+    trials = dataclasses.replace(trials, threads=_threads(cpus))
+    grid = _run_phase(plan, "tune-check", trials, resources,
                       param_space={"rung": rung.name, "lr": _grid_search(lrs), "batch": check["batch"]})
-    return check, _rows(plan, grid, "check", expected=len(lrs))
+    rows = _rows(plan, grid, "check", expected=len(lrs))
+    others = [b for b in plan.batches if b != check["batch"]]
+    if others:  # batch sizes were swept: the batch picked is checked against them, at the picked rate
+        print(f"raylm: check: batch {check['batch']} against {others} at lr {check['lr']:.3g}", flush=True)
+        grid = _run_phase(plan, "tune-check-batch", trials, resources,
+                          param_space={"rung": rung.name, "lr": check["lr"], "batch": _grid_search(others)})
+        rows += _rows(plan, grid, "check-batch", expected=len(others))
+    return check, rows
 
 
 def predict_check(laws: analysis.Laws, check: dict) -> dict:
@@ -274,9 +282,12 @@ def predict_check(laws: analysis.Laws, check: dict) -> dict:
 
 
 def measure_check(check: dict, check_rows: list[dict], noise: Optional[dict]) -> dict:
-    """The check's measured side from its trials: the loss at the picked learning rate, its
-    error, and the pick against the best of the learning rates tried."""
-    done = [r for r in check_rows if r["status"] == COMPLETED]
+    """The check's measured side from its trials: the loss at the picked learning rate (and
+    batch), its error, and each pick against the best of the values tried for it: the learning
+    rates ("check" trials) and, when batch sizes were swept, the other batch sizes at the picked
+    rate ("check-batch")."""
+    lr_rows = [r for r in check_rows if r["phase"] == "check"]
+    done = [r for r in lr_rows if r["status"] == COMPLETED]
     picked = next((r for r in done if math.isclose(r["lr"], check["lr"], rel_tol=1e-9)), None)
     out = dict(check, measured_loss=picked["val_loss"] if picked else None,
                noise_floor=noise["relative_spread"] if noise else None)
@@ -285,14 +296,23 @@ def measure_check(check: dict, check_rows: list[dict], noise: Optional[dict]) ->
         out["relative_error"] = (check["predicted_loss"] - measured) / measured
         out["within_interval"] = check["interval"][0] <= measured <= check["interval"][1]
         out["errors_by_predictor"] = {k: (v - measured) / measured for k, v in check["by_predictor"].items()}
-    if picked and done:
-        best = min(done, key=lambda r: r["val_loss"])
-        gap = (picked["val_loss"] - best["val_loss"]) / best["val_loss"]
-        out["lr_pick"] = {"picked_lr": picked["lr"], "picked_loss": picked["val_loss"], "best_lr": best["lr"],
-                          "best_loss": best["val_loss"], "relative_gap": gap,
-                          "tried": {f"{r['lr']:.6g}": r["val_loss"] for r in check_rows},
-                          "good": None if noise is None else gap <= noise["relative_spread"]}
+    if picked:
+        out["lr_pick"] = _pick("lr", picked, lr_rows, noise)
+        batch_rows = [r for r in check_rows if r["phase"] == "check-batch"]
+        if batch_rows:
+            out["batch_pick"] = _pick("batch", picked, [picked, *batch_rows], noise)
     return out
+
+
+def _pick(knob: str, picked: dict, tried: list[dict], noise: Optional[dict]) -> dict:
+    """The picked trial's loss against the best of those tried for `knob`: good when within the
+    noise floor."""
+    best = min((r for r in tried if r["status"] == COMPLETED), key=lambda r: r["val_loss"])
+    gap = (picked["val_loss"] - best["val_loss"]) / best["val_loss"]
+    return {f"picked_{knob}": picked[knob], "picked_loss": picked["val_loss"], f"best_{knob}": best[knob],
+            "best_loss": best["val_loss"], "relative_gap": gap,
+            "tried": {f"{r[knob]:.6g}": r["val_loss"] for r in tried},
+            "good": None if noise is None else gap <= noise["relative_spread"]}
 
 
 def write_trials(directory: str, rows: list[dict]) -> None:
@@ -421,7 +441,7 @@ def refit(directory: str) -> dict:
             previous = json.load(f)
     result = {"sweep": directory, "asha": _asha_savings(ladder_rows), **result}
     plan_path = os.path.join(directory, CHECK_PLAN_FILE)
-    check_rows = [r for r in rows if r["phase"] == "check"]
+    check_rows = [r for r in rows if r["phase"] in ("check", "check-batch")]
     if laws.predictors and check_rows and os.path.exists(plan_path):
         with open(plan_path) as f:
             check = json.load(f)
@@ -466,12 +486,14 @@ def summary(result: dict) -> str:
                      f"predicted {check['predicted_loss']:.4f} "
                      f"[{check['interval'][0]:.4f}, {check['interval'][1]:.4f}], measured {check['measured_loss']:.4f} "
                      f"({100 * check['relative_error']:+.2f}%; by predictor: {others})")
-    pick = (check or {}).get("lr_pick")
-    if pick:
-        lines.append(f"lr pick: {pick['picked_lr']:.3g} -> {pick['picked_loss']:.4f}; best of the three "
-                     f"{pick['best_lr']:.3g} -> {pick['best_loss']:.4f} ({100 * pick['relative_gap']:+.2f}%"
-                     + ("" if pick["good"] is None else f", {'within' if pick['good'] else 'beyond'} the noise floor")
-                     + ")")
+    for knob, shown in (("lr", ".3g"), ("batch", "g")):
+        pick = (check or {}).get(f"{knob}_pick")
+        if pick:
+            lines.append(f"{knob} pick: {pick[f'picked_{knob}']:{shown}} -> {pick['picked_loss']:.4f}; best of the "
+                         f"{len(pick['tried'])} {pick[f'best_{knob}']:{shown}} -> {pick['best_loss']:.4f} "
+                         f"({100 * pick['relative_gap']:+.2f}%"
+                         + ("" if pick["good"] is None else f", {'within' if pick['good'] else 'beyond'} the noise floor")
+                         + ")")
     rec = result.get("recommended")
     if rec and "error" not in rec:
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "

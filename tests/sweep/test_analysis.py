@@ -117,9 +117,10 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
     assert noise["relative_spread"] == pytest.approx(0.03 / np.mean([2.00, 2.02, 1.99]))
     check = {"params": 1e5, "tokens": 2e6, "lr": 1e-3, "batch": 8, "predictor": "local", "predicted_loss": 1.50,
              "interval": [1.45, 1.55], "by_predictor": {"local": 1.50, "chinchilla": 1.60}}
-    tried = [{"lr": 1e-3 * f, "status": analysis.COMPLETED, "val_loss": v}
+    tried = [{"phase": "check", "lr": 1e-3 * f, "batch": 8, "status": analysis.COMPLETED, "val_loss": v}
              for f, v in ((2 ** -0.5, 1.52), (1.0, 1.48), (2 ** 0.5, 1.47))]
     out = measure_check(check, tried, noise)
+    assert "batch_pick" not in out  # one batch size swept: nothing to check it against
     assert out["measured_loss"] == 1.48 and out["relative_error"] == pytest.approx(0.02 / 1.48)
     assert out["errors_by_predictor"]["chinchilla"] == pytest.approx(0.12 / 1.48) and out["within_interval"]
     pick = out["lr_pick"]
@@ -130,6 +131,15 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
     assert any("disagree" in w and "chinchilla 1.6000" in w for w in warnings)  # 6.7% apart
     tight = dict(noise, relative_spread=0.001)
     assert measure_check(check, tried, tight)["lr_pick"]["good"] is False
+    # Batch sizes swept: the others, at the picked rate, against the picked batch.
+    batches = [{"phase": "check-batch", "lr": 1e-3, "batch": b, "status": s, "val_loss": v}
+               for b, s, v in ((4, analysis.COMPLETED, 1.40), (16, analysis.DIVERGED, math.nan))]
+    out = measure_check(check, tried + batches, noise)
+    assert out["lr_pick"]["tried"].keys() == {f"{1e-3 * f:.6g}" for f in (2 ** -0.5, 1.0, 2 ** 0.5)}
+    pick = out["batch_pick"]
+    assert (pick["picked_batch"], pick["picked_loss"], pick["best_batch"], pick["best_loss"]) == (8, 1.48, 4, 1.40)
+    assert pick["relative_gap"] == pytest.approx(0.08 / 1.40) and pick["good"] is False and len(pick["tried"]) == 3
+    assert any("batch size 8" in w and "against 4" in w for w in analysis.warnings({"check": out}))
 
 
 def test_too_few_rungs_records_why_there_is_no_fit():
