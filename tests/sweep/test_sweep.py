@@ -47,14 +47,16 @@ def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_d
     ladder_trials = 6 * 2  # 3 fitted sizes x 2 budgets x 2 learning rates
 
     # The driver (and the Ray it started, in its process group) dies once some trials have finished.
-    first = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 400
     while len(finished_trials(directory)) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert first.poll() is None, "the sweep ended before it could be interrupted"
+    assert first.poll() is None, "the sweep ended before it could be interrupted: " + \
+        (tmp_path / "first.log").read_text(errors="replace")[-4000:]
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=60)
+    log.close()
     before = finished_trials(directory)
     assert 2 <= len(before) < ladder_trials + 1
 
