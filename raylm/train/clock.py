@@ -29,14 +29,14 @@ class StepClock:
         self.countdown = 0  # boundaries until the next tick (0: this one)
         self.ticks = 0  # ticks so far: the collectives this clock made
         self.last: tuple[int, float] | None = None  # (boundaries seen, time) at the last tick
-        self.seen = 0  # step boundaries so far (a rollback's steps count: they took time)
+        self.seen = 0  # step boundaries so far (a step the guard rolled back or skipped is none)
 
     def add(self, name: str, due: Callable[[], bool]) -> None:
         self.timers[name] = due
 
     def tick(self) -> frozenset[str]:
         self.seen += 1
-        if not self.timers or self.countdown > 0:
+        if self.countdown > 0:
             self.countdown -= 1
             return frozenset()
         names = sorted(self.timers)
