@@ -144,7 +144,12 @@ class SweepConfig:
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """Command-line overrides -> (the sweep's, without the `sweep.` prefix; the base run's)."""
     sweep = [o[len(SWEEP_PREFIX):] for o in overrides if o.startswith(SWEEP_PREFIX)]
-    return sweep, [o for o in overrides if not o.startswith(SWEEP_PREFIX)]
+    base = [o for o in overrides if not o.startswith(SWEEP_PREFIX)]
+    sweep_keys = {f.name for f in dataclasses.fields(SweepConfig)}
+    for o in base:
+        if o.split("=", 1)[0].split(".", 1)[0] in sweep_keys:
+            raise ConfigError(f"{o!r} sets the sweep, not its base run: write {SWEEP_PREFIX}{o}")
+    return sweep, base
 
 
 def load_sweep(path: str | Path, overrides: Optional[list[str]] = None) -> tuple[SweepConfig, Config]:

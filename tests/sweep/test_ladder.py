@@ -92,6 +92,10 @@ def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
         load_config(None, ["ladder.d_model=[16]"])  # a sweep key without `sweep.` goes to the run config
     with pytest.raises(ConfigError, match=r"unknown key trial.evalz \(did you mean 'evals'\?\)"):
         plan(tiny_dataset, tmp_path, "sweep.trial.evalz=3")
+    # Given to `raylm sweep`, the error says how to write it.
+    with pytest.raises(ConfigError, match=r"'ladder.d_model=\[16\]' sets the sweep, not its base run: write "
+                                          r"sweep.ladder.d_model=\[16\]"):
+        plan(tiny_dataset, tmp_path, "ladder.d_model=[16]")
 
 
 def test_the_recommended_run_on_a_gpu_cluster_takes_raylm_plans_layout(tiny_dataset, tmp_path):
