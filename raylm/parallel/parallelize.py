@@ -64,9 +64,17 @@ def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh) -> None:
     apply_ac(part, parallel.activation_checkpointing, parallel.ac_every)
     if mesh.tp is not None:
         apply_tp(part, mesh.tp, sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
-    if cfg.train.compile:  # per block: the repeated structure compiles once; names stay the same
-        for block in part.layers.values():
-            block.compile()
+    if cfg.train.compile:  # in place: parameter names stay the same
+        if all(sub is None for sub in (mesh.fsdp, mesh.dp, mesh.tp, mesh.pp)):
+            # One device, nothing from outside between the blocks: the whole model is one graph,
+            # launched once per pass. Each compiled block's call costs the host time, and a small
+            # model's blocks are quick on a GPU: gpt2 on one H200 ran at 0.80x nanoGPT's
+            # whole-model compile per block, 0.89x as one graph (with the batch copied from pinned
+            # memory; benchmarks/RESULTS.md, GPU check).
+            part.compile()
+        else:  # per block, between FSDP2's hooks: the repeated structure compiles once
+            for block in part.layers.values():
+                block.compile()
     policy = mixed_precision(parallel.param_dtype, parallel.reduce_dtype)
     if mesh.fsdp is not None:
         apply_fsdp(part, mesh.fsdp, sharding=parallel.sharding, mp_policy=policy, cpu_offload=parallel.cpu_offload)

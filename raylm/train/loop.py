@@ -297,7 +297,13 @@ class Trainer:
         """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
         the loss and the gradient norm, on the host."""
         model, scaler = self.model, self.scaler
-        tokens = torch.from_numpy(batch.tokens.astype(np.int64)).to(self.world.device)
+        tokens = torch.from_numpy(batch.tokens.astype(np.int64))
+        if self.world.device.type == "cuda":
+            # From pageable memory a copy waits for the GPU to drain (the last step's optimizer
+            # kernels) before this step's forward can be queued; from pinned memory it does not.
+            tokens = tokens.pin_memory().to(self.world.device, non_blocking=True)
+        else:
+            tokens = tokens.to(self.world.device)
         if scaler is not None:
             model.loss_scale = scaler.scale = self.state.loss_scale
         loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)

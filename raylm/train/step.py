@@ -132,6 +132,11 @@ class ParallelModel:
         self.model = merged_view(parts)
         self.layout: dict = describe_layout(cfg, mesh)
         self.loss_fn = training_loss(cfg.train.z_loss)
+        if cfg.train.compile and not cfg.parallel.loss_parallel:
+            # As torchtitan's compile of "loss": the logits' fp32 upcast, log-softmax and NLL fuse
+            # into one pass over the (tokens x vocab) logits instead of several (loss-parallel's
+            # DTensor logits stay eager).
+            self.loss_fn = torch.compile(self.loss_fn)
         self.loss_scale = 1.0  # the LossScaler's current scale under fp16; backward sees loss × this
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP

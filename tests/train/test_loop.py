@@ -67,6 +67,20 @@ def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
 
 
+def test_compiled_run_has_the_eager_runs_losses(tiny_dataset, tmp_path):
+    # One device: the whole model and the loss compiled (two graphs), the GPU check's one-GPU layout.
+    common = ("train.steps=3", "train.eval_every=0", "checkpoint.every_steps=0", "model.dropout=0.0",
+              "guard.enabled=false")  # the guard's canary forward (no grad) would be a third graph
+    train_local(tiny_config(tiny_dataset, *common), str(tmp_path / "eager"))
+    torch._dynamo.utils.counters.clear()
+    train_local(tiny_config(tiny_dataset, *common, "train.compile=true"), str(tmp_path / "compiled"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the model's and the loss's
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert sorted(compiled) == [1, 2, 3]
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert compiled[3] != compiled[1]  # it trained
+
+
 def test_model_vocab_smaller_than_tokenizer_is_refused(tiny_dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"model.vocab_size=100 is smaller than the dataset's tokenizer vocabulary \(257"):
         train_local(tiny_config(tiny_dataset, "model.vocab_size=100", "train.steps=2"), str(tmp_path))
