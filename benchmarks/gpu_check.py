@@ -5,8 +5,11 @@ budget. On the GPU machine (one H100; no Ray, no boto3, no network needed), from
     python3 benchmarks/gpu_check.py --json-out $OUT/gpu_check.json [--budget-s 330]
     .venv/bin/python benchmarks/gpu_check.py --cpu-tiny --json-out /tmp/gpu_check.json   # same path, CPU, tiny
 
-Layout throughout: FSDP2 on a one-rank process group (`parallel.sharding=full`), bf16 parameters,
-fp32 reductions (`parallel.param_dtype=bf16`, `reduce_dtype=fp32`), SDPA attention.
+Two layouts, both with SDPA attention. The FSDP2 layout, sections 1-4's: FSDP2 on a one-rank
+process group (`parallel.sharding=full`), bf16 parameters, fp32 reductions (`parallel.param_dtype=bf16`,
+`reduce_dtype=fp32`), the layout of a multi-GPU run. The one-GPU layout: no FSDP2, fp32 parameters
+and bf16 autocast (`parallel.sharding=none`, `param_dtype=fp32`, `train.precision=bf16`), what a user
+gives raylm on one GPU and what nanoGPT does; sections 1 and 5 measure it too.
 
 1. mfu: raylm's training step alone (`raylm.train.step.build_model`, `forward_backward`, clipping,
    AdamW) on the llama-1b shape (`model.size=llama-1b`, Llama 3's vocabulary of 128256, sequence
@@ -14,7 +17,7 @@ fp32 reductions (`parallel.param_dtype=bf16`, `reduce_dtype=fp32`), SDPA attenti
    FLOPs per token x tokens/s / peak, FLOPs per token = 6N + 12·L·d·T
    (`raylm.model.sizes.flops_per_token`; N = the blocks' weight matrices and the head's d·vocab),
    peak = `raylm.train.observe.metrics.peak_flops` (`raylm.hardware.GPU_PEAK_FLOPS`: 989 TFLOP/s
-   dense bf16 for an H100).
+   dense bf16 for an H100). Each also in the one-GPU layout.
 2. loop: `raylm.train.loop.train_local` (resolve, preflight and train in this process, no Ray) on
    the same shape and batch, reading a prepared Parquet dataset this script writes (random byte
    tokens, `model.vocab_size=128256`), guard on, metrics and TensorBoard, `checkpoint.async_save`;
@@ -32,12 +35,14 @@ fp32 reductions (`parallel.param_dtype=bf16`, `reduce_dtype=fp32`), SDPA attenti
    overflow; metrics.jsonl's `loss_scale` must move and every loss stay finite.
 5. reference: benchmarks/_gpt2_reference.py (nanoGPT's model.py and train.py loop, no raylm: whole-
    model torch.compile, bf16 autocast, fused AdamW), in its own process, against raylm's loop
-   (compiled) on the same shape (`model.size=gpt2`, vocabulary 50304, sequence 1024) and batch 12
-   (goal: raylm at least as fast).
+   (compiled) on the same shape (`model.size=gpt2`, vocabulary 50304, sequence 1024) and batch 12,
+   in the one-GPU layout (goal: raylm at least as fast) and in the FSDP2 layout (FSDP2's per-unit
+   hooks on a one-rank group: the price of the multi-GPU layout on a model this small).
 
 Each section records its own failure and the next one runs. `--budget-s` cuts step counts in
 proportion when the nominal costs no longer fit; compilation and checkpoint writes cannot shrink.
 `--cpu-tiny` runs every section on CPU with tiny shapes and no compilation, for plumbing only.
+`--sections` runs some of them (section 2's overhead needs section 1's eager step).
 The exit status is 1 when a section failed.
 """
 
@@ -88,6 +93,7 @@ HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
 FLOPS_FORMULA = "6N + 12*L*d*T per token (raylm.model.sizes.flops_per_token; N: blocks' matrices + head d*vocab)"
 LAYOUT = ("parallel.num_workers=1", "parallel.sharding=full", "parallel.param_dtype=bf16", "parallel.reduce_dtype=fp32")
+ONE_GPU = ("parallel.sharding=none", "parallel.param_dtype=fp32", "train.precision=bf16")
 RESUME_RTOL_CUDA = 1e-5
 LOOP_OVERHEAD_GOAL = 0.03
 MEMORY_GOAL = 0.10
@@ -243,10 +249,12 @@ class Check:
         self.results: dict[str, dict] = {}
         self.datasets: dict[int, str] = {}
 
-    def run(self, after_each: Callable[[dict[str, dict]], None]) -> dict[str, dict]:
-        """Every section in order; `after_each` sees the results so far (a run killed at its
+    def run(self, sections: list[str], after_each: Callable[[dict[str, dict]], None]) -> dict[str, dict]:
+        """The named sections in order; `after_each` sees the results so far (a run killed at its
         limit still leaves the finished sections' figures)."""
         for key, title in SECTIONS:
+            if key not in sections:
+                continue
             left, cost = self.budget.left(), self.budget.costs[key]
             if left < START_SHARE * cost:
                 self.results[key] = {"error": f"skipped: {max(left, 0):.0f} s of the budget (--budget-s) left, "
@@ -320,16 +328,26 @@ class Check:
             torch.cuda.synchronize(self.device)
 
     def mfu(self, compiled: bool) -> dict:
+        """The bare step's MFU in the FSDP2 layout (the result's own keys) and in the one-GPU layout
+        (its `one_gpu` key)."""
         shape = self.profile.llama
-        cfg = self.config(shape, f"train.compile={str(compiled).lower()}")
-        result = self.bare_step(cfg, self.profile.warmup, self.steps("mfu_compiled" if compiled else "mfu_eager", 5))
-        flops, peak = flops_per_token(cfg.model, shape.seq_len), peak_flops(self.device)
-        result.update(shape=shape.name, params=count_params(cfg.model), seq_len=shape.seq_len,
-                      micro_batch=shape.micro_batch, compile=compiled, flops_per_token=flops, peak_tflops=peak / 1e12,
-                      tflops=flops * result["tokens_per_s"] / 1e12, mfu=flops * result["tokens_per_s"] / peak)
-        result["table"] = [["tokens/s", fmt(result["tokens_per_s"]), "", ""],
-                           ["MFU", f"{result['mfu']:.1%} ({result['tflops']:.3g} of {peak / 1e12:.3g} TFLOP/s)",
-                            "", ""]]
+        steps = self.steps("mfu_compiled" if compiled else "mfu_eager", 5)
+        flops, peak = flops_per_token(self.config(shape).model, shape.seq_len), peak_flops(self.device)
+
+        def measure(*layout: str) -> dict:
+            cfg = self.config(shape, f"train.compile={str(compiled).lower()}", *layout)
+            result = self.bare_step(cfg, self.profile.warmup, steps)
+            if compiled:
+                torch.compiler.reset()
+            return {**result, "tflops": flops * result["tokens_per_s"] / 1e12,
+                    "mfu": flops * result["tokens_per_s"] / peak}
+
+        result = measure()
+        result.update(shape=shape.name, params=count_params(self.config(shape).model), seq_len=shape.seq_len,
+                      micro_batch=shape.micro_batch, compile=compiled, flops_per_token=flops, peak_tflops=peak / 1e12)
+        result["one_gpu"] = attempt(functools.partial(measure, *ONE_GPU))
+        result["table"] = [["tokens/s", fmt(result["tokens_per_s"]), "", ""], mfu_line("MFU", result, peak),
+                           mfu_line("MFU, one-GPU layout", result["one_gpu"], peak)]
         return result
 
     def mfu_eager(self) -> dict:
@@ -447,23 +465,36 @@ class Check:
         skip = self.profile.skip + (2 if self.profile.compile else 0)  # compilation and its recompiles
         steps = self.steps("reference", skip + 5)
         data = self.dataset(shape)
-        cfg = self.config(shape, *loop_overrides(data, steps), f"train.compile={str(self.profile.compile).lower()}")
+        base = (*loop_overrides(data, steps), f"train.compile={str(self.profile.compile).lower()}")
+        cfg = self.config(shape, *base, *ONE_GPU)
         tokens = shape.micro_batch * shape.seq_len
         ref = self.run_reference(cfg, data, steps)
         theirs = steady(ref["step_times"], tokens, skip)
-        run_dir = self.scratch("reference-raylm")
-        ours = steady([row["step_time"] for row in self.train(cfg, run_dir)], tokens, skip)
-        shutil.rmtree(run_dir)
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+
+        def ours(config: Config, name: str) -> dict:
+            run_dir = self.scratch(name)
+            rows = self.train(config, run_dir)
+            shutil.rmtree(run_dir)
+            if self.profile.compile:
+                torch.compiler.reset()
+            return steady([row["step_time"] for row in rows], tokens, skip)
+
+        one_gpu = ours(cfg, "reference-raylm")
+        fsdp = ours(self.config(shape, *base), "reference-raylm-fsdp2")
+        ratio = one_gpu["tokens_per_s"] / theirs["tokens_per_s"]
+        fsdp_ratio = fsdp["tokens_per_s"] / theirs["tokens_per_s"]
         return {"shape": shape.name, "steps": steps, "compile": self.profile.compile,
                 "params_raylm": count_params(cfg.model), "params_reference": ref["params"],
-                "reference": {**theirs, "autocast": ref["autocast"]}, "raylm": ours, "ratio": ratio,
-                "goal_met": ratio >= 1.0,
-                "table": [["tokens/s raylm loop vs reference (median)",
-                           f"{fmt(ours['tokens_per_s'])} vs {fmt(theirs['tokens_per_s'])} ({ratio:.2f}x)",
+                "reference": {**theirs, "autocast": ref["autocast"]}, "raylm": one_gpu, "ratio": ratio,
+                "raylm_fsdp2": fsdp, "ratio_fsdp2": fsdp_ratio, "goal_met": ratio >= 1.0,
+                "table": [["tokens/s raylm loop (one-GPU layout) vs reference (median)",
+                           f"{fmt(one_gpu['tokens_per_s'])} vs {fmt(theirs['tokens_per_s'])} ({ratio:.2f}x)",
                            ">= 1.00x", "met" if ratio >= 1.0 else "NOT met"],
-                          ["tokens/s raylm vs reference (window mean)",
-                           f"{fmt(ours['tokens_per_s_mean'])} vs {fmt(theirs['tokens_per_s_mean'])}", "", ""]]}
+                          ["tokens/s raylm (one-GPU) vs reference (window mean)",
+                           f"{fmt(one_gpu['tokens_per_s_mean'])} vs {fmt(theirs['tokens_per_s_mean'])}", "", ""],
+                          ["tokens/s raylm loop (FSDP2 layout) vs reference (median)",
+                           f"{fmt(fsdp['tokens_per_s'])} vs {fmt(theirs['tokens_per_s'])} ({fsdp_ratio:.2f}x)", "",
+                           ""]]}
 
     def run_reference(self, cfg: Config, data: str, iters: int) -> dict:
         """benchmarks/_gpt2_reference.py in its own process: its TF32 and compile settings stay there."""
@@ -480,6 +511,13 @@ class Check:
         if done.returncode:
             raise RuntimeError(f"{script} exited with status {done.returncode}:\n{Path(log).read_text()[-2000:]}")
         return json.loads(Path(out).read_text())
+
+
+def mfu_line(title: str, result: dict, peak: float) -> list[str]:
+    if "error" in result:
+        return [title, f"ERROR {result['error'][:100]}", "", "failed"]
+    return [title, f"{result['mfu']:.1%} ({result['tflops']:.3g} of {peak / 1e12:.3g} TFLOP/s; "
+            f"{fmt(result['tokens_per_s'])} tokens/s)", "", ""]
 
 
 def memory_line(row: dict) -> list[str]:
@@ -502,6 +540,8 @@ def print_report(report: dict) -> None:
           "(raylm.train.observe.metrics.peak_flops)\n")
     rows = []
     for key, title in SECTIONS:
+        if key not in report["sections"]:
+            continue
         result = report["sections"][key]
         if "error" in result:
             rows.append([title, "ERROR", result["error"].splitlines()[0][:120], "", "failed"])
@@ -515,12 +555,20 @@ def main() -> None:
     ap.add_argument("--json-out", help="write the whole result here")
     ap.add_argument("--budget-s", type=float, default=330.0, help="time for all sections (default 330)")
     ap.add_argument("--cpu-tiny", action="store_true", help="CPU, tiny shapes, no compilation: the code path only")
+    ap.add_argument("--sections", default=",".join(key for key, _ in SECTIONS),
+                    help=f"comma-separated, of: {', '.join(key for key, _ in SECTIONS)} (default: all)")
     args = ap.parse_args()
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - {key for key, _ in SECTIONS})
+    if unknown:
+        ap.error(f"--sections: unknown section(s) {', '.join(unknown)}; "
+                 f"known: {', '.join(key for key, _ in SECTIONS)}")
     cuda = not args.cpu_tiny
     if cuda and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device; run it on the GPU machine, or pass --cpu-tiny for the CPU path")
     profile = PROFILES["gpu" if cuda else "cpu-tiny"]
-    start, budget = time.monotonic(), Budget(args.budget_s, profile.costs)
+    start = time.monotonic()
+    budget = Budget(args.budget_s, {key: cost for key, cost in profile.costs.items() if key in sections})
     device = init_process_group(cuda)
     report = {"device": torch.cuda.get_device_name(device) if cuda else f"cpu ({os.cpu_count()} cores)",
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -534,12 +582,12 @@ def main() -> None:
 
     workdir = tempfile.mkdtemp(prefix="raylm-gpu-check-")
     try:
-        results = Check(profile, device, budget, workdir).run(after_each=save)
+        results = Check(profile, device, budget, workdir).run(sections, after_each=save)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_report(report)
     dist.destroy_process_group()  # after the report: a broken CUDA context may hang it
-    sys.exit(1 if any("error" in result for result in results.values()) else 0)
+    sys.exit(1 if any("error" in result or "error" in result.get("one_gpu", {}) for result in results.values()) else 0)
 
 
 if __name__ == "__main__":

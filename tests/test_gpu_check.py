@@ -40,6 +40,7 @@ def test_cpu_tiny_runs_every_section_without_ray_or_boto3(tmp_path):
 
     mfu = sections["mfu_eager"]
     assert mfu["tokens_per_s"] > 0 and 0 < mfu["mfu"] < 1 and mfu["flops_per_token"] > 0
+    assert mfu["one_gpu"]["tokens_per_s"] > 0 and 0 < mfu["one_gpu"]["mfu"] < 1  # no FSDP2, bf16 autocast
     assert "skipped" in sections["mfu_compiled"]  # no compilation on CPU
     loop = sections["loop"]
     assert loop["tokens_per_s"] > 0 and loop["bare_tokens_per_s"] == mfu["tokens_per_s"]
@@ -55,3 +56,4 @@ def test_cpu_tiny_runs_every_section_without_ray_or_boto3(tmp_path):
     reference = sections["reference"]
     assert reference["params_raylm"] == reference["params_reference"]  # the same shape on both sides
     assert reference["raylm"]["tokens_per_s"] > 0 and reference["reference"]["tokens_per_s"] > 0
+    assert reference["raylm_fsdp2"]["tokens_per_s"] > 0 and reference["ratio_fsdp2"] > 0
