@@ -211,6 +211,8 @@ class TrainConfig:
     """PaLM's z-loss weight (1e-4 in PaLM): adds z_loss * log(Z)^2 to the training loss (the
     reported `loss` includes it; `val_loss` is plain cross entropy). 0: off."""
     compile: bool = False
+    """torch.compile the loss and the model: per block between FSDP2's or TP's hooks, as one graph
+    on one device with no wrapper. The first steps pay for compiling (seconds to minutes)."""
     peak_tflops: Optional[float] = None
     """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
     tensorboard: bool = True
