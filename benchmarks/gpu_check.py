@@ -332,7 +332,8 @@ class Check:
         (its `one_gpu` key)."""
         shape = self.profile.llama
         steps = self.steps("mfu_compiled" if compiled else "mfu_eager", 5)
-        flops, peak = flops_per_token(self.config(shape).model, shape.seq_len), peak_flops(self.device)
+        model = self.config(shape).model
+        flops, peak = flops_per_token(model, shape.seq_len), peak_flops(self.device)
 
         def measure(*layout: str) -> dict:
             cfg = self.config(shape, f"train.compile={str(compiled).lower()}", *layout)
@@ -343,7 +344,7 @@ class Check:
                     "mfu": flops * result["tokens_per_s"] / peak}
 
         result = measure()
-        result.update(shape=shape.name, params=count_params(self.config(shape).model), seq_len=shape.seq_len,
+        result.update(shape=shape.name, params=count_params(model), seq_len=shape.seq_len,
                       micro_batch=shape.micro_batch, compile=compiled, flops_per_token=flops, peak_tflops=peak / 1e12)
         result["one_gpu"] = attempt(functools.partial(measure, *ONE_GPU))
         result["table"] = [["tokens/s", fmt(result["tokens_per_s"]), "", ""], mfu_line("MFU", result, peak),

@@ -72,7 +72,7 @@ def apply_layout(part: nn.Module, cfg: Config, mesh: ParallelMesh) -> None:
             # whole-model compile per block, 0.89x as one graph (with the batch copied from pinned
             # memory; benchmarks/RESULTS.md, GPU check).
             part.compile()
-        else:  # per block, between FSDP2's hooks: the repeated structure compiles once
+        else:  # per block, between FSDP2's, TP's or a stage's hooks: the repeated structure compiles once
             for block in part.layers.values():
                 block.compile()
     policy = mixed_precision(parallel.param_dtype, parallel.reduce_dtype)
