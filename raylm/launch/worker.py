@@ -1,5 +1,5 @@
 """The workers' side of a run on Ray: the run's environment on a Ray Train worker (devices,
-checkpoints through `ray.train.report`, the run directory) and the function every worker runs."""
+checkpoints reported to Ray Train, the run directory) and the function every worker runs."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from raylm.train.spec import RunSpec, local_run_dir, run_uri
 
 
 class RayTrainEnv:
-    """Checkpoints through `ray.train.report`. Every start of the worker group, the first and
-    each restart after a failure or resize, resumes from the newest complete checkpoint in the
-    run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
+    """Each rank copies its part of a checkpoint to the run directory; once rank 0 has written
+    the manifest, every rank reports it with `ray.train.report` (no upload of Ray's own). Every
+    start of the worker group, the first and each restart after a failure or resize, resumes
+    from the newest complete checkpoint in the run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
     its controller's next poll, so a worker killed just after a save would lose a checkpoint
     that is complete on storage."""
 
@@ -60,17 +61,29 @@ class RayTrainEnv:
         with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
             yield tmp
 
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
+    def publish(self, step: int, directory: str) -> str:
         import ray.train
 
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=checkpoint.dir_name(step))
+        # Copied here, not by `ray.train.report`: a report whose upload fails leaves Ray's report
+        # order waiting for it, and the next report would hang; a failed copy here is a failed save.
+        uri = storage.join(self.checkpoint_root, checkpoint.dir_name(step))
+        storage.copy_dir(directory, uri, self.cfg.storage)
         if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
             for name in (METRICS_FILE, EVENTS_FILE):  # the local mirror's records, beside the checkpoints
                 if os.path.exists(os.path.join(self.run_dir, name)):
                     with open(os.path.join(self.run_dir, name), "rb") as f:
                         storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
-        return storage.join(self.checkpoint_root, checkpoint.dir_name(step))
+        return uri
+
+    def announce(self, step: int, uri: str, metrics: dict) -> None:
+        import ray.train
+
+        run_storage = ray.train.get_context().get_storage()
+        name = checkpoint.dir_name(step)
+        published = ray.train.Checkpoint(f"{run_storage.experiment_fs_path}/{name}",
+                                         filesystem=run_storage.storage_filesystem)
+        ray.train.report(metrics, checkpoint=published, checkpoint_dir_name=name,
+                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 
     def report(self, metrics: dict) -> None:
         import ray.train

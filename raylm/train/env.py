@@ -31,8 +31,12 @@ class TrainEnv(Protocol):
     def staging_dir(self, step: int) -> ContextManager[str]:
         """A local directory for this rank's part of the checkpoint of `step`."""
 
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
-        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
+    def publish(self, step: int, directory: str) -> str:
+        """Make this rank's staged part of the checkpoint durable; returns the checkpoint's URI.
+        Raises OSError when storage cannot take it (a full disk)."""
+
+    def announce(self, step: int, uri: str, metrics: dict) -> None:
+        """Tell the cluster's bookkeeping of the checkpoint at `uri`, published and finalized."""
 
     def report(self, metrics: dict) -> None:
         """Progress for the cluster's bookkeeping (not every step: it may block)."""
@@ -72,8 +76,11 @@ class LocalEnv:
         directory = os.path.join(self.run_dir, checkpoint.dir_name(step))
         yield directory  # ranks share the disk: each writes its part in place
 
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
+    def publish(self, step: int, directory: str) -> str:
         return directory
+
+    def announce(self, step: int, uri: str, metrics: dict) -> None:
+        pass
 
     def report(self, metrics: dict) -> None:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future
@@ -33,8 +34,12 @@ class CheckpointEnv(Protocol):
     def staging_dir(self, step: int) -> ContextManager[str]:
         """A local directory for this rank's part of the checkpoint of `step`."""
 
-    def publish(self, step: int, directory: str, metrics: dict) -> str:
-        """Make the staged checkpoint (every rank's part) durable; returns its URI."""
+    def publish(self, step: int, directory: str) -> str:
+        """Make this rank's staged part of the checkpoint durable; returns the checkpoint's URI.
+        Raises OSError when storage cannot take it (a full disk)."""
+
+    def announce(self, step: int, uri: str, metrics: dict) -> None:
+        """Tell the cluster's bookkeeping of the checkpoint at `uri`, published and finalized."""
 
 
 def _local_state_bytes(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> int:
@@ -48,6 +53,10 @@ def _check_space(uri: str, needed: int) -> None:
     if free is not None and free < needed:
         raise OSError(28, f"not enough free space for a checkpoint at {uri}: {free / 1e6:.1f} MB free, "
                           f"about {needed / 1e6:.1f} MB needed")
+
+
+def _backoff(attempt: int) -> None:
+    time.sleep(min(30.0, 2.0 ** attempt))
 
 
 @dataclass
@@ -140,7 +149,7 @@ class Checkpointer:
                 return
             stack.close()
             if attempt + 1 < c.write_attempts:
-                time.sleep(min(30.0, 2.0 ** attempt))
+                _backoff(attempt)
         self._failed(step, error)
 
     def poll(self) -> None:
@@ -207,17 +216,45 @@ class Checkpointer:
                           "unprotected_since": self.failing_since, **fields})
 
     def _publish(self, pending: _Pending, entries: dict[str, FileEntry]) -> None:
+        """Copy every rank's part to storage (retried as writes are), then rank 0 writes the
+        manifest. Storage can fill after the space check (another writer, or a bigger checkpoint
+        than counted): a failed copy or manifest is a failed save, agreed by all ranks, and its
+        remains are removed."""
         c, root, storage_cfg = self.cfg, self.env.checkpoint_root, self.storage_cfg
+        uri, error = storage.join(root, checkpoint.dir_name(pending.step)), None
         with pending.stack:
-            uri = self.env.publish(pending.step, pending.directory, pending.metrics)
-        gathered: list = [entries]
-        if self.distributed:
-            gathered = [None] * self.world.world_size
-            dist.all_gather_object(gathered, entries)  # also: every rank's part is published
+            for attempt in range(c.write_attempts):
+                try:
+                    uri, error = self.env.publish(pending.step, pending.directory), None
+                    break
+                except OSError as e:
+                    error = e
+                    if attempt + 1 < c.write_attempts:
+                        _backoff(attempt)
+        published = self.world.agree(error is None, "all")
+        if published:
+            gathered: list = [entries]
+            if self.distributed:
+                gathered = [None] * self.world.world_size
+                dist.all_gather_object(gathered, entries)
+            if self.world.rank == 0:
+                extra = {"steps_during_write": pending.steps_during_write} if c.async_save else {}
+                try:
+                    checkpoint.finalize(uri, {k: v for rank_entries in gathered for k, v in rank_entries.items()},
+                                        storage_cfg, extra)
+                except (OSError, CheckpointWriteError) as e:
+                    error = e
+            published = self.world.agree(error is None, "all")
+        if not published:
+            if self.world.rank == 0:
+                # Without its manifest it is never resumed from; removing it frees the space, and
+                # a storage too broken to delete it must not turn a failed save into a crash.
+                with contextlib.suppress(OSError):
+                    storage.delete_dir(uri, storage_cfg)
+            self._failed(pending.step, error)
+            return
+        self.env.announce(pending.step, uri, pending.metrics)
         if self.world.rank == 0:
-            extra = {"steps_during_write": pending.steps_during_write} if c.async_save else {}
-            checkpoint.finalize(uri, {k: v for rank_entries in gathered for k, v in rank_entries.items()},
-                                storage_cfg, extra)
             names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
             for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
                 storage.delete_dir(storage.join(root, name), storage_cfg)

@@ -13,7 +13,8 @@ from raylm.hardware import GPU_PEAK_FLOPS
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook, Run
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, append_line, read_records, rewrite_records
+from raylm.train.observe.records import (EVENTS_FILE, METRICS_FILE, append_event, append_line, read_records,
+                                        rewrite_records, write_unwritten)
 from raylm.train.observe.trackers import open_trackers
 
 
@@ -61,6 +62,7 @@ class MetricsLogger(Hook):
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.writer = None
         self.trackers: list = []
+        self.closed = False
         if self.rank0:
             os.makedirs(run_dir, exist_ok=True)
             if cfg.train.tensorboard:
@@ -131,10 +133,16 @@ class MetricsLogger(Hook):
         self.close()
 
     def close(self) -> None:
-        """Also called when training fails, so that no file stays open."""
+        """Also called when training fails, so that no file stays open and no row a full disk
+        refused is left unwritten if there is space now."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.rank0:
+            for path in (self.path, os.path.join(os.path.dirname(self.path), EVENTS_FILE)):
+                if not write_unwritten(path):
+                    print(f"WARNING: {path}: the disk is still full; rows of this run are lost", flush=True)
         if self.writer is not None:
             self.writer.close()
-            self.writer = None
         for tracker in self.trackers:
             tracker.close()
-        self.trackers = []

@@ -67,8 +67,16 @@ def append_line(path: str, row: dict) -> None:
     one warning, and written with the next row that fits, in order. A line cut short by the full
     disk is dropped by readers; the rows after it start on a line of their own.
     """
-    pending = _unwritten.setdefault(path, [])
-    pending.append(json.dumps(row).encode() + b"\n")
+    _unwritten.setdefault(path, []).append(json.dumps(row).encode() + b"\n")
+    write_unwritten(path)
+
+
+def write_unwritten(path: str) -> bool:
+    """Write the rows of `path` that a full disk refused, if there is space now (the end of a
+    run tries once more); returns whether none is left."""
+    pending = _unwritten.get(path)
+    if not pending:
+        return True
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "a+b") as f:  # appends go to the end; the last byte is read in place
@@ -83,8 +91,9 @@ def append_line(path: str, row: dict) -> None:
         if len(pending) == 1:
             print(f"WARNING: {path}: the disk is full ({e.strerror}); its rows are kept in memory and "
                   "written once there is space", flush=True)
-        return
+        return False
     pending.clear()
+    return True
 
 
 def append_event(path: str, event: dict) -> None:

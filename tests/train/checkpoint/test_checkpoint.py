@@ -1,18 +1,24 @@
 """Checkpoint safety: completeness, crash mid-write, a full disk, retention."""
 
+import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import uuid
+from typing import Iterator
 
 import pytest
 
 from cluster.chaos import fill_filesystem
+from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.format import CheckpointWriteError
 from raylm.train.hooks import Hook
-from raylm.train.loop import train_local
+from raylm.train.env import LocalEnv
+from raylm.train.loop import train, train_local
 from raylm.train.observe.records import read_jsonl
+from raylm.train.spec import resolve_run
 from tests.support.checkpoints import flip_byte
 from tests.train.test_loop import losses, tiny_config
 
@@ -148,6 +154,83 @@ def test_a_full_disk_is_loud_loses_no_record_and_saves_again_once_freed(tiny_dat
     assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000014")
     out = capsys.readouterr().out
     assert out.count("WARNING: no checkpoint has been written since step 6") == 6  # steps 6 .. 11
+
+
+class FreeDisk(Hook):
+    """The stray file goes at the beginning of each step in `steps`, or once training ends."""
+
+    def __init__(self, stray: str, steps: set[int], at_end: bool = False):
+        self.stray, self.steps, self.at_end = stray, steps, at_end
+
+    def on_step_begin(self, run, step):
+        if step in self.steps:
+            os.remove(self.stray)
+
+    def on_train_end(self, run, metrics):
+        if self.at_end:
+            os.remove(self.stray)
+
+
+def test_rows_a_full_disk_held_back_are_written_if_space_returns_before_the_run_ends(
+        tiny_dataset, small_filesystem):
+    run = small_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.eval_every=0",
+                      "checkpoint.write_attempts=1", "checkpoint.allow_failures=true")
+    hooks = (FillDisk(str(small_filesystem), fill=4, free=-1),
+             FreeDisk(str(small_filesystem / "stray"), set(), at_end=True))
+    train_local(cfg, str(run), hooks=hooks)
+    assert [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in read_jsonl(str(run / "events.jsonl")) if e["event"] == "checkpoint_failed"] == [6]
+
+
+class UploadingEnv(LocalEnv):
+    """`LocalEnv` that stages each part off the run's disk and copies it over at publish, as
+    `RayTrainEnv` does, so the disk can fill after the space check: at the publish of a step in
+    `fill_before_copy` (the copy fails) or `fill_after_copy` (the manifest fails)."""
+
+    def __init__(self, run_dir: str, staging_root: str, stray: str, fill_before_copy: set[int],
+                 fill_after_copy: set[int]):
+        super().__init__(run_dir)
+        self.staging_root, self.stray = staging_root, stray
+        self.fill_before_copy, self.fill_after_copy = fill_before_copy, fill_after_copy
+
+    @contextlib.contextmanager
+    def staging_dir(self, step: int) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(dir=self.staging_root) as directory:
+            yield directory
+
+    def publish(self, step: int, directory: str) -> str:
+        if step in self.fill_before_copy:
+            fill_filesystem(self.stray)
+        uri = os.path.join(self.checkpoint_root, checkpoint.dir_name(step))
+        storage.copy_dir(directory, uri)
+        if step in self.fill_after_copy:
+            fill_filesystem(self.stray)
+        return uri
+
+
+def test_a_disk_that_fills_after_the_space_check_fails_the_save_not_the_run(tiny_dataset, small_filesystem, tmp_path):
+    """The drill's full disk struck after a save's space check: the upload (then the manifest)
+    found no space. Each is a failed save under `allow_failures` (an event, no partial checkpoint
+    left), training goes on, and the next save once there is space is published."""
+    run = small_filesystem / "run"
+    cfg = tiny_config(tiny_dataset, "train.steps=12", "checkpoint.every_steps=3", "train.eval_every=0",
+                      "checkpoint.write_attempts=1", "checkpoint.allow_failures=true", "checkpoint.keep_last=10")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    stray = str(small_filesystem / "stray")
+    env = UploadingEnv(str(run), str(staging), stray, fill_before_copy={6}, fill_after_copy={9})
+    train(resolve_run(cfg, sizes=range(1, 2)), env, hooks=(FreeDisk(stray, {8, 11}),))
+    rows = {r["step"]: r for r in read_jsonl(str(run / "metrics.jsonl"))}
+    assert sorted(rows) == list(range(1, 13))
+    events = read_jsonl(str(run / "events.jsonl"))
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [6, 9] and all("No space left" in e["error"] for e in failed)
+    (recovered,) = [e for e in events if e["event"] == "checkpoint_recovered"]
+    assert recovered["step"] == 12 and recovered["unprotected_since"] == 6
+    assert checkpoints(run) == ["checkpoint_00000003", "checkpoint_00000012"]
+    assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000012")
+    assert os.listdir(staging) == []  # every staged part removed, published or not
 
 
 def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
