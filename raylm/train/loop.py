@@ -10,6 +10,7 @@ workers, sweeps' trials, benchmarks and tests all run `train` on a `RunSpec` res
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
+from raylm.data.order import batch_indices
 from raylm.data.stream import Batch, TokenStream
 from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.errors import DivergedError, Preempted
@@ -152,6 +154,7 @@ class Trainer:
     def _batches(self) -> Iterator[Batch]:
         """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
         cfg, state, model = self.cfg, self.state, self.model
+        self.stream_skip = [list(r) for r in state.skip]
         # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
         stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
                              [*cfg.data.skip, *state.skip], engine="ray" if cfg.data.loader == "ray" else "local",
@@ -161,22 +164,31 @@ class Trainer:
     def _steps(self) -> dict:
         metrics: dict = {}
         batches = self._batches()
+        behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a restart
         self.last_report = time.monotonic()
         self.t0 = time.perf_counter()
         while True:
             self._measure_cpu_peak()
             wait_start = time.perf_counter()
             batch = next(batches, None)
+            if batch is None and behind and self.state.step < self.last:  # the steps the skips left
+                batches, behind = self._batches(), 0
+                continue
             if batch is None:
                 break
+            if behind:
+                batch = dataclasses.replace(batch, step=batch.step - behind)
             self.data_wait = time.perf_counter() - wait_start
             poll_start = time.perf_counter()
             self.checkpointer.poll()
             self.checkpoint_s += time.perf_counter() - poll_start
             step_metrics = self.train_step(batch)
             if step_metrics is None:  # rolled back or skipped: the batches go on from the run's state
-                batches.close()
-                batches = self._batches()
+                if self._stream_goes_on(batch):
+                    behind += 1
+                else:
+                    batches.close()
+                    batches, behind = self._batches(), 0
                 self.t0 = time.perf_counter()
                 continue
             metrics = step_metrics
@@ -186,6 +198,20 @@ class Trainer:
                 self._stop_for_preemption(notice, metrics)
         self.checkpointer.wait()
         return metrics
+
+    def _stream_goes_on(self, batch: Batch) -> bool:
+        """Whether the batches in flight are those a stream restarted from the run's state would
+        give, one step behind their labels: after a skipped batch, at a constant batch size, when
+        the skip ranges added since the stream began all end where the batch ends. A restart
+        costs seconds on Ray Data (a new reader), and a poisoned window skips batch after batch."""
+        state, schedule = self.state, self.spec.batch_schedule
+        if state.step != batch.step or schedule.start is not None and \
+                state.tokens_seen // self.spec.seq_len < schedule.ramp_samples:
+            return False
+        if any(end > batch.next_position for start, end in state.skip if [start, end] not in self.stream_skip):
+            return False
+        skip = [*self.cfg.data.skip, *state.skip]
+        return batch_indices(state.position, 1, skip)[0] == batch_indices(batch.next_position, 1, skip)[0]
 
     def _measure_cpu_peak(self) -> None:
         """A CPU's peak FLOP/s (MFU's denominator) is measured, the first time at start-up while Ray

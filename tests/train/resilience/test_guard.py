@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raylm.config import GuardConfig
+from raylm.data.stream import TokenStream
 from raylm.errors import DivergedError
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook
@@ -103,6 +104,29 @@ def test_a_batch_that_hurts_a_sound_model_is_skipped_like_a_run_told_to_skip_it(
     run_distributed(_train_ranks, 2, data, resumed, *common, "checkpoint.every_steps=25")
     assert [e["step"] for e in _events(resumed, "batch_skipped")] == [30]
     assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
+
+
+def test_a_poisoned_window_at_the_end_is_skipped_batch_after_batch_without_a_new_stream(
+        tiny_dataset, tmp_path, monkeypatch):
+    """Batch after batch of noise (a poisoned window) are each skipped, and the batches already
+    in flight go on one step behind their labels instead of a new stream per skip (seconds each
+    on Ray Data); the steps the skips leave at the end take one new stream. The same steps and
+    losses as a run told to skip the window."""
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 34))
+    common = ("train.steps=36", *GUARD, *CONSTANT_LR)
+    streams = []
+    batches = TokenStream.batches
+    monkeypatch.setattr(TokenStream, "batches", lambda self, *a: streams.append(a[1:3]) or batches(self, *a))
+    run = str(tmp_path / "run")
+    train_local(tiny_config(data, *common), run)
+    skipped = _events(run, "batch_skipped")
+    assert [(e["step"], e["samples"]) for e in skipped] == [(30, [30 * BATCH, (31 + k) * BATCH]) for k in range(4)]
+    # (first step, last step) of each stream that trains; the canary reads through its own.
+    assert [steps for steps in streams if steps[1] == 36] == [(0, 36), (32, 36)]
+    reference = str(tmp_path / "reference")
+    train_local(tiny_config(data, *common, f"data.skip=[[{30 * BATCH}, {34 * BATCH}]]"), reference)
+    assert sorted(_losses(run)) == list(range(1, 37))
+    assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6)
 
 
 def test_noise_met_before_the_first_check_is_skipped(tiny_dataset, tmp_path):
