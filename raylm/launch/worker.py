@@ -28,9 +28,9 @@ class RayTrainEnv:
     """Each rank copies its part of a checkpoint to the run directory; once rank 0 has written
     the manifest, every rank reports it with `ray.train.report` (no upload of Ray's own). Every
     start of the worker group, the first and each restart after a failure or resize, resumes
-    from the newest complete checkpoint in the run directory. Not `ray.train.get_checkpoint()`: Ray learns of a reported checkpoint only at
-    its controller's next poll, so a worker killed just after a save would lose a checkpoint
-    that is complete on storage."""
+    from the newest complete checkpoint in the run directory. Not `ray.train.get_checkpoint()`:
+    Ray learns of a reported checkpoint only at its controller's next poll, so a worker killed
+    just after a save would lose a checkpoint that is complete on storage."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -75,7 +75,7 @@ class RayTrainEnv:
                         storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
         return uri
 
-    def announce(self, step: int, uri: str, metrics: dict) -> None:
+    def announce(self, step: int, metrics: dict) -> None:
         import ray.train
 
         run_storage = ray.train.get_context().get_storage()

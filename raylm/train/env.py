@@ -35,8 +35,8 @@ class TrainEnv(Protocol):
         """Make this rank's staged part of the checkpoint durable; returns the checkpoint's URI.
         Raises OSError when storage cannot take it (a full disk)."""
 
-    def announce(self, step: int, uri: str, metrics: dict) -> None:
-        """Tell the cluster's bookkeeping of the checkpoint at `uri`, published and finalized."""
+    def announce(self, step: int, metrics: dict) -> None:
+        """Tell the cluster's bookkeeping of the checkpoint of `step`, published and finalized."""
 
     def report(self, metrics: dict) -> None:
         """Progress for the cluster's bookkeeping (not every step: it may block)."""
@@ -79,7 +79,7 @@ class LocalEnv:
     def publish(self, step: int, directory: str) -> str:
         return directory
 
-    def announce(self, step: int, uri: str, metrics: dict) -> None:
+    def announce(self, step: int, metrics: dict) -> None:
         pass
 
     def report(self, metrics: dict) -> None:

@@ -38,8 +38,8 @@ class CheckpointEnv(Protocol):
         """Make this rank's staged part of the checkpoint durable; returns the checkpoint's URI.
         Raises OSError when storage cannot take it (a full disk)."""
 
-    def announce(self, step: int, uri: str, metrics: dict) -> None:
-        """Tell the cluster's bookkeeping of the checkpoint at `uri`, published and finalized."""
+    def announce(self, step: int, metrics: dict) -> None:
+        """Tell the cluster's bookkeeping of the checkpoint of `step`, published and finalized."""
 
 
 def _local_state_bytes(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> int:
@@ -253,7 +253,7 @@ class Checkpointer:
                     storage.delete_dir(uri, storage_cfg)
             self._failed(pending.step, error)
             return
-        self.env.announce(pending.step, uri, pending.metrics)
+        self.env.announce(pending.step, pending.metrics)
         if self.world.rank == 0:
             names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
             for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
