@@ -308,22 +308,25 @@ def poison_samples(dataset: str, end: int, poison: str, window: int = 16) -> set
 
 
 def goodput(rows: list[dict], events: list[dict], wall_start: float, wall_end: float) -> dict:
-    """Where the wall time went. Useful: the steps of the final model. Guard replays: rows a
-    later row of the same step replaced within one process (rollbacks, skipped batches).
-    Lost steps: steps trained after the last checkpoint before a restart (their rows were dropped
-    at the resume; timed at the median step). Downtime: the rest of the gaps between rows (process
-    start, restarts, resizes), attributed to the restart that ended each."""
+    """Where the wall time went. Useful: the compute of the steps of the final model (their step
+    times less the guard's work and the wait for data in them). Guard checks: the guard's work
+    in those steps (canary passes, snapshots, probes of hard batches). Guard replays: the steps it
+    threw away (rows a later row of the same step replaced within one process, and the skipped
+    batches and rollbacks no row holds). Lost steps: steps trained after the last checkpoint before
+    a restart (their rows were dropped at the resume; timed at the median step). The rest: process
+    start, restarts and resizes, evaluation and data waits."""
     counted = final_rows(rows)
-    useful = sum(r["step_time"] for r in counted.values())
+    guard_checks = sum(r.get("guard_s", 0.0) for r in counted.values())
+    useful = sum(r["step_time"] - r["data_wait"] for r in counted.values()) - guard_checks
     kept = {id(r) for r in counted.values()}
-    replays = sum(r["step_time"] for r in rows if id(r) not in kept)
+    replays = sum(r["step_time"] for r in rows if id(r) not in kept) + sum(r.get("discarded_s", 0.0) for r in rows)
     checkpoint_s = sum(r.get("checkpoint_s", 0.0) for r in rows)
     median_step = statistics.median(r["step_time"] for r in counted.values())
     lost = sum(e.get("steps_lost", 0) for e in events if e["event"] == "resumed") * median_step
     wall = wall_end - wall_start
-    other = wall - useful - replays - checkpoint_s - lost
-    return {"goodput": useful / wall, "wall_s": wall, "useful_s": useful, "guard_replays_s": replays,
-            "checkpoint_stalls_s": checkpoint_s, "lost_steps_s": lost,
+    other = wall - useful - guard_checks - replays - checkpoint_s - lost
+    return {"goodput": useful / wall, "wall_s": wall, "useful_s": useful, "guard_checks_s": guard_checks,
+            "guard_replays_s": replays, "checkpoint_stalls_s": checkpoint_s, "lost_steps_s": lost,
             "startup_restarts_resizes_evaluation_s": other, "median_step_s": median_step}
 
 
@@ -495,7 +498,7 @@ def print_summary(report: dict) -> None:
              f"{report['poison']['trained']} / {report['poison']['skipped']} of {report['poison']['samples']} "
              f"({report['poison']['clean_skipped']})", ""],
             ["goodput", f"{report['goodput']:.1%} of {report['wall_s']:.0f} s", "≥ 90%"]]
-    for key in ("guard_replays_s", "checkpoint_stalls_s", "lost_steps_s", "startup_restarts_resizes_evaluation_s"):
+    for key in ("guard_checks_s", "guard_replays_s", "checkpoint_stalls_s", "lost_steps_s", "startup_restarts_resizes_evaluation_s"):
         rows.append([f"  lost to {key[:-2].replace('_', ' ')}", f"{report[key]:.0f} s ({report[key] / report['wall_s']:.1%})",
                      ""])
     for fault in report["faults"]:

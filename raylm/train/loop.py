@@ -126,6 +126,9 @@ class Trainer:
         # Seconds the loop was blocked by checkpointing since the last step's metrics: a save
         # (sync: the whole write; async: staging) and publishing a finished async save.
         self.checkpoint_s = 0.0
+        # Seconds of the steps the guard discarded (skipped batches, rollbacks) since the last
+        # step's metrics: time no kept step holds, which goodput must not lose track of.
+        self.discarded_s = 0.0
 
     def _restore(self) -> TrainState:
         """The run state of the newest usable checkpoint (model and optimizer loaded), or a fresh one."""
@@ -189,7 +192,8 @@ class Trainer:
                 else:
                     batches.close()
                     batches, behind = self._batches(), 0
-                self.t0 = time.perf_counter()
+                now = time.perf_counter()
+                self.t0, self.discarded_s = now, self.discarded_s + now - self.t0
                 continue
             metrics = step_metrics
             due = self.clock.tick()
@@ -385,6 +389,7 @@ class Trainer:
         if self.guard is not None:
             metrics["guard_s"] = self.guard.spent()  # within step_time: the guard's cost
             metrics["skipped_samples"] = skipped_samples(state)
+            metrics["discarded_s"], self.discarded_s = self.discarded_s, 0.0  # outside step_time
             if state.lr_cap is not None:
                 metrics["lr_cap"] = state.lr_cap
             if state.lr_scale != 1.0:

@@ -127,6 +127,9 @@ def test_a_poisoned_window_at_the_end_is_skipped_batch_after_batch_without_a_new
     train_local(tiny_config(data, *common, f"data.skip=[[{30 * BATCH}, {34 * BATCH}]]"), reference)
     assert sorted(_losses(run)) == list(range(1, 37))
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-6)
+    # The four discarded steps' time goes with the next kept row, outside its step time.
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    assert rows[31]["discarded_s"] > 0 and all(rows[s]["discarded_s"] == 0 for s in rows if s != 31)
 
 
 def test_noise_met_before_the_first_check_is_skipped(tiny_dataset, tmp_path):
