@@ -40,7 +40,7 @@ def test_the_quick_drill_needs_no_human_and_loses_no_sample(tmp_path):
     names = [e["event"] for e in events]
     assert "rerun" in names and names.count("resumed") >= 2  # the killed worker, the killed driver
     # The skipped batches' time is the guard's, not the run's useful time nor its restarts'.
-    assert ("batch_skipped" in names) == (report["guard_replays_s"] > 0)
+    assert "batch_skipped" not in names or report["guard_replays_s"] > 0
     assert 0 < report["goodput"] < 1 and report["useful_s"] + report["guard_checks_s"] < report["wall_s"]
     if report["full_disk_fault"]:
         assert {"disk_full", "disk_freed"} <= kinds
