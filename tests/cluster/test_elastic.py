@@ -8,17 +8,18 @@ actors (0.25 CPU each): the run made no step for 13 minutes. Here the run is dri
 submit` would start it, for each placement of the two workers before the node loss:
 
 - both on the node that is lost: both restart on the other node, filling it;
-- one on each node (2 CPUs per worker, so each fills a node): the run shrinks to one worker,
-  a resize, on a node it fills;
 - both on the node that survives: the lost node held nothing of the run, which goes on.
 
-Each time the run must keep making steps and finish, with what happened in events.jsonl. A run
-growing back when its node returns is tests/cluster/test_chaos.py's, on the same cluster shape; a
-node starting on a machine loaded past its cores, tests/cluster/test_local_cluster.py's.
+Each time the run must keep making steps and finish, with what happened in events.jsonl. One
+worker on each node (2 CPUs per worker, so each fills a node), which shrinks to one worker when
+its node is lost and grows back when it returns, is tests/cluster/test_chaos.py's, on the same
+cluster shape, with the losses and samples checked; a node starting on a machine loaded past its
+cores, tests/cluster/test_local_cluster.py's.
 
 Each case starts its run just after bringing back the node the previous case lost. Ray's
-autoscaling coordinator, which sizes an elastic start, re-reads the nodes only every 20 s: the
-one-on-each-node run began with one worker until `raylm train` asked it to re-read at launch.
+autoscaling coordinator, which sizes an elastic start, re-reads the nodes only every 20 s: a run
+whose workers need both nodes began with one worker until `raylm train` asked it to re-read at
+launch (test_chaos.py's lost-node test starts so).
 """
 
 from __future__ import annotations
@@ -55,23 +56,18 @@ def workers_per_node(cluster: LocalCluster) -> dict[int, int]:
     return {node: len(train_workers(cluster, node)) for node in (1, 2)}
 
 
-@pytest.mark.parametrize("placement", ["both_on_lost_node", "one_on_each_node", "both_on_surviving_node"])
+@pytest.mark.parametrize("placement", ["both_on_lost_node", "both_on_surviving_node"])
 def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset, tmp_path, placement):
     for node in (1, 2):  # the previous case lost a node: bring it back
         if not cluster.processes(node):
             cluster.start_node(node)
-    extra = ["parallel.cpus_per_worker=2"] if placement == "one_on_each_node" else []
-    driver = TrainDriver(cluster, tmp_path / "run", demo_args(tiny_dataset, tmp_path, "run", *extra))
+    driver = TrainDriver(cluster, tmp_path / "run", demo_args(tiny_dataset, tmp_path, "run"))
     try:
         driver.wait_for("the first checkpoint", lambda: driver.last_step() > CHECKPOINT_EVERY, timeout_s=300)
         placed = workers_per_node(cluster)
-        if placement == "one_on_each_node":
-            assert placed == {1: 1, 2: 1}, placed
-            lost = 2
-        else:
-            assert sorted(placed.values()) == [0, 2], placed  # Ray packed both on one node
-            busy = 1 if placed[1] else 2
-            lost = busy if placement == "both_on_lost_node" else 3 - busy
+        assert sorted(placed.values()) == [0, 2], placed  # Ray packed both on one node
+        busy = 1 if placed[1] else 2
+        lost = busy if placement == "both_on_lost_node" else 3 - busy
         survivor = 3 - lost
         lost_at = driver.last_step()
         cluster.kill_node(lost)
@@ -90,8 +86,7 @@ def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset, tmp_path
         return
     assert failures, "the node loss was not recorded as a failure"
     (restart,) = resumed
-    # Both workers back on the surviving node's 2 CPUs, or the one 2-CPU worker left: a resize.
-    assert restart["world_size"] == (2 if placement == "both_on_lost_node" else 1)
+    assert restart["world_size"] == 2  # both workers back, on the surviving node's 2 CPUs
     assert restart["from_step"] <= lost_at < STEPS
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
     assert [s for s in steps if s > restart["from_step"]], "no step after the restart"
