@@ -30,7 +30,7 @@ def test_the_reduced_guard_panel_leaves_clean_runs_alone_and_saves_troubled_ones
     shutil.copy(pydoc_data.topics.__file__, text)
     out = tmp_path / "panel.json"
     done = subprocess.run([sys.executable, "benchmarks/guard_panel.py", "--quick", "--input", str(text),
-                           "--workdir", str(tmp_path / "panel"), "--cost-rounds", "0", "--json-out", str(out),
+                           "--workdir", str(tmp_path / "panel"), "--cost-rounds", "0", "--jobs", "2", "--json-out", str(out),
                            "--cases", "clean, shuffled: nanoGPT;poisoned;too-high"],
                           cwd=REPO, capture_output=True, text=True, timeout=1700,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
