@@ -30,7 +30,7 @@ NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
                 "batch_skipped": "tab:olive", "lr_cut": "tab:blue", "hard_batch": "tab:gray", "rerun": "tab:pink",
                 "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
-                "lease_taken_over": "tab:cyan", "preempted": "gold"}
+                "lease_taken_over": "tab:cyan", "preempted": "gold", "samples_quarantined": "khaki"}
 RUN_STYLES = ("-", "--", ":", "-.")
 
 

@@ -395,6 +395,10 @@ class GuardConfig:
     first. 0: spaced by their cost, every 25 steps or further apart where the batch is small
     against the canary, so that the canary's passes cost at most 1% of the training compute
     (nanoGPT's 12-row batches: every 100 steps)."""
+    quarantine: bool = True
+    """The rows of a skipped batch are left out of the epochs after, not judged again each time they
+    come round (their positions join the skip ranges as the run passes them; `samples_quarantined`
+    events)."""
     lr_factor: float = 0.5
     """The LR's cut when an update at the current LR damaged the model, or a damaged model is rolled
     back (OPT lowered its LR mid-flight): the LR is capped at this fraction of the rate that did the

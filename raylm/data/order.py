@@ -13,6 +13,7 @@ counts are fixed by the weights, so proportions hold exactly over every block.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from functools import lru_cache
 
@@ -42,6 +43,8 @@ class DatasetOrder:
         self.chunk_shard = np.concatenate([np.full(len(s), i, dtype=np.int32) for i, s in enumerate(starts)])
         self.chunk_start = np.concatenate(starts)
         self.chunk_size = np.concatenate([np.minimum(chunk_rows, rows - s) for rows, s in zip(shard_rows, starts)])
+        self.shard_first_chunk = np.concatenate([[0], np.cumsum([len(s) for s in starts])[:-1]]).astype(np.int64)
+        self.chunk_rows = chunk_rows
         self.num_samples = sum(shard_rows)
 
     @lru_cache(maxsize=4)
@@ -75,6 +78,29 @@ class DatasetOrder:
                 mine = chunk_ids == c
                 rows[sel[mine]] = self.chunk_start[c] + self._within(epoch, c)[offsets[mine]]
         return shards, rows
+
+    def positions_of(self, shards: np.ndarray, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """The positions in [lo, hi) of this dataset's own sequence that hold the rows (`shards`,
+        `rows`): one per epoch each, found by inverting the epochs' permutations (no scan of the
+        positions, whose number is the run's length)."""
+        shards, rows = np.asarray(shards, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+        if hi <= lo or not len(rows):
+            return np.empty(0, dtype=np.int64)
+        chunks = self.shard_first_chunk[shards] + rows // self.chunk_rows
+        offsets = rows - self.chunk_start[chunks]
+        found = []
+        for epoch in range(lo // self.num_samples, (hi - 1) // self.num_samples + 1):
+            perm, starts = self._epoch(epoch)
+            slot = np.empty_like(perm)
+            slot[perm] = np.arange(len(perm))
+            within = offsets.copy()
+            if self.shuffle:
+                for c in np.unique(chunks[self.chunk_size[chunks] > 1]).tolist():
+                    mine = chunks == c
+                    within[mine] = np.argsort(self._within(epoch, c))[offsets[mine]]
+            found.append(epoch * self.num_samples + starts[slot[chunks]] + within)
+        positions = np.sort(np.concatenate(found))
+        return positions[(positions >= lo) & (positions < hi)]
 
 
 class SampleOrder:
@@ -123,17 +149,50 @@ class SampleOrder:
             shards[sel], rows[sel] = self.datasets[d].locate_many(local[sel])
         return owners, shards, rows
 
+    def positions_of(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """The global indices in [lo, hi) that hold `rows` ((dataset, shard, row) triples, as
+        `locate_many` gives them), sorted: where those rows come round again."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        if len(self.datasets) == 1:
+            return self.datasets[0].positions_of(rows[:, 1], rows[:, 2], lo, hi)
+        found = []
+        for d, dataset in enumerate(self.datasets):
+            mine = rows[rows[:, 0] == d]
+            local = dataset.positions_of(mine[:, 1], mine[:, 2], self._local(d, lo), self._local(d, hi))
+            blocks, ranks = np.divmod(local, self.block_counts[d])
+            glob = np.empty_like(local)
+            for block in np.unique(blocks).tolist():
+                sel = blocks == block
+                owner, _ = self._block(block)
+                glob[sel] = block * MIX_BLOCK + np.flatnonzero(owner == d)[ranks[sel]]
+            found.append(glob)
+        return np.sort(np.concatenate(found))
+
+    def _local(self, dataset: int, index: int) -> int:
+        """How many of the global indices before `index` belong to `dataset`."""
+        block, pos = divmod(index, MIX_BLOCK)
+        owner, _ = self._block(block)
+        return block * self.block_counts[dataset] + int(np.count_nonzero(owner[:pos] == dataset))
+
 
 def batch_indices(position: int, count: int, skip: list[list[int]]) -> tuple[list[int], int]:
     """The next `count` global indices at or after `position` outside the skip ranges, and
     the position after them."""
+    starts, ends = [], []
+    for start, end in sorted(skip):  # joined where they meet or overlap: one jump clears each
+        if start >= end:
+            continue
+        if ends and start <= ends[-1]:
+            ends[-1] = max(ends[-1], end)
+        else:
+            starts.append(start)
+            ends.append(end)
     out: list[int] = []
     g = position
-    ranges = sorted((s, e) for s, e in skip)
     while len(out) < count:
-        for start, end in ranges:
-            if start <= g < end:
-                g = end
+        k = bisect.bisect_right(starts, g) - 1
+        if k >= 0 and g < ends[k]:
+            g = ends[k]
         out.append(g)
         g += 1
     return out, g

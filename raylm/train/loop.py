@@ -44,6 +44,7 @@ from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience.guard import Guard, skipped_samples
 from raylm.train.resilience.preemption import Notice
+from raylm.train.resilience.quarantine import Quarantine
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
@@ -93,6 +94,8 @@ class Trainer:
             self.guard = Guard(cfg, self.model, self.optimizer, world, canary, unigram_loss(spec), self.events_path,
                                env.checkpoint_root)
             self.guard.start(self.state)
+        self.quarantine = Quarantine(self.source.order, self.events_path, world.rank) \
+            if cfg.guard.enabled and cfg.guard.quarantine else None
         if needs_loss_scaling(cfg):
             self.state.loss_scale = self.state.loss_scale or cfg.train.loss_scale_initial
         self.scaler = LossScaler(self.state.loss_scale, cfg.train.loss_scale_growth_interval) \
@@ -158,11 +161,22 @@ class Trainer:
         """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
         cfg, state, model = self.cfg, self.state, self.model
         self.stream_skip = [list(r) for r in state.skip]
+        if self.quarantine is not None:
+            self.quarantine.place(state, self._remaining_samples(), [*cfg.data.skip, *state.skip])
+            self.quarantine.stream_started()
         # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
         stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
-                             [*cfg.data.skip, *state.skip], engine="ray" if cfg.data.loader == "ray" else "local",
+                             self._skip(), engine="ray" if cfg.data.loader == "ray" else "local",
                              prefetch=cfg.data.prefetch_chunks)
         return stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
+
+    def _skip(self) -> list[list[int]]:
+        """Every sample range the data order leaves out: data.skip, the guard's, the quarantine's."""
+        quarantined = self.quarantine.ranges() if self.quarantine is not None else []
+        return [*self.cfg.data.skip, *self.state.skip, *quarantined]
+
+    def _remaining_samples(self) -> int:
+        return (self.last - self.state.step) * self.spec.batch_schedule.final
 
     def _steps(self) -> dict:
         metrics: dict = {}
@@ -170,18 +184,23 @@ class Trainer:
         behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a restart
         self.last_report = time.monotonic()
         self.t0 = time.perf_counter()
+        wait_start = None  # a new stream on the way to a batch is part of the wait for it
         while True:
             self._measure_cpu_peak()
-            wait_start = time.perf_counter()
+            wait_start = wait_start or time.perf_counter()
             batch = next(batches, None)
             if batch is None and behind and self.state.step < self.last:  # the steps the skips left
                 batches, behind = self._batches(), 0
                 continue
             if batch is None:
                 break
+            if self.quarantine is not None and self.quarantine.stream_stale(batch.next_position):
+                batches.close()  # planned before the rows it would reach were quarantined
+                batches, behind = self._batches(), 0
+                continue
             if behind:
                 batch = dataclasses.replace(batch, step=batch.step - behind)
-            self.data_wait = time.perf_counter() - wait_start
+            self.data_wait, wait_start = time.perf_counter() - wait_start, None
             poll_start = time.perf_counter()
             self.checkpointer.poll()
             self.checkpoint_s += time.perf_counter() - poll_start
@@ -214,7 +233,7 @@ class Trainer:
             return False
         if any(end > batch.next_position for start, end in state.skip if [start, end] not in self.stream_skip):
             return False
-        skip = [*self.cfg.data.skip, *state.skip]
+        skip = self._skip()
         return batch_indices(state.position, 1, skip)[0] == batch_indices(batch.next_position, 1, skip)[0]
 
     def _measure_cpu_peak(self) -> None:
@@ -229,6 +248,7 @@ class Trainer:
         """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back or
         skipped the batch."""
         cfg, state, step = self.cfg, self.state, batch.step
+        skip_before = list(state.skip)
         for hook in self.hooks:
             hook.on_step_begin(self.run, step)
         self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
@@ -252,9 +272,13 @@ class Trainer:
         if verdict == "rollback":
             return self._roll_back(step, batch.next_position)
         if verdict == "skipped":  # the step is trained on the batches after it: as if data.skip held it
+            if self.quarantine is not None:
+                self._quarantine_rows(batch, skip_before)
             return self._abandon(step)
         self.optimizer.zero_grad(set_to_none=True)
         state.step = step + 1
+        if self.quarantine is not None:
+            self.quarantine.pass_over(state, step, batch.next_position)
         state.position = batch.next_position
         state.tokens_seen += batch.global_batch * self.spec.seq_len
         if verdict == "ok" and self.guard is not None and not self.guard.healthy(state, loss, grad_norm, batch.tokens):
@@ -316,6 +340,14 @@ class Trainer:
         self._abandon(step)
         self.guard.roll_back(step, self.state, consumed_until, self.lr)
         self.checkpointer.abandon_after(self.state.step)
+
+    def _quarantine_rows(self, batch: Batch, skip_before: list[list[int]]) -> None:
+        """The skipped batch's rows, as the stream gave them, are left out of the epochs after."""
+        state, cfg = self.state, self.cfg
+        indices = batch_indices(state.position, batch.global_batch,
+                                [*cfg.data.skip, *skip_before, *self.quarantine.ranges()])[0]
+        self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
+                            [*cfg.data.skip, *state.skip])
 
     def _abandon(self, step: int) -> None:
         """The step ends without metrics; the batches go on from the run's state (and skip ranges)."""

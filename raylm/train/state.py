@@ -14,6 +14,9 @@ class TrainState:
     position: int = 0  # global index of the next sample to train on
     tokens_seen: int = 0
     skip: list[list[int]] = field(default_factory=list)  # sample ranges the guard skipped (beside data.skip)
+    # (dataset, shard, row) of the rows of batches the guard skipped: left out of the epochs after
+    # (raylm.train.resilience.quarantine).
+    quarantine: list[list[int]] = field(default_factory=list)
     lr_cap: Optional[float] = None  # the guard's ceiling on the scheduled LR, after it cut the LR
     lr_scale: float = 1.0  # the guard's factor on the whole schedule, after the run stalled at its LR
     rollbacks: list[int] = field(default_factory=list)  # steps at which the guard rolled back

@@ -69,6 +69,28 @@ def test_skip_ranges_are_never_fed():
     assert batch_indices(4, 2, [[0, 5], [5, 7]])[0] == [7, 8]
 
 
+def test_overlapping_and_touching_skip_ranges_are_one_jump():
+    assert batch_indices(0, 4, [[5, 9], [1, 3], [2, 5], [9, 9], [10, 11]])[0] == [0, 9, 11, 12]
+
+
+@pytest.mark.parametrize("datasets, weights, shuffle", [(1, None, True), (1, None, False), (2, [0.7, 0.3], True)])
+def test_positions_of_rows_are_where_the_order_puts_them(datasets, weights, shuffle):
+    """The inverse of the order: each row's positions in a span of several epochs, found without a
+    scan, are exactly the positions the order maps to that row."""
+    order = make_order(weights=weights, datasets=datasets)
+    for dataset in order.datasets:
+        dataset.shuffle = shuffle
+    last = datasets - 1
+    rows = [*((d, 0, 5) for d in range(datasets)), (last, 0, 99), (last, 1, 0), (last, 2, 63)]
+    lo, hi = 150, 150 + 3 * 2 * 201 + 17  # partial epochs at both ends
+    owners, shards, rows_at = order.locate_many(range(lo, hi))
+    where = collections.defaultdict(list)
+    for g, key in zip(range(lo, hi), zip(owners.tolist(), shards.tolist(), rows_at.tolist())):
+        where[key].append(g)
+    want = sorted(g for row in rows for g in where[row])
+    assert order.positions_of(rows, lo, hi).tolist() == want and want
+
+
 def test_mixture_proportions_and_determinism():
     order = make_order(rows=(500, 500), weights=[0.7, 0.3], datasets=2)
     counts = collections.Counter(locate(order, g)[0] for g in range(5 * MIX_BLOCK))

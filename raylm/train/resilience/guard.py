@@ -41,7 +41,8 @@ steps are too large to learn from).
   skipping nothing; `max_rollbacks` such stalls stop the run.
 
 Every skipped sample joins the run's skip ranges (`TrainState.skip`, which the data order leaves
-out) and an event; a clean run skips nothing. A cut caps the LR below the rate that did the
+out) and an event; a clean run skips nothing. The rows of a skipped batch are quarantined: left out
+unjudged when they come round in a later epoch (`raylm.train.resilience.quarantine`). A cut caps the LR below the rate that did the
 damage: the schedule runs on beneath the cap, so a decaying schedule soon trains as it would
 have. The skip ranges, the LR cap and ceiling, the rollbacks and the rolling history are run
 state: checkpoints carry them, so a resumed run takes the decisions the uninterrupted one would
@@ -134,7 +135,7 @@ class Snapshot:
 
 def _copy_state(state: TrainState) -> TrainState:
     return dataclasses.replace(state, skip=[list(r) for r in state.skip], rollbacks=list(state.rollbacks),
-                               guard=dict(state.guard))
+                               quarantine=[list(r) for r in state.quarantine], guard=dict(state.guard))
 
 
 class Guard:
@@ -392,7 +393,7 @@ class Guard:
 
     def skip_batch(self, step: int, state: TrainState, samples: list[int], **detail: float) -> None:
         """The batch damages a healthy model (or fails twice): its samples are left out."""
-        state.skip = _merged([*state.skip, samples])
+        state.skip = merge_ranges([*state.skip, samples])
         self._event("batch_skipped", step=step, samples=samples, skipped_samples=skipped_samples(state),
                     **{**self.trigger, **detail})
         self._say(f"{self.trigger.get('reason')} at step {step}; skipped samples [{samples[0]}, {samples[1]})")
@@ -424,7 +425,8 @@ class Guard:
         left_out = [] if stall else [[snap.state.position, consumed_until]] if same_place else list(self.suspects)
         restored = _copy_state(snap.state)
         restored.rollbacks = [*state.rollbacks, step]
-        restored.skip = _merged([*state.skip, *left_out])
+        restored.skip = merge_ranges([*state.skip, *left_out])
+        restored.quarantine = state.quarantine  # what the data is does not roll back
         restored.lr_cap = min((c for c in (state.lr_cap, snap.state.lr_cap) if c is not None), default=None)
         restored.lr_scale = min(state.lr_scale, snap.state.lr_scale) * (self.cfg.lr_factor if stall else 1.0)
         restored.guard = {**state.guard, "rollback_streak": streak, "rolled_back_to": snap.state.step,
@@ -498,7 +500,7 @@ def skipped_samples(state: TrainState) -> int:
     return sum(end - start for start, end in state.skip)
 
 
-def _merged(ranges: list[list[int]]) -> list[list[int]]:
+def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
     """Sample ranges, sorted, overlapping ones joined."""
     out: list[list[int]] = []
     for start, end in sorted(ranges):

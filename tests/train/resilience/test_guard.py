@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raylm.config import GuardConfig
-from raylm.data.stream import TokenStream
+from raylm.data.stream import Datasets, TokenStream
 from raylm.errors import DivergedError
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook
@@ -24,6 +24,7 @@ from raylm.train.optim import lr_at
 from raylm.train.resilience.guard import Guard
 from raylm.train.resilience.guard_stop import GuardStopped
 from tests.support.distributed import run_distributed
+from tests.support.order import epoch_samples, locate
 from tests.support.poison import poisoned_copy
 from tests.train.test_loop import tiny_config
 
@@ -130,6 +131,45 @@ def test_a_poisoned_window_at_the_end_is_skipped_batch_after_batch_without_a_new
     # The four discarded steps' time goes with the next kept row, outside its step time.
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
     assert rows[31]["discarded_s"] > 0 and all(rows[s]["discarded_s"] == 0 for s in rows if s != 31)
+
+
+def test_a_skipped_batchs_rows_are_left_out_when_they_come_round_again(tiny_dataset, tmp_path):
+    """Two epochs over a corpus with one batch of noise: the guard judges and skips it once; in the
+    epoch after, its rows are passed over unjudged (`samples_quarantined`), which a run stopped and
+    resumed in between does too. Without the quarantine the guard judges the noise again."""
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 31))
+    order = Datasets.load(tiny_config(data).data, None).open_split("train", tiny_config(data).data, None).order
+    steps = 2 * epoch_samples(order) // BATCH
+    common = (f"train.steps={steps}", *GUARD, *CONSTANT_LR, "train.audit_samples=true")
+    run = str(tmp_path / "run")
+    train_local(tiny_config(data, *common), run)
+    (skipped,) = _events(run, "batch_skipped")
+    assert skipped["step"] == 30 and skipped["samples"] == [30 * BATCH, 31 * BATCH]
+    rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}
+    assert sorted(rows) == list(range(1, steps + 1))
+    poison = {locate(order, g) for g in range(30 * BATCH, 31 * BATCH)}
+    end = rows[steps]["position"]
+    again = [g for g in range(31 * BATCH, end) if locate(order, g) in poison]
+    assert len(again) == BATCH  # the second epoch holds them all
+    passed = [g for e in _events(run, "samples_quarantined") for start, stop in e["samples"] for g in range(start, stop)]
+    assert passed == again
+    trained = [g for r in rows.values() for g in r["samples"]]
+    assert not poison & {locate(order, g) for g in trained} and len(trained) == len(set(trained)) == steps * BATCH
+    assert set(trained) == set(range(end)) - set(range(30 * BATCH, 31 * BATCH)) - set(again)
+    assert rows[steps]["skipped_samples"] == 2 * BATCH
+    # Stopped after the skip and resumed before the rows come round: the checkpoint carries them.
+    resumed = str(tmp_path / "resumed")
+    train_local(tiny_config(data, *common, "checkpoint.every_steps=40", "train.stop_at_step=40"), resumed)
+    train_local(tiny_config(data, *common, "checkpoint.every_steps=40"), resumed)
+    assert [e["step"] for e in _events(resumed, "batch_skipped")] == [30]
+    assert [e["samples"] for e in _events(resumed, "samples_quarantined")] == \
+        [e["samples"] for e in _events(run, "samples_quarantined")]
+    assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
+    # Without it, the noise is judged (and skipped) again when it comes round.
+    unquarantined = str(tmp_path / "unquarantined")
+    past = max(step for step, r in rows.items() if r["position"] <= again[-1]) + 2
+    train_local(tiny_config(data, *common, "guard.quarantine=false", f"train.stop_at_step={past}"), unquarantined)
+    assert len(_events(unquarantined, "batch_skipped")) > 1 and _events(unquarantined, "samples_quarantined") == []
 
 
 def test_noise_met_before_the_first_check_is_skipped(tiny_dataset, tmp_path):
