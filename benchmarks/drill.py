@@ -58,6 +58,7 @@ from raylm.data.stream import Datasets
 from raylm.data.tokenizer import load_tokenizer
 from raylm.model.sizes import count_params
 from raylm.parallel.planner.plan import model_from_arg
+from raylm.report import split_step_time
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.interval import project
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
@@ -316,8 +317,7 @@ def goodput(rows: list[dict], events: list[dict], wall_start: float, wall_end: f
     a restart (their rows were dropped at the resume; timed at the median step). The rest: process
     start, restarts and resizes, evaluation and data waits."""
     counted = final_rows(rows)
-    guard_checks = sum(r.get("guard_s", 0.0) for r in counted.values())
-    useful = sum(r["step_time"] - r["data_wait"] for r in counted.values()) - guard_checks
+    useful, guard_checks, _ = split_step_time(list(counted.values()))
     kept = {id(r) for r in counted.values()}
     replays = sum(r["step_time"] for r in rows if id(r) not in kept) + sum(r.get("discarded_s", 0.0) for r in rows)
     checkpoint_s = sum(r.get("checkpoint_s", 0.0) for r in rows)

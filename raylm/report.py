@@ -95,10 +95,20 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
     return run
 
 
+def split_step_time(rows: list[dict]) -> tuple[float, float, float]:
+    """The committed steps' time as (compute, the guard's own work in them, their wait for data):
+    compute is goodput's numerator, here and in benchmarks/drill.py."""
+    guard = sum(r.get("guard_s", 0.0) for r in rows)
+    waits = sum(r.get("data_wait", 0.0) for r in rows)
+    return sum(r["step_time"] for r in rows if "step_time" in r) - guard - waits, guard, waits
+
+
 def summarize(run: RunRecord) -> dict:
     """Final losses, tokens, time; time lost to failures; goodput.
 
-    Productive time is the step time of the committed steps. Time lost to a failure (or a
+    Productive time is the compute of the committed steps (their step time less the guard's work
+    and the wait for data in them); the guard's time is its work in them and the steps it
+    discarded (skipped batches, rollbacks: `discarded_s`). Time lost to a failure (or a
     preemption) is the gap from it to the resume that followed it, plus the steps trained again (the resume's
     `steps_lost`, at the median step time); a guard rollback loses the steps it trains again.
     Wall time comes from timestamps (metrics rows' `time`, when the loop writes it, and events);
@@ -106,7 +116,7 @@ def summarize(run: RunRecord) -> dict:
     """
     rows, events = run.rows, run.events
     step_times = [r["step_time"] for r in rows if "step_time" in r]
-    productive = sum(step_times)
+    productive, guard_s, data_waits = split_step_time(rows)
     median_step = statistics.median(step_times) if step_times else 0.0
     stalls = sum(r.get("checkpoint_s", 0.0) for r in rows)
     lost, failure_time = 0.0, None
@@ -142,6 +152,8 @@ def summarize(run: RunRecord) -> dict:
         "LR cuts": sum(e.get("event") == "lr_cut" for e in events)
         + sum(e.get("lr_cut", not e.get("skipped")) for e in rollbacks),
         "productive time (s)": productive,
+        "guard (s)": guard_s + sum(r.get("discarded_s", 0.0) for r in rows),
+        "data waits (s)": data_waits,
         "checkpoint stalls (s)": stalls,
         "time lost to failures (s)": lost,
         "time lost to rollbacks (s)": lost_to_rollbacks,
