@@ -175,18 +175,22 @@ class SampleOrder:
         return block * self.block_counts[dataset] + int(np.count_nonzero(owner[:pos] == dataset))
 
 
+def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
+    """Sample ranges, sorted, overlapping and touching ones joined."""
+    out: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
 def batch_indices(position: int, count: int, skip: list[list[int]]) -> tuple[list[int], int]:
     """The next `count` global indices at or after `position` outside the skip ranges, and
     the position after them."""
-    starts, ends = [], []
-    for start, end in sorted(skip):  # joined where they meet or overlap: one jump clears each
-        if start >= end:
-            continue
-        if ends and start <= ends[-1]:
-            ends[-1] = max(ends[-1], end)
-        else:
-            starts.append(start)
-            ends.append(end)
+    merged = merge_ranges(skip)  # one jump clears each
+    starts, ends = [start for start, _ in merged], [end for _, end in merged]
     out: list[int] = []
     g = position
     while len(out) < count:

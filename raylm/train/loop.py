@@ -248,7 +248,6 @@ class Trainer:
         """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back or
         skipped the batch."""
         cfg, state, step = self.cfg, self.state, batch.step
-        skip_before = list(state.skip)
         for hook in self.hooks:
             hook.on_step_begin(self.run, step)
         self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
@@ -268,12 +267,15 @@ class Trainer:
         if verdict == "ok":
             self.optimizer.step()
         elif verdict in ("suspect", "nonfinite"):
+            # The batch's samples, for a quarantine, before a skip joins its span to the skip ranges.
+            indices = self._global_indices(batch) if self.quarantine is not None else []
             verdict = self._probe(batch, verdict, loss)
         if verdict == "rollback":
             return self._roll_back(step, batch.next_position)
         if verdict == "skipped":  # the step is trained on the batches after it: as if data.skip held it
             if self.quarantine is not None:
-                self._quarantine_rows(batch, skip_before)
+                self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
+                                    [*cfg.data.skip, *state.skip])
             return self._abandon(step)
         self.optimizer.zero_grad(set_to_none=True)
         state.step = step + 1
@@ -341,13 +343,9 @@ class Trainer:
         self.guard.roll_back(step, self.state, consumed_until, self.lr)
         self.checkpointer.abandon_after(self.state.step)
 
-    def _quarantine_rows(self, batch: Batch, skip_before: list[list[int]]) -> None:
-        """The skipped batch's rows, as the stream gave them, are left out of the epochs after."""
-        state, cfg = self.state, self.cfg
-        indices = batch_indices(state.position, batch.global_batch,
-                                [*cfg.data.skip, *skip_before, *self.quarantine.ranges()])[0]
-        self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
-                            [*cfg.data.skip, *state.skip])
+    def _global_indices(self, batch: Batch) -> list[int]:
+        """Every rank's samples of `batch` (this rank holds its share only)."""
+        return batch_indices(self.state.position, batch.global_batch, self._skip())[0]
 
     def _abandon(self, step: int) -> None:
         """The step ends without metrics; the batches go on from the run's state (and skip ranges)."""

@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 
 from raylm.config import Config
 from raylm.data import storage
+from raylm.data.order import merge_ranges
 from raylm.parallel.world import World
 from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
@@ -500,15 +501,6 @@ def skipped_samples(state: TrainState) -> int:
     return sum(end - start for start, end in state.skip)
 
 
-def merge_ranges(ranges: list[list[int]]) -> list[list[int]]:
-    """Sample ranges, sorted, overlapping ones joined."""
-    out: list[list[int]] = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return out
 
 
 def _sigmas(value: float, history: deque) -> float:

@@ -17,9 +17,8 @@ from typing import Optional
 
 import numpy as np
 
-from raylm.data.order import SampleOrder
+from raylm.data.order import SampleOrder, merge_ranges
 from raylm.train.observe.records import append_event
-from raylm.train.resilience.guard import merge_ranges
 from raylm.train.state import TrainState
 
 
@@ -86,7 +85,7 @@ class Quarantine:
     def pass_over(self, state: TrainState, step: int, to: int) -> None:
         """The run moves from its position to `to`: the quarantined positions between that its skip
         ranges do not yet hold join them, with an event."""
-        ahead = self.positions[(self.positions >= state.position) & (self.positions < to)]
+        ahead = self.positions[np.searchsorted(self.positions, state.position):np.searchsorted(self.positions, to)]
         if not len(ahead):
             return
         held = np.zeros(len(ahead), dtype=bool)
