@@ -48,7 +48,7 @@ def test_ranks_take_the_same_timed_decisions_at_ticks_not_every_step():
 
 class SlowSteps(Hook):
     def on_step_end(self, run, step, metrics):
-        time.sleep(0.02)
+        time.sleep(0.07)
 
 
 def _train(dataset: str, run_dir: str, *extra: str) -> None:
@@ -57,7 +57,9 @@ def _train(dataset: str, run_dir: str, *extra: str) -> None:
 
 def test_checkpoints_by_the_minute_are_saved_on_every_rank_at_the_same_step(tiny_dataset, tmp_path):
     run = str(tmp_path / "run")
-    # 60 steps of at least 20 ms: a save every 0.3 s is 3 or more before the last step's.
+    # 60 steps of at least 70 ms, over 4 s: the ranks agree at ticks about a second apart (the
+    # clock's TICK_S), and a save every 0.3 s is due at each, so 3 or more come before the last
+    # step's. (At 20 ms a step a fast machine finished in under 3 s, with 2 ticks to save at.)
     run_distributed(_train, 2, tiny_dataset, run, "train.steps=60", "checkpoint.every_steps=0",
                     "checkpoint.every_minutes=0.005", "train.eval_every=0")
     saved = sorted(int(d.split("_")[1]) for d in os.listdir(run) if d.startswith("checkpoint_"))
