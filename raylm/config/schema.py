@@ -75,10 +75,10 @@ class DataConfig:
     chunk_rows: int = 64
     """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
     loader: Literal["auto", "ray", "local"] = "auto"
-    """`ray` streams rows through Ray Data: one reader actor per rank (on the rank's node when it
-    has room) prefetches in the background; `local` reads with pyarrow on a thread of the
+    """`ray` reads rows in one reader actor per rank (on the rank's node when it has room), a
+    few spans of steps ahead; `local` reads with pyarrow on a thread of the
     training process. auto: `ray` on a joined cluster, `local` on a Ray that raylm starts on this
-    machine (Ray Data's actors would cost a one-machine run seconds of start-up and buy nothing)
+    machine (a reader actor would cost a one-machine run seconds of start-up and buy nothing)
     and in runs without Ray."""
     verify: bool = True
     """Check every shard's checksum and row count on the driver before training starts

@@ -226,7 +226,7 @@ class Trainer:
         """Whether the batches in flight are those a stream restarted from the run's state would
         give, one step behind their labels: after a skipped batch, at a constant batch size, when
         the skip ranges added since the stream began all end where the batch ends. A restart
-        costs seconds on Ray Data (a new reader), and a poisoned window skips batch after batch."""
+        costs seconds with the ray loader (a new reader actor), and a poisoned window skips batch after batch."""
         state, schedule = self.state, self.spec.batch_schedule
         if state.step != batch.step or schedule.start is not None and \
                 state.tokens_seen // self.spec.seq_len < schedule.ramp_samples:

@@ -68,11 +68,11 @@ def test_a_run_whose_data_never_arrives_fails_within_the_limit_naming_the_wait(
     assert message == watchdog.reason
     assert "rank 0: no training step" in message and "waiting for the first batch (step 0)" in message
     assert "past the limit of 5 s (start-up allowance, run.watchdog_startup_s)" in message
-    # Where the training thread waited (Ray Data's iterator), and the cluster's state.
+    # Where the training thread waited (for its reader actor), and the cluster's state.
     where = message.split("Training thread at:")[1]
-    assert "(ray.data." in where and "_ray_batches (raylm.data.stream:" in where
+    assert "_wait (raylm.data.stream:" in where and "_ray_batches (raylm.data.stream:" in where
     assert "CPUs used per node: 127.0.0.1" in message
-    # The thread wakes each second; Ray Data's wait takes the exception within 0.5 s.
+    # The thread wakes each second; the wait for the reader takes the exception within 0.5 s.
     assert 5 <= waited < 5 + 2 + 5  # + a slow cluster query
 
 
