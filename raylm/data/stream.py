@@ -310,7 +310,7 @@ def _wait(ref) -> dict:
     import ray
 
     while True:
-        ready, _ = ray.wait([ref], timeout=0.5, fetch_local=True)
+        ready, _ = ray.wait([ref], timeout=0.5)
         if ready:
             return ray.get(ready[0])
 
