@@ -329,8 +329,11 @@ def test_repeated_trouble_stops_the_run_and_a_resume_needs_changed_settings(tiny
     assert final["step"] == 6 and not os.path.exists(os.path.join(run, "guard_stopped.json"))
 
 
-# At LR 0.3 the tiny model trains at the unigram level and stays there, at half of it too; at a
-# quarter of it, it learns.
+# At LR 0.3 the tiny model trains at the unigram level and stays there (every seed tried); at a
+# tenth of it, it learns (every seed: to 0.36-0.53 of the unigram loss). Between the two lies a
+# coin toss that floating point decides: at 0.15 and 0.075 the same run stalls on one CPU and
+# learns on another, so the tests scale the LR past that band (guard.lr_factor=0.1) or stay
+# above it (0.9).
 STALLING = ("optim.lr=0.3", "schedule.min_lr=0.03", "schedule.warmup_steps=5", "guard.window=20",
             "guard.min_history=10", "guard.snapshot_every=10", "train.eval_every=0", "train.tensorboard=false")
 
@@ -338,34 +341,45 @@ STALLING = ("optim.lr=0.3", "schedule.min_lr=0.03", "schedule.warmup_steps=5", "
 def test_a_run_stalled_at_the_unigram_level_restarts_at_a_scaled_lr_and_skips_nothing(tiny_dataset, tmp_path):
     """OPT's restarts at a lower LR, with no human: a run whose training loss sits at the loss of
     token frequencies alone past its warmup goes back to its start (it never learned anything to
-    keep) with its whole schedule scaled by guard.lr_factor, as often as it takes."""
+    keep) with its whole schedule scaled by guard.lr_factor."""
     run = str(tmp_path / "run")
-    common = ("train.steps=100", *STALLING, "checkpoint.every_steps=20")
+    common = ("train.steps=100", *STALLING, "checkpoint.every_steps=20", "guard.lr_factor=0.1")
     train_local(tiny_config(tiny_dataset, *common), run)
-    stalls = _events(run, "rollback")
-    assert [e["reason"] for e in stalls] == ["stalled at the unigram level"] * 2
-    assert [(e["to_step"], e["lr_scale"], e["skipped"]) for e in stalls] == [(0, 0.5, []), (0, 0.25, [])]
-    for e in stalls:  # the median loss of its last window: near the unigram level
-        assert 0.85 * e["unigram"] < e["recent_loss"] <= 1.1 * e["unigram"] and e["step"] >= 5 + 20
-    # The checkpoints of each abandoned attempt are gone: a restart resumes the attempt that goes on.
-    abandoned = _events(run, "checkpoints_abandoned")
-    assert [e["names"] for e in abandoned] == [[f"checkpoint_{s:08d}" for s in range(20, e["step"] + 1, 20)]
-                                                for e in stalls]
+    (stall,) = _events(run, "rollback")
+    assert stall["reason"] == "stalled at the unigram level"
+    assert (stall["to_step"], stall["lr_scale"], stall["skipped"]) == (0, 0.1, [])
+    # The median loss of its last window: near the unigram level.
+    assert 0.85 * stall["unigram"] < stall["recent_loss"] <= 1.1 * stall["unigram"] and stall["step"] >= 5 + 20
+    # The checkpoints of the abandoned attempt are gone: a restart resumes the attempt that goes on.
+    (abandoned,) = _events(run, "checkpoints_abandoned")
+    assert abandoned["names"] == [f"checkpoint_{s:08d}" for s in range(20, stall["step"] + 1, 20)]
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}  # the last attempt's
     scheduled = lr_at(60, tiny_config(tiny_dataset, *common).schedule, 0.3, 100)
-    assert rows[61]["lr"] == pytest.approx(scheduled * 0.25) and rows[100]["lr_scale"] == 0.25
+    assert rows[61]["lr"] == pytest.approx(scheduled * 0.1) and rows[100]["lr_scale"] == 0.1
     assert rows[100]["skipped_samples"] == 0 and "lr_cap" not in rows[100]
-    assert rows[100]["loss"] < 0.8 * stalls[0]["unigram"]  # at a quarter of the LR it learned
-    # Stopped after the last stall and resumed: its checkpoint carries the scale.
+    assert rows[100]["loss"] < 0.7 * stall["unigram"]  # at a tenth of the LR it learned
+    # Stopped after the stall and resumed: its checkpoint carries the scale.
     resumed = str(tmp_path / "resumed")
     train_local(tiny_config(tiny_dataset, *common, "train.stop_at_step=80"), resumed)
     train_local(tiny_config(tiny_dataset, *common), resumed)
     assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
-    # A schedule that stalls at every scale tried: guard.max_rollbacks stalls end the run.
+
+
+def test_a_run_that_stalls_again_after_its_restart_restarts_again_until_max_rollbacks_stops_it(tiny_dataset,
+                                                                                            tmp_path):
+    """As often as it takes, and no more: scaled by 0.9, the restarted run stalls again (at 0.27),
+    is rolled back again from that attempt's start; with guard.max_rollbacks=1 the second stall
+    ends the run with an error naming the stalls and the scale reached."""
     stopped = str(tmp_path / "stopped")
     with pytest.raises(GuardStopped, match=r"after 1 rollback\(s\) of a run stalled at the unigram level, its LR "
-                                           r"scaled to 0.5"):
-        train_local(tiny_config(tiny_dataset, *common, "guard.max_rollbacks=1"), stopped)
+                                           r"scaled to 0.9 of the schedule"):
+        train_local(tiny_config(tiny_dataset, "train.steps=200", *STALLING, "checkpoint.every_steps=20",
+                                "guard.lr_factor=0.9", "guard.max_rollbacks=1"), stopped)
+    (stall,) = _events(stopped, "rollback")
+    assert (stall["to_step"], stall["lr_scale"], stall["skipped"]) == (0, 0.9, [])
+    rows = read_jsonl(os.path.join(stopped, "metrics.jsonl"))
+    second = [r for r in rows if r.get("lr_scale") == 0.9]  # the restarted attempt, trained to its stall
+    assert second and second[0]["step"] == 1 and second[-1]["step"] >= 5 + 20
 
 
 def test_with_the_guard_off_a_nan_stops_with_the_samples_named(tiny_dataset, tmp_path):
