@@ -48,6 +48,7 @@ from raylm.data.prepare import prepare_dataset
 from raylm.ray_runtime import start_ray
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
+from raylm.train.resilience.guard import STALLED
 
 REPO = Path(__file__).resolve().parents[1]
 NANOGPT = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"
@@ -84,12 +85,14 @@ def run_case(name: str, cfg: Config, run_dir: Path, guard: bool) -> Outcome:
     events = read_jsonl(str(run_dir / "events.jsonl"))
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     steady = [r["step_time"] for r in rows[len(rows) // 10:]] or [0.0]
+    stalls = [e for e in events if e["event"] == "rollback" and e.get("reason") == STALLED]
     return Outcome(name, guard, val[-1] if val and rows[-1]["step"] == cfg.train.steps else None,
                    rows[-1]["step"] if rows else 0, rows[-1].get("skipped_samples", 0) if rows else 0,
                    {k: sum(e["event"] == k for e in events) for k in ACTIONS}, stopped, statistics.fmean(steady),
                    sum(r.get("guard_s", 0.0) for r in rows) / max(sum(r["step_time"] for r in rows), 1e-9),
                    time.monotonic() - started, rows[-1].get("lr_cap") if rows else None,
-                   rows[-1].get("lr_scale", 1.0) if rows else 1.0)
+                   rows[-1].get("lr_scale", 1.0) if rows else 1.0,
+                   {"stalls": len(stalls), "skipped_by_stalls": sum(len(e["skipped"]) for e in stalls)})
 
 
 # ----------------------------------------------------------------------------- data

@@ -31,6 +31,7 @@ def test_the_reduced_guard_panel_leaves_clean_runs_alone_and_saves_troubled_ones
     out = tmp_path / "panel.json"
     done = subprocess.run([sys.executable, "benchmarks/guard_panel.py", "--quick", "--input", str(text),
                            "--workdir", str(tmp_path / "panel"), "--cost-rounds", "0", "--jobs", "2", "--json-out", str(out),
+                           "--high-lr", "0.3",
                            "--cases", "clean, shuffled: nanoGPT;poisoned;too-high"],
                           cwd=REPO, capture_output=True, text=True, timeout=1700,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -43,10 +44,14 @@ def test_the_reduced_guard_panel_leaves_clean_runs_alone_and_saves_troubled_ones
     assert clean["stopped"] is None and clean["skipped_samples"] == 0, clean
     assert clean["val_loss"] <= off["clean, shuffled: nanoGPT"]["val_loss"] * 1.01, (clean, off)
     assert clean["actions"]["rollback"] == 0 and clean["actions"]["lr_cut"] == 0, clean
-    # Stalled at the unigram level: back to its best snapshot with the whole schedule halved, no skip.
+    # Stalled at the unigram level: back to its best snapshot with the whole schedule halved at each
+    # stall, nothing skipped by the stalls. How many stalls it takes (and whether a spike on the way
+    # is judged noise) floating point decides: at 0.1, 100x nanoGPT's LR, this text's run stalls on
+    # one CPU and trains at 80% of the unigram loss on another; at 0.25, 0.3 and 0.35 it stalled
+    # every time on this machine.
     high = on["too-high LR"]
-    assert high["stopped"] is None and high["actions"]["rollback"] >= 1 and high["lr_scale"] == 0.5, high
-    assert high["skipped_samples"] == 0
+    assert high["stopped"] is None and high["extra"]["stalls"] >= 1, high
+    assert high["lr_scale"] == 0.5 ** high["extra"]["stalls"] and high["extra"]["skipped_by_stalls"] == 0, high
     poisoned = on["poisoned window"]
     assert poisoned["stopped"] is None and poisoned["actions"]["batch_skipped"] >= 1, poisoned
     assert poisoned["val_loss"] < off["poisoned window"]["val_loss"], (poisoned, off["poisoned window"])
