@@ -413,6 +413,11 @@ def main() -> None:
     steps = args.steps or (400 if quick else 12000)
     workdir = args.workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    kept = workdir / "runs" / "clean.json"  # the kept reference's arguments and wall time
+    no_reference = (f"drill: no clean reference of this drill under {kept.parent / 'clean'}: run it first with "
+                    "--phase clean (the same --steps and --workdir), or give its recorded --reference-val-loss")
+    if args.phase == "faults" and args.reference_val_loss is None and not kept.exists():
+        sys.exit(no_reference)  # before minutes of preparing data it would not use
     poisoned, clean, poison = prepare(workdir, quick, 20_000 if quick else 300_000, args.seed)
     storage = Storage(workdir / "storage", 256)
     kinds = ["worker_killed", "disk_full", "non_finite_loss", "driver_killed"] if quick else \
@@ -421,14 +426,12 @@ def main() -> None:
         print(f"drill: no tmpfs for the full-disk fault ({storage.why_not}); left out", flush=True)
         kinds.remove("disk_full")
     clean_args = run_args(clean, storage.path, steps, quick, [])
-    kept = workdir / "runs" / "clean.json"  # the kept reference's arguments and wall time
     saved = json.loads(kept.read_text()) if args.phase == "faults" and kept.exists() else None
     if saved is not None and saved["args"] != clean_args:
         saved = None
     if args.phase == "faults" and saved is None and args.reference_val_loss is None:
         storage.close()
-        sys.exit(f"drill: no clean reference of this drill under {kept.parent / 'clean'}: run it first with "
-                 "--phase clean (the same --steps and --workdir), or give its recorded --reference-val-loss")
+        sys.exit(no_reference)
     plan = schedule(steps, kinds, args.seed)
     nan_step = next(step for step, kind in plan if kind == "non_finite_loss")
     checkpoint_every = 25 if quick else 100
