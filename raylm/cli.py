@@ -11,7 +11,7 @@ from typing import Optional
 from raylm.config import ConfigError, StorageConfig, config_to_yaml, load_config
 from raylm.config.describe import describe_fields
 from raylm.data.storage import StorageError
-from raylm.errors import DeterministicError
+from raylm.errors import DeterministicError, RunInterrupted
 from raylm.launch.submit import SubmitError, check_job_config
 from raylm.ray_runtime import in_ray_job
 
@@ -456,6 +456,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
         print(f"raylm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RunInterrupted as e:
+        print(f"raylm: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

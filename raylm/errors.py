@@ -50,6 +50,13 @@ class RunFailedError(DeterministicError):
     failure of each rank."""
 
 
+class RunInterrupted(Exception):
+    """The user stopped the run (Ctrl-C): its workers were aborted, its checkpoints stay, and the
+    same command resumes from the last one. Exit status 130, as a shell gives a SIGINT."""
+
+    exit_code = 130
+
+
 class Preempted(Exception):
     """The cluster is taking nodes of the run back (a spot reclaim, announced by a drain with a
     deadline): every rank stopped at the same step boundary after saving a checkpoint there, so

@@ -12,12 +12,13 @@ from typing import Optional
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
 from raylm.data import storage
-from raylm.errors import RunFailedError
+from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from raylm.train.checkpoint.format import latest_complete
 from raylm.train.lease import RunLease
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
@@ -113,6 +114,13 @@ def _fit(spec: RunSpec, uri: str) -> None:
         trainer.fit()
     except ray.train.WorkerGroupError as e:
         raise run_error(e.worker_failures, cfg.run.max_failures, cfg.run.max_preemptions) from None
+    except SystemExit:
+        # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
+        # wait with SystemExit(1), silently: say what is left and how to go on.
+        last = latest_complete(uri, cfg.storage)
+        raise RunInterrupted(f"interrupted; the last checkpoint is {last}: the same command resumes from it" if last
+                             else f"interrupted before a checkpoint of {uri}: the same command starts it again") \
+            from None
 
 
 def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) -> Exception:

@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -95,3 +98,37 @@ def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
     assert records[1]["pid"] != records[0]["pid"]
     assert [r for r in records if r["torch"]] == []
     assert [r["named_actors"] for r in records[1:]] == [[], []]
+
+
+def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_same_command_resumes(
+        tiny_dataset, tmp_path):
+    """A user's Ctrl-C: Ray Train's handler aborts the workers and Ray ends the driver's wait with
+    a bare exit 1, silently. raylm says where the run stands and exits 130, as a shell does for a
+    SIGINT; the same command goes on from that checkpoint (here told to stop a few steps later)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+               "run.name=ctrl-c", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+               "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
+               "schedule.warmup_steps=1", "checkpoint.every_steps=4", "parallel.num_workers=2",
+               "parallel.cpus_per_worker=1"]
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    run = tmp_path / "ctrl-c"
+    with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoint_00000008").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    named = re.search(r"raylm: interrupted; the last checkpoint is (\S+/checkpoint_(\d{8})): the same command "
+                      r"resumes from it", err)
+    assert named and os.path.isdir(named.group(1)), err[-3000:]
+    saved = int(named.group(2))
+    assert saved >= 8 and saved % 4 == 0
+    again = subprocess.run([*command, f"train.stop_at_step={saved + 4}"], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"raylm: resuming from {named.group(1)}" in again.stdout
+    assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
