@@ -17,9 +17,9 @@ from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
-from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.checkpoint.format import latest_complete
 from raylm.train.lease import RunLease
+from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
