@@ -118,9 +118,9 @@ def _fit(spec: RunSpec, uri: str) -> None:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
         # wait with SystemExit(1), silently: say what is left and how to go on.
         last = latest_complete(uri, cfg.storage)
-        raise RunInterrupted(f"interrupted; the last checkpoint is {last}: the same command resumes from it" if last
-                             else f"interrupted before a checkpoint of {uri}: the same command starts it again") \
-            from None
+        where = f"; the last checkpoint is {last}: the same command resumes from it" if last else \
+            f" before a checkpoint of {uri}: the same command starts it again"
+        raise RunInterrupted(f"interrupted{where}") from None
 
 
 def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) -> Exception:

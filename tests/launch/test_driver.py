@@ -15,6 +15,8 @@ from raylm.launch.driver import launch
 
 pytestmark = pytest.mark.slow
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def ray_config(dataset, storage, *extra):
     return load_config(None, [
@@ -82,15 +84,14 @@ def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
     Checked in a real run of the CLI, as a user starts it, by a callback that Ray Train runs in the
     driver and in its controller."""
     probe = tmp_path / "probe.jsonl"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.run_probe.RunProbe",
-           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": root, "RAY_ADDRESS": ""}
+           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": REPO, "RAY_ADDRESS": ""}
     out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
                           f"run.storage_path={tmp_path}", "run.name=probe", "model.d_model=32", "model.n_layers=1",
                           "model.n_heads=2", "model.max_seq_len=32", "train.steps=2", "train.global_batch_size=4",
                           "train.micro_batch_size=2", "train.eval_every=0", "schedule.warmup_steps=1",
                           "checkpoint.every_steps=2", "parallel.num_workers=2", "parallel.cpus_per_worker=1"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "done: step 2" in out.stdout
     records = [json.loads(line) for line in probe.read_text().splitlines()]
@@ -105,7 +106,6 @@ def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_
     """A user's Ctrl-C: Ray Train's handler aborts the workers and Ray ends the driver's wait with
     a bare exit 1, silently. raylm says where the run stands and exits 130, as a shell does for a
     SIGINT; the same command goes on from that checkpoint (here told to stop a few steps later)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     command = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
                "run.name=ctrl-c", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
                "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
@@ -113,7 +113,7 @@ def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_
                "parallel.cpus_per_worker=1"]
     env = {**os.environ, "RAY_ADDRESS": ""}
     run = tmp_path / "ctrl-c"
-    with subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True) as proc:
         deadline = time.monotonic() + 300
         while not (run / "checkpoint_00000008").exists():
@@ -127,7 +127,7 @@ def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_
     assert named and os.path.isdir(named.group(1)), err[-3000:]
     saved = int(named.group(2))
     assert saved >= 8 and saved % 4 == 0
-    again = subprocess.run([*command, f"train.stop_at_step={saved + 4}"], cwd=root, env=env, capture_output=True,
+    again = subprocess.run([*command, f"train.stop_at_step={saved + 4}"], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"raylm: resuming from {named.group(1)}" in again.stdout
