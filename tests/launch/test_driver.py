@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from raylm.launch.driver import launch
 
 pytestmark = pytest.mark.slow
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def ray_config(dataset, storage, *extra):
@@ -85,7 +86,7 @@ def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
     driver and in its controller."""
     probe = tmp_path / "probe.jsonl"
     env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.run_probe.RunProbe",
-           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": REPO, "RAY_ADDRESS": ""}
+           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
     out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
                           f"run.storage_path={tmp_path}", "run.name=probe", "model.d_model=32", "model.n_layers=1",
                           "model.n_heads=2", "model.max_seq_len=32", "train.steps=2", "train.global_batch_size=4",
