@@ -6,6 +6,7 @@ the ones the guard skipped, which are recorded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -49,3 +50,26 @@ def test_the_quick_drill_needs_no_human_and_loses_no_sample(tmp_path):
     for key in ("human_actions", "val_loss", "clean_val_loss", "goodput", "samples_once", "skipped_samples", "faults",
                 "run_dir", "clean_run_dir"):
         assert key in report
+
+
+def test_rounds_strike_each_fault_again_in_order_and_every_injected_nan_is_reported(monkeypatch):
+    """`--rounds 2`: the issue's fault every ~10 minutes on the full drill. Each kind comes twice,
+    in the order of one round (a node returns after it was lost, before the next loss), all in the
+    run's middle 80%; each injected non-finite loss is a fault of the report (the guard's rerun)."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # as the script runs: its helpers beside it
+    spec = importlib.util.spec_from_file_location("drill", REPO / "benchmarks" / "drill.py")
+    drill = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "drill", drill)  # its dataclasses look their module up
+    spec.loader.exec_module(drill)
+    kinds = ["worker_killed", "node_lost", "node_returned", "disk_full", "non_finite_loss", "driver_killed"]
+    plan = drill.schedule(12000, kinds * 2, seed=0)
+    steps = [step for step, _ in plan]
+    assert [kind for _, kind in plan] == kinds * 2
+    assert steps == sorted(set(steps)) and 1200 <= steps[0] and steps[-1] <= 10800
+    # Step 4000 met again by the processes of a restart from an earlier checkpoint: one fault.
+    events = [{"event": "rerun", "step": 4000, "time": 100.0}, {"event": "resumed", "time": 150.0},
+              {"event": "rerun", "step": 4000, "time": 170.0}, {"event": "rerun", "step": 9000, "time": 200.0}]
+    rows = [{"step": 4000, "time": 101.5}, {"step": 4000, "time": 171.0}, {"step": 9000, "time": 200.25}]
+    faults = drill.nan_faults(events, rows)
+    assert [(f.kind, f.at_step, f.next_good_step_s, f.detail) for f in faults] == \
+        [("non_finite_loss", 4000, 1.5, {"reruns": 2}), ("non_finite_loss", 9000, 0.25, {"reruns": 1})]
