@@ -85,7 +85,8 @@ class TrialConfig:
     gpus: float = 0.0
     """GPUs per trial (0: train on CPU); with GPUs, concurrency is the cluster's GPUs / this."""
     check_cpus: Optional[float] = None
-    """CPUs of the held-out trial (it runs alone); None: all of the cluster's CPUs."""
+    """CPUs of each held-out trial (the check's learning rates run as many at once as the cluster
+    holds); None: all of the cluster's CPUs, one trial at a time."""
     evals: int = 8
     """Validation-loss reports per trial (the points at which ASHA may stop it)."""
     max_failures: int = 2

@@ -258,16 +258,20 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
     print(f"raylm: check: {rung.size.params:,} parameters x {check['tokens']:,} tokens, predicted val loss "
           f"{check['predicted_loss']:.4f} {check['interval']} ({check['predictor']}), training it at lr "
           f"{check['lr']:.3g} and x 2^-1/2, x 2^1/2", flush=True)
-    resources = {"CPU": cpus, "GPU": plan.sweep.trial.gpus}
+    trial = plan.sweep.trial
+    resources = {"CPU": cpus, "GPU": trial.gpus}
+    # As many at once as the cluster holds: one at a time when each takes every CPU (the default).
+    concurrency = min(_cluster_share(cpus, "CPU"), _cluster_share(trial.gpus, "GPU") if trial.gpus else math.inf,
+                      trial.max_concurrent or math.inf)
     lrs = [check["lr"] * factor for factor in LR_PICK_FACTORS]
     trials = dataclasses.replace(trials, threads=_threads(cpus))
-    grid = _run_phase(plan, "tune-check", trials, resources,
+    grid = _run_phase(plan, "tune-check", trials, resources, concurrency=int(concurrency),
                       param_space={"rung": rung.name, "lr": _grid_search(lrs), "batch": check["batch"]})
     rows = _rows(plan, grid, "check", expected=len(lrs))
     others = [b for b in plan.batches if b != check["batch"]]
     if others:  # batch sizes were swept: the batch picked is checked against them, at the picked rate
         print(f"raylm: check: batch {check['batch']} against {others} at lr {check['lr']:.3g}", flush=True)
-        grid = _run_phase(plan, "tune-check-batch", trials, resources,
+        grid = _run_phase(plan, "tune-check-batch", trials, resources, concurrency=int(concurrency),
                           param_space={"rung": rung.name, "lr": check["lr"], "batch": _grid_search(others)})
         rows += _rows(plan, grid, "check-batch", expected=len(others))
     return check, rows
