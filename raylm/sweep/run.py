@@ -121,12 +121,12 @@ def _threads(cpus: float) -> int:
     return max(1, int(cpus))
 
 
-def _cluster_share(per_trial: float, kind: str) -> int:
+def _cluster_share(per_trial: float, kind: str, field: str = "") -> int:
     import ray
 
     total = ray.cluster_resources().get(kind, 0.0)
     if per_trial > total:
-        raise ConfigError(f"trial.{kind.lower()}s={per_trial} but the Ray cluster has {total:g} {kind}s")
+        raise ConfigError(f"{field or f'trial.{kind.lower()}s'}={per_trial} but the Ray cluster has {total:g} {kind}s")
     return int(total // per_trial)
 
 
@@ -261,7 +261,8 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
     trial = plan.sweep.trial
     resources = {"CPU": cpus, "GPU": trial.gpus}
     # As many at once as the cluster holds: one at a time when each takes every CPU (the default).
-    concurrency = min(_cluster_share(cpus, "CPU"), _cluster_share(trial.gpus, "GPU") if trial.gpus else math.inf,
+    concurrency = min(_cluster_share(cpus, "CPU", "trial.check_cpus"),
+                      _cluster_share(trial.gpus, "GPU") if trial.gpus else math.inf,
                       trial.max_concurrent or math.inf)
     lrs = [check["lr"] * factor for factor in LR_PICK_FACTORS]
     trials = dataclasses.replace(trials, threads=_threads(cpus))
@@ -362,6 +363,8 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     start_ray(base.run.ray_address, base.run.ray_num_cpus, max(1, int(sweep.trial.cpus)), dashboard=base.run.dashboard)
     kind, per_trial = ("GPU", sweep.trial.gpus) if sweep.trial.gpus > 0 else ("CPU", sweep.trial.cpus)
     concurrency = min(_cluster_share(per_trial, kind), sweep.trial.max_concurrent or math.inf)
+    if sweep.check and sweep.trial.check_cpus:  # now, not after the ladder's hours
+        _cluster_share(sweep.trial.check_cpus, "CPU", "trial.check_cpus")
     trials = TrialPlan(sweep, plan.spec.to_dict(), {r.name: r for r in plan.rungs},
                        os.path.join(plan.directory, "trials"), _threads(sweep.trial.cpus), sweep.trial.gpus > 0)
     seq_len = plan.resolved.train.seq_len

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from raylm.config import load_config
+from raylm.errors import ConfigError
 from raylm.sweep.run import run_sweep
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -135,6 +136,13 @@ def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_d
                            env=ENV, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "done: step 3" in train.stdout
+
+
+def test_held_out_trials_larger_than_the_cluster_are_refused_before_the_ladder(ray_session, tiny_dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"trial.check_cpus=64.0 but the Ray cluster has \d+ CPUs"):
+        run_sweep(TINY_SWEEP, [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=too-big",
+                               "sweep.trial.check_cpus=64"])
+    assert not (tmp_path / "too-big" / "trials").exists()
 
 
 @pytest.mark.slow
