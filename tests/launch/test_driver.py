@@ -77,31 +77,6 @@ def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_datase
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
 
 
-def test_a_local_run_starts_only_what_it_needs(tiny_dataset, tmp_path):
-    """On a 2-core machine every process and import before the first step delays it. Only the
-    training workers need torch (each import of it elsewhere was 2 s), and a fixed-size run on a Ray
-    it started has no autoscaler for Ray's autoscaling coordinator to talk to (the coordinator was a
-    process importing Ray Data at start-up, 2.5 s of CPU, and waking 100 times a second all run).
-    Checked in a real run of the CLI, as a user starts it, by a callback that Ray Train runs in the
-    driver and in its controller."""
-    probe = tmp_path / "probe.jsonl"
-    env = {**os.environ, "RAY_TRAIN_CALLBACKS": "tests.support.run_probe.RunProbe",
-           "RAYLM_RUN_PROBE": str(probe), "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    out = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
-                          f"run.storage_path={tmp_path}", "run.name=probe", "model.d_model=32", "model.n_layers=1",
-                          "model.n_heads=2", "model.max_seq_len=32", "train.steps=2", "train.global_batch_size=4",
-                          "train.micro_batch_size=2", "train.eval_every=0", "schedule.warmup_steps=1",
-                          "checkpoint.every_steps=2", "parallel.num_workers=2", "parallel.cpus_per_worker=1"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "done: step 2" in out.stdout
-    records = [json.loads(line) for line in probe.read_text().splitlines()]
-    assert [r["where"] for r in records] == ["driver", "controller, workers started", "controller, run finished"]
-    assert records[1]["pid"] != records[0]["pid"]
-    assert [r for r in records if r["torch"]] == []
-    assert [r["named_actors"] for r in records[1:]] == [[], []]
-
-
 def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_same_command_resumes(
         tiny_dataset, tmp_path):
     """A user's Ctrl-C: Ray Train's handler aborts the workers and Ray ends the driver's wait with
