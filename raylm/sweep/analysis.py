@@ -120,6 +120,11 @@ def cross_validate(bests: list[dict], sweep: SweepConfig) -> dict[str, dict]:
             out[name] = {"error": str(e)}
             continue
         errors = [float((predictor.fit.loss(b["params"], b["tokens"]) - b["loss"]) / b["loss"]) for b in left_out]
+        if not all(map(math.isfinite, errors)):  # NaN would win or lose every comparison at random
+            constants = ", ".join(f"{k} {v:.3g}" for k, v in predictor.fit.to_dict().items())
+            out[name] = {"error": f"fitted without the largest size it is degenerate ({constants}): its "
+                                  "prediction of that size is not a number"}
+            continue
         out[name] = {"left_out_params": largest, "relative_errors": errors,
                      "mean_abs_error": float(np.mean(np.abs(errors)))}
     return out

@@ -105,6 +105,23 @@ def test_the_predictor_is_chosen_by_predicting_the_largest_fitted_size_from_the_
     assert lo < hi
 
 
+def test_a_fit_degenerate_without_the_largest_size_is_not_chosen():
+    """configs/sweep-cpu.yaml's ladder on Debian changelogs (2026-11-28): fitted on the two smaller
+    sizes, the Chinchilla form put alpha at 76 and A past float range, and predicted NaN; a NaN
+    cross-validated error once won the choice."""
+    measured = [(53536, 267264, 2.7809879779815674), (53536, 535552, 2.5637550354003906),
+                (53536, 1071104, 2.3548150062561035), (111024, 555008, 2.394263744354248),
+                (111024, 1110016, 2.2584259510040283), (111024, 2220032, 1.996204560558148),
+                (201280, 1006592, 2.3322267532348633), (201280, 2013184, 2.035759687423706),
+                (201280, 4025344, 1.727341082199235)]  # fit.json's rung losses, whole: rounded, the fit is another
+    bests = [{"params": n, "tokens": d, "loss": loss} for n, d, loss in measured]
+    validation = analysis.cross_validate(bests, SweepConfig())
+    assert "degenerate" in validation[analysis.CHINCHILLA]["error"] and "A inf" in validation[analysis.CHINCHILLA]["error"]
+    assert math.isfinite(validation[analysis.LOCAL]["mean_abs_error"])
+    chosen, why = analysis.choose_predictor(validation)
+    assert chosen == analysis.LOCAL and "chinchilla could not be checked" in why
+
+
 def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_floor():
     from raylm.sweep.run import measure_check, noise_floor
 
