@@ -62,8 +62,10 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 # Ray's default, and the node never came back.
 # RAY_TRAIN_ENABLE_PREEMPTION_WATCHER: these nodes can be drained (`ray drain-node`, a spot
 # reclaim's notice), which only the watcher that one machine's Ray goes without passes on to a run.
+# RAY_JOB_STOP_WAIT_TIME_S: `ray job stop` SIGKILLs a driver still alive 3 s after its SIGTERM; a
+# raylm driver takes about that long to abort its workers and say where the run stands.
 BASE_ENV = {**LOCAL_RAY_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20", "RAY_agent_register_timeout_ms": "300000",
-            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+            "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
 NODE_MARKER = "RAYLM_LOCAL_CLUSTER_NODE"  # value: the node's temp dir, unique per node
 _PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")

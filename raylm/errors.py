@@ -51,10 +51,13 @@ class RunFailedError(DeterministicError):
 
 
 class RunInterrupted(Exception):
-    """The user stopped the run (Ctrl-C): its workers were aborted, its checkpoints stay, and the
-    same command resumes from the last one. Exit status 130, as a shell gives a SIGINT."""
+    """The user stopped the run (Ctrl-C, or a SIGTERM from `ray job stop`, Kubernetes or Slurm):
+    its workers were aborted, its checkpoints stay, and the same command resumes from the last one.
+    Exit status 128 + the signal's number, as a shell gives: 130 for SIGINT, 143 for SIGTERM."""
 
-    exit_code = 130
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class Preempted(Exception):

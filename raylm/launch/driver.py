@@ -6,9 +6,12 @@ hands it, need none, and on a small machine each import of it is seconds before 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Optional
+import signal
+import threading
+from typing import Iterator, Optional
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
 from raylm.data import storage
@@ -110,17 +113,49 @@ def _fit(spec: RunSpec, uri: str) -> None:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
+    terminated = threading.Event()
     try:
-        trainer.fit()
+        with _sigterm_as_ctrl_c(terminated):
+            trainer.fit()
     except ray.train.WorkerGroupError as e:
         raise run_error(e.worker_failures, cfg.run.max_failures, cfg.run.max_preemptions) from None
-    except SystemExit:
+    except (SystemExit, KeyboardInterrupt):
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
-        # wait with SystemExit(1), silently: say what is left and how to go on.
+        # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler): say
+        # what is left and how to go on.
         last = latest_complete(uri, cfg.storage)
         where = f"; the last checkpoint is {last}: the same command resumes from it" if last else \
             f" before a checkpoint of {uri}: the same command starts it again"
+        if terminated.is_set():
+            raise RunInterrupted(f"stopped by SIGTERM{where}", 128 + signal.SIGTERM) from None
         raise RunInterrupted(f"interrupted{where}") from None
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
+    """`ray job stop`, Kubernetes and Slurm end a driver with SIGTERM. By Python's default the
+    driver died on the spot and its workers, aborted only once Ray noticed, went on stepping and
+    writing checkpoints for seconds after the job read STOPPED. Handled as Ctrl-C, Ray Train
+    aborts the worker group before the driver exits. Ray Train registers its SIGINT handler inside
+    `fit`, so the handler is looked up when the signal comes; only the main thread can set one
+    (a trial under Tune runs elsewhere and is stopped by Tune)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def as_ctrl_c(signum: int, frame: object) -> None:
+        received.set()
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:  # SIGINT ignored: stop as Python's default SIGTERM would, with the message
+            raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) -> Exception:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -38,9 +39,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
 RAYLM = [sys.executable, "-m", "raylm.cli"]
-# The stopped run is stopped at its first checkpoint: the steps after it leave time for the stop
-# to land before the run could end (workers outlive their stopped driver by a few seconds).
-STEPS, CHECKPOINT_EVERY = 30, 3
+# The stopped run is stopped at its first checkpoint: the 140 steps after it (8 s on 2 cores) leave
+# the stop time to land before the run could end: its driver takes about 3 s to abort the workers.
+STEPS, CHECKPOINT_EVERY = 150, 10
 SAME_WORLD_RTOL = 1e-6  # the same world size repeats the same arithmetic: fp32 noise only
 
 
@@ -215,6 +216,13 @@ def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run
     assert wait_for_status(jobs, "raylm-stopped-1") == "STOPPED"
     stopped_at = read_jsonl(str(run_dir / "metrics.jsonl"))[-1]["step"]
     assert stopped_at < STEPS, "the job finished before it was stopped: nothing left to resume"
+    # The driver took the stop's SIGTERM as Ctrl-C: its workers were aborted before it exited, so
+    # none steps on after the job reads STOPPED, and the logs say where the run stands.
+    logs = jobs.get_job_logs("raylm-stopped-1")
+    said = rf"raylm: stopped by SIGTERM; the last checkpoint is {re.escape(str(run_dir))}/checkpoint_\d{{8}}: "
+    assert re.search(said + "the same command resumes from it", logs), logs[-3000:]
+    time.sleep(2)
+    assert read_jsonl(str(run_dir / "metrics.jsonl"))[-1]["step"] == stopped_at
 
     # The same submission again: the next attempt's id, the same run directory.
     resumed = run(cluster, *RAYLM, "submit", *args)
