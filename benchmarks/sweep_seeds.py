@@ -102,13 +102,17 @@ def main() -> None:
     plan = sweep_run.resolve(args.sweep, args.overrides)
     with open(os.path.join(plan.directory, "fit.json")) as f:
         fitted = json.load(f)
-    noise_rung = (fitted.get("noise") or {}).get("rung")
-    wanted = [(r["rung"], r["lr"]) for r in fitted["rungs"] if r["rung"] != noise_rung]
+    noise = fitted.get("noise") or {}
+    # Each rung's best completed trial's own rate (fit.json's is refined between the rates tried).
+    ladder = [r for r in csv.DictReader(open(os.path.join(plan.directory, "trials.csv")))
+              if r["phase"] == "ladder" and r["status"] == "completed"]
+    wanted = [(rung, float(min((r for r in ladder if r["rung"] == rung), key=lambda r: float(r["val_loss"]))["lr"]))
+              for rung in sorted({r["rung"] for r in ladder})]
     wanted.append((fitted["check"]["rung"], fitted["check"]["lr"]))
     results_path = os.path.join(plan.directory, EXTRA, "results.jsonl")
     os.makedirs(os.path.dirname(results_path), exist_ok=True)
     done = [json.loads(line) for line in open(results_path)] if os.path.exists(results_path) else []
-    have = {(d["rung"], d["seed"]) for d in done}
+    have = {(d["rung"], d["seed"]) for d in done} | {(noise.get("rung"), s) for s in noise.get("seeds", [])}
     # The longest trials first: two lanes finish together.
     jobs = sorted(((args.sweep, args.overrides, rung, lr, seed) for rung, lr in wanted for seed in args.seeds
                    if (rung, seed) not in have), key=lambda j: -next(r["params"] * r["tokens"] for r in
