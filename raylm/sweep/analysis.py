@@ -62,9 +62,14 @@ class Predictor:
     bootstrap: list
 
     def predict(self, params: float, tokens: float, confidence: float) -> dict:
+        """The loss, and the interval of the bootstrap refits' predictions. A refit gone degenerate
+        (a constant past float range) predicts no finite loss: it is counted in `bootstrap_failed`
+        and left out of the interval, which one NaN would make NaN at both ends."""
         loss = float(self.fit.loss(params, tokens))
-        samples = [b.loss(params, tokens) for b in self.bootstrap]
-        return {"loss": loss, "interval": fit.interval(samples, confidence) if samples else [loss, loss]}
+        samples = np.array([b.loss(params, tokens) for b in self.bootstrap], float)
+        finite = samples[np.isfinite(samples)]
+        return {"loss": loss, "interval": fit.interval(finite, confidence) if finite.size else [loss, loss],
+                "bootstrap_failed": int(samples.size - finite.size)}
 
 
 @dataclass
@@ -372,6 +377,9 @@ def warnings(result: dict) -> list[str]:
         listed = ", ".join(f"{k} {v:.4f}" for k, v in check["by_predictor"].items())
         out.append(f"the predictors disagree on the held-out rung by more than the noise floor ({100 * floor:.2f}%): "
                    f"{listed}; {check['predictor']} was chosen by cross-validation inside the ladder")
+    if failed := check.get("bootstrap_failed"):
+        out.append(f"{failed} of the {check['predictor']} fit's bootstrap refits predicted no finite loss for the "
+                   "held-out rung (degenerate: a constant past float range); its interval is of the others only")
     pick = check.get("lr_pick")
     if pick and pick.get("good") is False:
         out.append(f"the extrapolated learning rate {pick['picked_lr']:.3g} lost {100 * pick['relative_gap']:.2f}% "

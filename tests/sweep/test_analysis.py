@@ -122,6 +122,21 @@ def test_a_fit_degenerate_without_the_largest_size_is_not_chosen():
     assert chosen == analysis.LOCAL and "chinchilla could not be checked" in why
 
 
+def test_a_degenerate_bootstrap_refit_is_counted_and_left_out_of_the_interval():
+    """The changelogs ladder with 5 seeds a rung (2026-11-29): some of the 200 bootstrap refits put
+    A past float range, their prediction was inf x 0 = NaN, and the held-out interval read [nan, nan]."""
+    good = [Parametric(1.0, 400.0, 0.5, 400.0 * k, 0.3) for k in (0.9, 1.0, 1.1)]
+    degenerate = Parametric(0.03, math.inf, 40.0, 41.0, 0.22)
+    assert math.isnan(degenerate.loss(4.4e5, 2.2e6))
+    predictor = analysis.Predictor(analysis.CHINCHILLA, analysis.CHINCHILLA_FORM, good[1], [*good, degenerate])
+    out = predictor.predict(4.4e5, 2.2e6, 0.9)
+    lo, hi = out["interval"]
+    assert out["bootstrap_failed"] == 1 and math.isfinite(lo) and math.isfinite(hi)
+    assert lo <= out["loss"] <= hi and lo >= min(g.loss(4.4e5, 2.2e6) for g in good)
+    check = {"predictor": analysis.CHINCHILLA, "bootstrap_failed": out["bootstrap_failed"]}
+    assert any("1 of the chinchilla fit's bootstrap refits" in w for w in analysis.warnings({"check": check}))
+
+
 def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_floor():
     from raylm.sweep.run import measure_check, noise_floor
 
