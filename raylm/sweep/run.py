@@ -282,7 +282,8 @@ def predict_check(laws: analysis.Laws, check: dict) -> dict:
     """The held-out rung's prediction by the chosen predictor, and by each of them."""
     chosen = laws.predict(check["params"], check["tokens"])
     return {"predictor": laws.chosen, "predicted_loss": chosen["loss"], "interval": chosen["interval"],
-            "bootstrap_failed": chosen["bootstrap_failed"], "by_predictor": {name: laws.predict(check["params"], check["tokens"], name)["loss"]
+            "bootstrap_failed": chosen["bootstrap_failed"],
+            "by_predictor": {name: laws.predict(check["params"], check["tokens"], name)["loss"]
                              for name in laws.predictors}}
 
 
