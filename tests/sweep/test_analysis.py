@@ -123,10 +123,10 @@ def test_a_fit_degenerate_without_the_largest_size_is_not_chosen():
 
 
 def test_a_degenerate_bootstrap_refit_is_counted_and_left_out_of_the_interval():
-    """The changelogs ladder with 5 seeds a rung (2026-11-29): some of the 200 bootstrap refits put
-    A past float range, their prediction was inf x 0 = NaN, and the held-out interval read [nan, nan]."""
+    """The changelogs ladder with 5 seeds a rung (2026-11-29): 1 of the 200 bootstrap refits put
+    A past float range, its prediction was inf x 0 = NaN, and the held-out interval read [nan, nan]."""
     good = [Parametric(1.0, 400.0, 0.5, 400.0 * k, 0.3) for k in (0.9, 1.0, 1.1)]
-    degenerate = Parametric(0.03, math.inf, 40.0, 41.0, 0.22)
+    degenerate = Parametric(0.03, math.inf, 76.0, 41.0, 0.22)  # alpha as in the real one: exp underflows to 0
     assert math.isnan(degenerate.loss(4.4e5, 2.2e6))
     predictor = analysis.Predictor(analysis.CHINCHILLA, analysis.CHINCHILLA_FORM, good[1], [*good, degenerate])
     out = predictor.predict(4.4e5, 2.2e6, 0.9)
