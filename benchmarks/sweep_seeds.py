@@ -100,6 +100,9 @@ def main() -> None:
     from raylm.sweep import run as sweep_run
 
     plan = sweep_run.resolve(args.sweep, args.overrides)
+    if not os.path.exists(os.path.join(plan.directory, "fit.json")):
+        sys.exit(f"sweep_seeds: {plan.directory} holds no fit.json: run the sweep to its end first "
+                 f"(`raylm sweep {args.sweep} {' '.join(args.overrides)}`)")
     with open(os.path.join(plan.directory, "fit.json")) as f:
         fitted = json.load(f)
     noise = fitted.get("noise") or {}
