@@ -62,15 +62,15 @@ def seed_mean_copy(directory: str, results: list[dict]) -> str:
     """<directory>-seed-mean: trials.csv with every repeated rung's trials shifted to its seed mean."""
     rows = list(csv.DictReader(open(os.path.join(directory, "trials.csv"))))
     repeats: dict[str, list[float]] = {}
-    for r in results:
-        repeats.setdefault(r["rung"], []).append(r["val_loss"])
-    for r in rows:  # the sweep's own noise phase repeated one rung already
-        if r["phase"] == "seeds":
-            repeats.setdefault(r["rung"], []).append(float(r["val_loss"]))
+    rates: dict[str, float] = {}
+    # The sweep's own noise phase repeated one rung already.
+    for rung, lr, loss in [(r["rung"], r["lr"], r["val_loss"]) for r in results] + \
+            [(r["rung"], float(r["lr"]), float(r["val_loss"])) for r in rows if r["phase"] == "seeds"]:
+        repeats.setdefault(rung, []).append(loss)
+        rates[rung] = lr
     offsets = {}
     for rung, losses in repeats.items():
-        lr = next(x["lr"] for x in results if x["rung"] == rung) if any(x["rung"] == rung for x in results) else \
-            float(next(r["lr"] for r in rows if r["rung"] == rung and r["phase"] == "seeds"))
+        lr = rates[rung]
         (seed0,) = [float(r["val_loss"]) for r in rows if r["rung"] == rung and r["phase"] in ("ladder", "check")
                     and abs(float(r["lr"]) / lr - 1) < 1e-6 and r["seed"] == "0"]
         values = [seed0, *losses]
@@ -117,10 +117,9 @@ def main() -> None:
     done = [json.loads(line) for line in open(results_path)] if os.path.exists(results_path) else []
     have = {(d["rung"], d["seed"]) for d in done} | {(noise.get("rung"), s) for s in noise.get("seeds", [])}
     # The longest trials first: two lanes finish together.
+    cost = {r["rung"]: r["params"] * r["tokens"] for r in [*fitted["rungs"], fitted["check"]]}
     jobs = sorted(((args.sweep, args.overrides, rung, lr, seed) for rung, lr in wanted for seed in args.seeds
-                   if (rung, seed) not in have), key=lambda j: -next(r["params"] * r["tokens"] for r in
-                                                                   [*fitted["rungs"], fitted["check"]]
-                                                                   if r["rung"] == j[2]))
+                   if (rung, seed) not in have), key=lambda job: -cost[job[2]])
     with Pool(2) as pool:
         for row in pool.imap_unordered(run_one, jobs):
             print(json.dumps(row), flush=True)
