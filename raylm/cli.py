@@ -42,7 +42,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         print(f"one document: split by position, the last {args.val_fraction:.0%} of its tokens held out")
     for split, info in manifest.splits.items():
         counted = "" if one_document else f"{info.documents} documents, "
-        print(f"{split}: {counted}{info.tokens:,} tokens, {info.rows} rows in {len(info.shards)} shard(s)")
+        unique = f" ({info.unique_tokens:,} unique)" if info.duplicate_documents else ""
+        print(f"{split}: {counted}{info.tokens:,} tokens{unique}, {info.rows} rows in {len(info.shards)} shard(s)")
     print(f"wrote {args.output}/manifest.json")
 
 

@@ -43,7 +43,10 @@ def inspect_dataset(uri: str, storage: Optional[StorageConfig] = None) -> str:
         per_document = f"{split.tokens / split.documents:,.1f}" if split.documents else "-"
         lines.append(f"{name:<12} {split.tokens:,} tokens, {split.rows:,} rows, "
                      f"{split.documents:,} documents ({per_document} tokens each), "
-                     f"{len(split.shards)} shards")
+                     f"{len(split.shards)} shards"
+                     + (f"; {split.duplicate_documents:,} documents repeat an earlier one exactly "
+                        f"({split.duplicate_tokens:,} tokens): {split.unique_tokens:,} unique tokens"
+                        if split.duplicate_documents else ""))
     train = manifest.splits["train"]
     if not train.shards:
         return "\n".join(lines)

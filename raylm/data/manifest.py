@@ -14,7 +14,9 @@ rows (also across shards) share one token and every token after the first is a t
 Counts: a shard's `tokens` is its number of targets, rows * seq_len; its `documents` is the number
 of end-of-text tokens among those targets (row[1:] of each row), that is documents that end in
 it. A split's counts are the sums over its shards; fewer than seq_len tokens at the end of a
-split's stream fill no row and are not counted.
+split's stream fill no row and are not counted. A split also counts its exact duplicate documents
+and their tokens (`duplicate_documents`, `duplicate_tokens`): they are packed like any other, and
+`unique_tokens` leaves them out.
 """
 
 from __future__ import annotations
@@ -67,11 +69,22 @@ class SplitInfo:
     tokens: int = 0
     rows: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
+    duplicate_documents: int = 0
+    """Documents whose text repeats an earlier one's exactly (the same blake2b-64), and their
+    tokens (end-of-text included): in the shards, but not new data. Manifests written before these
+    counts read 0."""
+    duplicate_tokens: int = 0
 
     @classmethod
-    def of_shards(cls, shards: list[ShardInfo]) -> SplitInfo:
+    def of_shards(cls, shards: list[ShardInfo], duplicate_documents: int = 0, duplicate_tokens: int = 0) -> SplitInfo:
         return cls(documents=sum(s.documents for s in shards), tokens=sum(s.tokens for s in shards),
-                   rows=sum(s.rows for s in shards), shards=shards)
+                   rows=sum(s.rows for s in shards), shards=shards, duplicate_documents=duplicate_documents,
+                   duplicate_tokens=duplicate_tokens)
+
+    @property
+    def unique_tokens(self) -> int:
+        """The split's tokens less the exact repeats: what a model sees as new data in one epoch."""
+        return max(0, self.tokens - self.duplicate_tokens)
 
 
 @dataclass
@@ -170,7 +183,8 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
         if name not in manifest.splits:
             raise DatasetError(f"{uri}: no {name!r} split (splits: {', '.join(manifest.splits)})")
     for name, split in manifest.splits.items():
-        if split != SplitInfo.of_shards(split.shards):
+        totals = SplitInfo.of_shards(split.shards)
+        if (split.rows, split.tokens, split.documents) != (totals.rows, totals.tokens, totals.documents):
             raise DatasetError(f"{uri}: split {name!r} totals (rows {split.rows}, tokens "
                                f"{split.tokens}, documents {split.documents}) differ from the "
                                f"sums over its shards")
@@ -187,7 +201,8 @@ def _check_values(manifest: Manifest, uri: str) -> None:
         raise DatasetError(f"{uri}: sources is {reprlib.repr(manifest.sources)}, expected a list")
     texts.update({f"sources[{i}]": source for i, source in enumerate(manifest.sources)})
     for name, split in manifest.splits.items():
-        counts.update({f"splits.{name}.{key}": getattr(split, key) for key in ("documents", "tokens", "rows")})
+        counts.update({f"splits.{name}.{key}": getattr(split, key)
+                       for key in ("documents", "tokens", "rows", "duplicate_documents", "duplicate_tokens")})
         for i, shard in enumerate(split.shards):
             where = f"splits.{name}.shards[{i}]"
             counts.update({f"{where}.{key}": getattr(shard, key) for key in ("rows", "tokens", "documents")})
@@ -205,6 +220,12 @@ def _check_values(manifest: Manifest, uri: str) -> None:
         "split_rule": (manifest.split_rule, manifest.split_rule in ("hash", "position")),
         "val_fraction": (manifest.val_fraction,
                          type(manifest.val_fraction) in (int, float) and 0 <= manifest.val_fraction < 1)}
+    for name, split in manifest.splits.items():
+        # Every document holds a token and its end-of-text; every duplicate is in the split's
+        # stream, whose untrimmed tail is shorter than a row.
+        copies, copied = split.duplicate_documents, split.duplicate_tokens
+        ranges[f"splits.{name}.duplicate_tokens"] = (
+            copied, (copies == 0) == (copied == 0) and 2 * copies <= copied <= split.tokens + manifest.seq_len)
     for key, (value, ok) in ranges.items():
         if not ok:
             raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, which prepare never writes")

@@ -78,7 +78,8 @@ def resolve(path: str, overrides: list[str]) -> Plan:
     sizes = ladder.build_sizes(sweep, spec.config)
     rungs = ladder.build_rungs(sweep, sizes)
     ladder.check_budgets(sweep, spec.config, rungs)
-    for line in ladder.check_repetition(sweep, rungs, sum(m.splits["train"].tokens for m in spec.datasets.manifests)):
+    unique_tokens = sum(m.splits["train"].unique_tokens for m in spec.datasets.manifests)
+    for line in ladder.check_repetition(sweep, rungs, unique_tokens):
         print(f"raylm: {line}", flush=True)
     ladder.check_fittable(sweep, rungs)
     batches = ladder.batch_sizes(sweep, spec.config)

@@ -12,6 +12,7 @@ import pytest
 
 from raylm.cli import main
 from raylm.data.corpus import BUILTIN_CORPUS, builtin_sources, iter_documents
+from raylm.data.inspect import inspect_dataset
 from raylm.data.manifest import DatasetError, Manifest, load_manifest
 from raylm.data.manifest import ROW_GROUP_ROWS
 from raylm.data.prepare import prepare_dataset
@@ -119,6 +120,48 @@ def test_rerun_is_byte_identical_and_overwrite_is_explicit(mixed):
                                shard_rows=1000, overwrite=True)
     files = [s.file for split in replaced.splits.values() for s in split.shards]
     assert sorted(os.listdir(again)) == sorted(files + ["manifest.json", "tokenizer.json"])
+
+
+def test_exact_duplicate_documents_are_packed_and_counted_once_as_unique(tmp_path, capsys):
+    """Copies of a document (in one file or another, as two packages ship one changelog) land in
+    its split and are packed like the rest; the manifest counts them, so that "unique tokens"
+    (what a sweep's repetition check divides by) leaves them out."""
+    docs = [f"doc {i}: " + t for i, t in enumerate(random_texts(40, seed=7))]
+    corpus = tmp_path / "corpus"
+    os.makedirs(corpus)
+    copies = [docs[3], docs[3], docs[10], docs[3] + " "]  # the last is not a copy: one byte differs
+    (corpus / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[:20] + copies[:2]) + "\n")
+    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs[20:] + copies[2:]) + "\n")
+    in_order = docs[:20] + copies[:2] + docs[20:] + copies[2:]
+    manifest = prepare_dataset([str(corpus)], str(tmp_path / "out"), seq_len=SEQ_LEN, val_fraction=0.3,
+                               shard_rows=20)
+    tok = ByteTokenizer()
+    for split in ("train", "val"):
+        split_docs = [d for d in in_order if is_val(d, 0.3) == (split == "val")]
+        check_split(str(tmp_path / "out"), manifest, split, expected_stream(tok, split_docs))  # copies packed
+        repeats = [d for i, d in enumerate(split_docs) if d in split_docs[:i]]
+        info = manifest.splits[split]
+        assert info.duplicate_documents == len(repeats)
+        assert info.duplicate_tokens == sum(len(tok.encode(d)) + 1 for d in repeats)
+        assert info.unique_tokens == info.tokens - info.duplicate_tokens
+    assert manifest.splits["train"].duplicate_documents + manifest.splits["val"].duplicate_documents == 3
+    assert "repeat an earlier one exactly" in capsys.readouterr().out
+    assert load_manifest(str(tmp_path / "out")).to_dict() == manifest.to_dict()
+    copied = max(manifest.splits.values(), key=lambda split: split.duplicate_documents)
+    assert f"{copied.unique_tokens:,} unique tokens" in inspect_dataset(str(tmp_path / "out"))
+
+    # A manifest written before these counts reads 0 duplicates; a count prepare never writes is refused.
+    path = tmp_path / "out" / "manifest.json"
+    written = json.loads(path.read_text())
+    for split in written["splits"].values():
+        del split["duplicate_documents"], split["duplicate_tokens"]
+    path.write_text(json.dumps(written))
+    old = load_manifest(str(tmp_path / "out")).splits["train"]
+    assert (old.duplicate_documents, old.unique_tokens) == (0, old.tokens)
+    written["splits"]["train"]["duplicate_tokens"] = -1
+    path.write_text(json.dumps(written))
+    with pytest.raises(DatasetError, match=r"splits.train.duplicate_tokens is -1, expected a non-negative integer"):
+        load_manifest(str(tmp_path / "out"))
 
 
 def test_single_document_is_split_by_position(tmp_path, capsys):

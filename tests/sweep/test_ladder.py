@@ -2,6 +2,7 @@
 the field, before any trial starts (no Ray)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from raylm.errors import ConfigError
 from raylm.sweep import analysis, ladder
 from raylm.sweep.fit import Parametric
 from raylm.sweep.run import _recommended_yaml, resolve
+from tests.support.fixtures import write_corpus
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
 
@@ -57,6 +59,19 @@ def test_rungs_that_would_repeat_data_are_refused_with_their_epochs(tiny_dataset
     plan(tiny_dataset, tmp_path)  # the tiny sweep allows it, and says so
     out = capsys.readouterr().out
     assert "unique training tokens; the rungs train" in out and "train on repeated tokens" in out
+
+
+def test_a_corpus_of_copies_counts_each_document_once_as_unique_data(ray_session, tmp_path, capsys):
+    """Every document twice (two packages shipping one changelog): the rungs' epochs are over
+    the tokens of one copy, not of both."""
+    from raylm.data.prepare import prepare_dataset
+
+    shutil.copytree(write_corpus(tmp_path / "text" / "a"), tmp_path / "text" / "b")
+    train = prepare_dataset([str(tmp_path / "text")], str(tmp_path / "copies"), tokenizer="byte", seq_len=32,
+                            val_fraction=0.1, shard_rows=300).splits["train"]
+    assert train.duplicate_documents > 50 and train.unique_tokens < 0.51 * train.tokens
+    plan(str(tmp_path / "copies"), tmp_path)
+    assert f"data: {train.unique_tokens:,} unique training tokens" in capsys.readouterr().out
 
 
 def test_a_size_that_breaks_the_models_shape_rules_names_its_entry(tiny_dataset, tmp_path):
