@@ -81,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     try:
-        from raylm.sweep.run import SweepInterrupted, refit, run_sweep, summary
+        from raylm.sweep.run import refit, run_sweep, summary
     except ModuleNotFoundError as e:
         if e.name not in ("scipy", "matplotlib", "optuna"):
             raise
@@ -91,11 +91,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         raise ConfigError("give a sweep YAML to run (or resume), or --refit DIR to fit a finished sweep again")
     if args.refit is not None and args.overrides:
         raise ConfigError(f"--refit takes no overrides (got {' '.join(args.overrides)}): it refits what the sweep ran")
-    try:
-        print(summary(refit(args.refit) if args.refit else run_sweep(args.sweep, args.overrides)))
-    except SweepInterrupted as e:
-        print(f"raylm: error: {e}", file=sys.stderr)
-        sys.exit(1)
+    print(summary(refit(args.refit) if args.refit else run_sweep(args.sweep, args.overrides)))
 
 
 def cmd_submit(args: argparse.Namespace) -> None:

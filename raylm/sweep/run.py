@@ -22,7 +22,7 @@ import yaml
 
 from raylm.config import Config, ParallelConfig, build_dataclass, config_to_dict
 from raylm.data import storage
-from raylm.errors import ConfigError
+from raylm.errors import ConfigError, RunInterrupted
 from raylm.ray_runtime import start_ray
 from raylm.sweep import analysis, ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
@@ -40,8 +40,9 @@ NOISE_SEEDS = 2  # the largest fitted rung's extra seeds
 LR_PICK_FACTORS = (2 ** -0.5, 1.0, 2 ** 0.5)  # the held-out rung's learning rates, x the predicted one
 
 
-class SweepInterrupted(RuntimeError):
-    """Tune stopped before every trial of a phase had finished."""
+class SweepInterrupted(RunInterrupted):
+    """Tune stopped before every trial of a phase had finished: a Ctrl-C (Tune's handler ends the
+    experiment and keeps its state), so the exit status is a shell's for SIGINT, as `raylm train`'s."""
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Real sweeps on a local Ray: every output written, ASHA stopping a hopeless learning rate, the
-recommended config training with `raylm train`, and recovery from a killed trial worker and
-from a killed sweep driver."""
+recommended config training with `raylm train`, and recovery from a killed trial worker, from
+a Ctrl-C and from a killed sweep driver."""
 
 import csv
 import glob
@@ -42,28 +42,40 @@ def finished_trials(directory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~3 minutes on 2 idle cores; far longer when the machine is shared
-def test_sweep_resumes_after_its_driver_is_killed_and_writes_every_output(tiny_dataset, tmp_path):
+def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_output(tiny_dataset, tmp_path):
     command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}"]
     directory = str(tmp_path / "sweep-tiny")
     ladder_trials = 6 * 2  # 3 fitted sizes x 2 budgets x 2 learning rates
 
-    # The driver (and the Ray it started, in its process group) dies once some trials have finished.
-    log = open(tmp_path / "first.log", "w")
-    first = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 400
-    while len(finished_trials(directory)) < 2 and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert first.poll() is None, "the sweep ended before it could be interrupted: " + \
-        (tmp_path / "first.log").read_text(errors="replace")[-4000:]
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait(timeout=60)
-    log.close()
-    before = finished_trials(directory)
-    assert 2 <= len(before) < ladder_trials + 1
+    def interrupt(name: str, finished: int, sig: signal.Signals) -> subprocess.Popen:
+        """The sweep, sent `sig` (to its process group, as a terminal's Ctrl-C is) once `finished`
+        trials have finished."""
+        with open(tmp_path / f"{name}.log", "w") as log:
+            run = subprocess.Popen(command, env=ENV, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 400
+            while len(finished_trials(directory)) < finished and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert run.poll() is None, "the sweep ended before it could be interrupted: " + \
+                (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:]
+            os.killpg(run.pid, sig)
+            run.wait(timeout=120)
+        return run
 
-    second = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=1200)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resuming" in second.stdout
+    # A Ctrl-C: Tune stops its trials and keeps its state; the sweep says how to go on, with a
+    # shell's status for SIGINT.
+    first = interrupt("first", 1, signal.SIGINT)
+    said = (tmp_path / "first.log").read_text(errors="replace")
+    assert first.returncode == 130, said[-4000:]
+    assert "raylm: the sweep was interrupted" in said and "run the same command again to resume it" in said
+    # Resumed, then its driver (and the Ray it started, in its process group) dies once more
+    # trials have finished.
+    interrupt("second", 3, signal.SIGKILL)
+    before = finished_trials(directory)
+    assert 3 <= len(before) < ladder_trials + 1
+
+    last = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=1200)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert "resuming" in last.stdout
 
     # Finished trials were kept, not trained again.
     after = finished_trials(directory)
