@@ -431,20 +431,28 @@ def read_trials(directory: str) -> list[dict]:
                 for row in csv.DictReader(f)]
 
 
-def refit(directory: str) -> dict:
-    """fit.json again from the sweep directory alone (sweep.yaml, trials.csv, check_plan.json): the
-    fits, the choice of predictor, the noise floor and the check, with no data and no Ray. The
-    recommendation is carried over as the sweep made it: placing it needs the base run's data."""
+def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:
+    """The ladder's fits from the sweep directory alone (sweep.yaml, trials.csv): its trials, the
+    fits' record and the laws they make, with no data and no Ray."""
     record_path = os.path.join(directory, SWEEP_FILE)
     if not os.path.exists(record_path):
         raise ConfigError(f"{directory} holds no {SWEEP_FILE}: not a sweep directory")
     with open(record_path) as f:
         sweep = build_dataclass(SweepConfig, yaml.safe_load(f)["sweep"])
     rows = read_trials(directory)
-    ladder_rows = [r for r in rows if r["phase"] == "ladder"]
     sizes = {int(r["size"]): ladder.Size(int(r["size"]), TRIALS_FILE, None, r["params"], r["params_non_embedding"],
                                          r["params_total"], r["flops_per_token"]) for r in rows}
-    result, laws = analysis.analyze(ladder_rows, [sizes[i] for i in sorted(sizes)], sweep)
+    result, laws = analysis.analyze([r for r in rows if r["phase"] == "ladder"], [sizes[i] for i in sorted(sizes)],
+                                    sweep)
+    return rows, result, laws
+
+
+def refit(directory: str) -> dict:
+    """fit.json again from the sweep directory alone (sweep.yaml, trials.csv, check_plan.json): the
+    fits, the choice of predictor, the noise floor and the check, with no data and no Ray. The
+    recommendation is carried over as the sweep made it: placing it needs the base run's data."""
+    rows, result, laws = fit_ladder(directory)
+    ladder_rows = [r for r in rows if r["phase"] == "ladder"]
     previous = {}
     if os.path.exists(os.path.join(directory, FIT_FILE)):
         with open(os.path.join(directory, FIT_FILE)) as f:
