@@ -54,7 +54,7 @@ from _common import load_average, print_table, python_sources
 from cluster.chaos import ChaosError, TrainDriver, fill_filesystem, train_workers
 from cluster.local import LocalCluster, kill_process_trees
 from raylm.config import load_config
-from raylm.data.prepare import _is_val, prepare_dataset
+from raylm.data.prepare import _digest, _is_val, prepare_dataset
 from raylm.data.stream import Datasets
 from raylm.data.tokenizer import load_tokenizer
 from raylm.model.sizes import count_params
@@ -86,7 +86,7 @@ def poison_text(size: int, seed: int, val_fraction: float) -> str:
     rng = random.Random(seed)
     while True:
         text = "".join(rng.choice(string.printable[:95]) for _ in range(size))
-        if not _is_val(text, val_fraction):
+        if not _is_val(_digest(text), val_fraction):
             return text
 
 

@@ -233,6 +233,10 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
+def _is_val(digest: int, val_fraction: float) -> bool:
+    return digest < val_fraction * 2**64
+
+
 def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
                    storage: Optional[StorageConfig]) -> Iterator[pa.Table]:
     """Ray Data UDF: the documents of one input file, tokenized, in batches."""
@@ -262,7 +266,7 @@ def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction:
     values = np.fromiter(chain.from_iterable(ids for _, ids in kept), dtype=np.int32, count=int(offsets[-1]))
     digests = [_digest(text) for text, _ in kept]
     return pa.table({
-        "val": pa.array([digest < val_fraction * 2**64 for digest in digests], type=pa.bool_()),
+        "val": pa.array([_is_val(digest, val_fraction) for digest in digests], type=pa.bool_()),
         "digest": pa.array(digests, type=pa.uint64()),
         "tokens": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
     })
