@@ -16,7 +16,7 @@ import numpy as np
 from raylm.config import Config, ParallelConfig, config_from_dict, config_to_dict
 from raylm.sweep import fit
 from raylm.sweep.config import SweepConfig
-from raylm.sweep.ladder import Size, schedule_shape, shape_for_params, steps_for
+from raylm.sweep.ladder import Size, build_rungs, schedule_shape, shape_for_params, steps_for
 from raylm.train.spec import absolute, resolve_run
 
 COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", "error"
@@ -256,13 +256,28 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     resolved against the data (vocabulary, seq_len). Raises ValueError when the fit cannot place
     the target (a size the fit never makes compute-optimal)."""
     seq_len = resolved.train.seq_len
+    # The fit's balance of N and D is measured only across the ladder's tokens per parameter:
+    # an optimum it puts outside them (a far or degenerate extrapolation: thousands of tokens per
+    # parameter) is not placed; the run stays at the nearest ratio the ladder trained.
+    trained_ratios = [r.target_tokens / r.size.params for r in build_rungs(sweep, sizes) if not r.held_out]
+    low, high = min(trained_ratios), max(trained_ratios)
+    allocation = None
     if sweep.target.flops:
-        n_opt, _, _ = fit.compute_optimal(laws.parametric, sweep.target.flops, laws.flops_per_token)
+        n_opt, d_opt, _ = fit.compute_optimal(laws.parametric, sweep.target.flops, laws.flops_per_token)
+        if not low <= d_opt / n_opt <= high:
+            allocation = d_opt / n_opt
+            n_opt = fit.params_for_tokens_per_param(sweep.target.flops, min(max(allocation, low), high),
+                                                    laws.flops_per_token)
     else:
         n_opt = sweep.target.params
     size = shape_for_params(n_opt, sweep, sizes, resolved)
-    tokens = (sweep.target.flops / size.flops_per_token if sweep.target.flops
-              else fit.params_for_tokens_optimal(laws.parametric, size.params, laws.flops_per_token))
+    if sweep.target.flops:
+        tokens = sweep.target.flops / size.flops_per_token
+    else:
+        tokens = fit.params_for_tokens_optimal(laws.parametric, size.params, laws.flops_per_token)
+        if not low <= tokens / size.params <= high:
+            allocation = tokens / size.params
+            tokens = min(max(allocation, low), high) * size.params
     if laws.batch_vs_flops:
         batch = fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token)
     else:
@@ -302,10 +317,13 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
             "params_total": size.params_total, "tokens": trained, "flops": trained * size.flops_per_token,
             "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
             "lr": lr, "batch": batch, "steps": steps,
+            "tokens_per_param": trained / size.params,
             "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
             # Chinchilla's form, whatever predicted the check: the recommendation is a far
             # extrapolation, where a local power law has nothing to stand on.
             "predicted_loss": laws.predict(size.params, trained, CHINCHILLA)}
+    if allocation is not None:
+        info["allocation"] = {"fit_tokens_per_param": allocation, "ladder_tokens_per_param": [low, high]}
     return cfg, info
 
 
@@ -390,6 +408,12 @@ def warnings(result: dict) -> list[str]:
                    f"{100 * pick['relative_gap']:.2f}% against {pick['best_batch']:g}, more than the noise floor: the "
                    "best batch size moves with the model's size")
     rec = result.get("recommended", {})
+    if allocation := rec.get("allocation"):
+        low, high = allocation["ladder_tokens_per_param"]
+        out.append(f"the fit puts the compute-optimal run at {allocation['fit_tokens_per_param']:,.3g} tokens per "
+                   f"parameter, outside the {low:g} to {high:g} the ladder trained: the recommended run stays at "
+                   f"{rec['tokens_per_param']:.3g}, the nearest the ladder measured; widen ladder.tokens_per_param to "
+                   "place the optimum")
     if rec.get("extrapolation", 0) > 100:
         out.append(f"the recommended run has {rec['extrapolation']:.3g}x the compute of the largest trial: a long "
                    "extrapolation; check.relative_error measures a far shorter one")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
-from scipy.optimize import minimize, minimize_scalar
+from scipy.optimize import brentq, minimize, minimize_scalar
 
 NAMES = ("E", "A", "alpha", "B", "beta")
 SMALLEST_PARAMS = 1e2  # compute_optimal searches N from here to 1e13
@@ -228,6 +228,15 @@ def compute_optimal(fit: Parametric, flops: float,
                           options={"xatol": 1e-6})
     n = float(np.exp(res.x))
     return n, flops / flops_per_token(n), float(res.fun)
+
+
+def params_for_tokens_per_param(flops: float, tokens_per_param: float,
+                                flops_per_token: Callable[[float], float]) -> float:
+    """N whose run of `flops` trains `tokens_per_param` tokens per parameter."""
+    def gap(log_n: float) -> float:  # falls as N grows: fewer tokens, each costing more
+        n = np.exp(log_n)
+        return np.log(flops / flops_per_token(n) / n) - np.log(tokens_per_param)
+    return float(np.exp(brentq(gap, np.log(SMALLEST_PARAMS), np.log(1e13))))
 
 
 def params_for_tokens_optimal(fit: Parametric, params: float, flops_per_token: Callable[[float], float]) -> float:

@@ -59,9 +59,9 @@ def _model_for(base: ModelConfig, keys: dict, where: str) -> ModelConfig:
     return model
 
 
-def rule_shape(d_model: int, aspect_ratio: float, head_dim: int) -> dict:
+def rule_shape(d_model: int, aspect_ratio: float, head_dim: int, min_layers: int = 1) -> dict:
     """The ladder's width rule: depth grows with width, heads keep their dimension."""
-    n_layers = max(1, math.floor(d_model / aspect_ratio + 0.5))  # halves round up, not to even
+    n_layers = max(min_layers, math.floor(d_model / aspect_ratio + 0.5))  # halves round up, not to even
     return {"d_model": d_model, "n_layers": n_layers, "n_heads": d_model // head_dim}
 
 
@@ -220,18 +220,22 @@ def lr_values(sweep: SweepConfig, rung: Rung) -> list[float]:
 
 def shape_for_params(target: float, sweep: SweepConfig, sizes: list[Size], base: Config) -> Size:
     """A model of about `target` parameters (as fit.params counts them), shaped like the ladder:
-    its width rule, or for explicit sizes the largest size's aspect ratio and head dimension."""
+    its width rule, or for explicit sizes the largest size's aspect ratio and head dimension, no
+    shallower than the ladder's sizes at or below the target (a fixed-depth ladder, chosen because
+    shallower models sit off its trend, is not answered with a shallower model)."""
+    min_layers = 1
     if sweep.ladder.d_model:
         aspect, head_dim, keys = sweep.ladder.aspect_ratio, sweep.ladder.head_dim, {}
     else:
         top = sizes[-1].model
         aspect, head_dim = top.d_model / top.n_layers, top.d_model // top.n_heads
         keys = {k: v for k, v in dataclasses.asdict(top).items() if k not in ("size", "d_model", "n_layers", "n_heads")}
+        min_layers = max((s.model.n_layers for s in sizes if s.params <= target), default=sizes[0].model.n_layers)
     step = head_dim if head_dim % 2 == 0 else 2 * head_dim  # RoPE wants an even head dimension
     best: Optional[Size] = None
     d = step
     while True:
-        model = _model_for(base.model, {**keys, **rule_shape(d, aspect, head_dim)}, "target")
+        model = _model_for(base.model, {**keys, **rule_shape(d, aspect, head_dim, min_layers)}, "target")
         non_emb, total = count_params(model, exclude_embeddings=True), count_params(model)
         n = non_emb if sweep.fit.params == "non_embedding" else total
         candidate = Size(-1, "target", model, n, non_emb, total, flops_per_token(model, base.train.seq_len))

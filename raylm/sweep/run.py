@@ -344,6 +344,10 @@ def _recommended_yaml(cfg: Config, info: dict, sweep_dir: str) -> str:
               f"lr {info['lr']:.3g}, batch {info['batch']}.\n"
               f"# Predicted final val loss: {p['loss']:.4f} "
               f"(interval {p['interval'][0]:.4f} - {p['interval'][1]:.4f}).\n")
+    if allocation := info.get("allocation"):
+        low, high = allocation["ladder_tokens_per_param"]
+        header += (f"# {info['tokens_per_param']:.3g} tokens per parameter, not the fit's optimum "
+                   f"({allocation['fit_tokens_per_param']:,.3g}): outside the {low:g} to {high:g} the ladder trained.\n")
     return header + yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
 
 

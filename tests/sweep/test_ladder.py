@@ -10,7 +10,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
-from raylm.sweep import analysis, ladder
+from raylm.sweep import analysis, fit, ladder
 from raylm.sweep.fit import Parametric
 from raylm.sweep.run import _recommended_yaml, resolve
 from tests.support.fixtures import write_corpus
@@ -100,6 +100,42 @@ def test_recommended_shape_follows_the_ladder_rule(tiny_dataset, tmp_path):
     size = ladder.shape_for_params(150_000, p.sweep, p.sizes, p.resolved)
     assert size.model.d_model % 8 == 0 and size.model.n_layers == max(1, int(size.model.d_model / 16 + 0.5))
     assert 0.6 < size.params / 150_000 < 1.6
+
+
+def test_a_fixed_depth_ladder_is_not_answered_with_a_shallower_model(tiny_dataset, tmp_path):
+    """Explicit sizes all 4 layers deep (as configs/sweep-cpu.yaml): a target among them keeps
+    their depth; past the largest, depth grows by its aspect ratio."""
+    p = plan(tiny_dataset, tmp_path, "sweep.ladder.d_model=[]", "sweep.ladder.sizes=[{d_model: 16, n_layers: 4, "
+             "n_heads: 2}, {d_model: 24, n_layers: 4, n_heads: 3}, {d_model: 32, n_layers: 4, n_heads: 4}, "
+             "{d_model: 48, n_layers: 4, n_heads: 6}]")
+    for target in (20_000, 60_000):
+        assert ladder.shape_for_params(target, p.sweep, p.sizes, p.resolved).model.n_layers == 4
+    large = ladder.shape_for_params(400_000, p.sweep, p.sizes, p.resolved).model
+    assert large.n_layers == round(large.d_model / 12) > 4 and large.d_model // large.n_heads == 8
+
+
+@pytest.mark.parametrize("ratios, placed", [("[2,4]", False), ("[2,40]", True)])
+def test_the_recommended_run_stays_within_the_tokens_per_parameter_the_ladder_trained(tiny_dataset, tmp_path,
+                                                                                      ratios, placed):
+    """Chinchilla's own constants put the optimum near 20 tokens per parameter: a ladder that
+    trained 2 to 40 places it there; one that trained 2 to 4 cannot tell, and the run stays at 4."""
+    p = plan(tiny_dataset, tmp_path, "sweep.target.flops=1e15", f"sweep.ladder.tokens_per_param={ratios}")
+    chinchilla = Parametric(E=1.69, A=406.4, alpha=0.34, B=410.7, beta=0.28)
+    laws = analysis.Laws(chinchilla, [], None, None, lambda n: 6 * n, 0.95)
+    n_opt, d_opt, _ = fit.compute_optimal(chinchilla, 1e15, laws.flops_per_token)
+    assert 10 < d_opt / n_opt < 40
+    cfg, info = analysis.recommend(p.sweep, laws, p.sizes, p.base, p.resolved, largest_flops=1e14)
+    ratio = info["tokens"] / info["params"]
+    assert info["tokens_per_param"] == pytest.approx(ratio)
+    warned = analysis.warnings({"recommended": info})
+    if placed:
+        assert "allocation" not in info and 0.7 < info["params"] / n_opt < 1.4 and not warned
+    else:
+        assert info["allocation"] == {"fit_tokens_per_param": pytest.approx(d_opt / n_opt),
+                                      "ladder_tokens_per_param": [2, 4]}
+        assert 0.5 * 4 < ratio < 2 * 4  # the nearest shape to 4 tokens per parameter
+        assert "outside the 2 to 4 the ladder trained" in warned[0]
+        assert "not the fit's optimum" in _recommended_yaml(cfg, info, str(tmp_path))
 
 
 def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
