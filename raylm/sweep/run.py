@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -132,6 +133,17 @@ def _cluster_share(per_trial: float, kind: str, field: str = "") -> int:
     return int(total // per_trial)
 
 
+class _NoTunerRestoreHint(logging.Filter):
+    """An interrupted Tune experiment tells the user to call `Tuner.restore(...)`; a sweep is
+    resumed by running its own command again, which raylm says instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tuner.restore(" not in record.getMessage()
+
+
+_NO_TUNER_RESTORE_HINT = _NoTunerRestoreHint()
+
+
 def _run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict, *, searcher=None,
                scheduler=None, param_space: Optional[dict] = None, num_samples: int = 1, concurrency: int = 1):
     """One Tune experiment in the sweep directory, restored if an earlier run of the command left it."""
@@ -152,6 +164,7 @@ def _run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict
                                         num_samples=num_samples, max_concurrent_trials=concurrency),
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures)))
+    logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once
     return tuner.fit()
 
 

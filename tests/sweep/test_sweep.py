@@ -67,6 +67,7 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     said = (tmp_path / "first.log").read_text(errors="replace")
     assert first.returncode == 130, said[-4000:]
     assert "raylm: the sweep was interrupted" in said and "run the same command again to resume it" in said
+    assert "Tuner.restore(" not in said  # Tune's own hint, for its Python API, would contradict it
     # Resumed, then its driver (and the Ray it started, in its process group) dies once more
     # trials have finished.
     interrupt("second", 3, signal.SIGKILL)
