@@ -122,17 +122,16 @@ def shapes(text: str) -> list[dict]:
     return out
 
 
-def trend(directory: str, copy: str, fitted: dict, extra: list[dict], beyond: list[dict]) -> None:
-    """The loss along the held-out budget at every size, and the seed-mean refit's predictions past it."""
+def trend(directory: str, copy: str, fitted: dict, budget: str, extra: list[dict], beyond: list[dict]) -> None:
+    """The loss along the held-out `budget` at every size, and the seed-mean refit's predictions past it."""
     from raylm.sweep import run as sweep_run
 
     rows = sweep_run.read_trials(directory)
     check = fitted["check"]
-    ratio = round(check["tokens"] / check["params"])
     losses: dict[float, list[float]] = {}
     tokens: dict[float, float] = {check["params"]: check["tokens"], **{b["params"]: b["tokens"] for b in beyond}}
     for rung in fitted["rungs"]:
-        if rung["budget"] != f"tokens_per_param={ratio}":
+        if rung["budget"] != budget:
             continue
         # The rung's best completed trial (seed 0) and its repeats at that rate.
         best = min((r for r in rows if r["rung"] == rung["rung"] and r["phase"] == "ladder"
@@ -148,7 +147,7 @@ def trend(directory: str, copy: str, fitted: dict, extra: list[dict], beyond: li
     for b in beyond:
         losses.setdefault(b["params"], []).append(b["val_loss"])
     _, _, laws = sweep_run.fit_ladder(copy)
-    print(f"\nalong {ratio} tokens per parameter (mean of the seeds; slope: -d ln L / d ln N from the size before):")
+    print(f"\nalong {budget} (mean of the seeds; slope: -d ln L / d ln N from the size before):")
     previous = None
     for params in sorted(losses):
         values = losses[params]
@@ -217,7 +216,8 @@ def main() -> None:
     copy = seed_mean_copy(plan.directory, done)
     subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", copy], check=True)
     if past:
-        trend(plan.directory, copy, fitted, done, past)
+        trend(plan.directory, copy, fitted, next(r for r in plan.rungs if r.held_out).budget, done, past)
+
 
 if __name__ == "__main__":
     main()
