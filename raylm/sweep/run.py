@@ -531,7 +531,9 @@ def summary(result: dict) -> str:
                          + ")")
     rec = result.get("recommended")
     if rec and "error" not in rec:
+        # A refit keeps the sweep's recommendation: say so, or its loss reads as the refit's prediction.
         lines.append(f"recommended: {rec['params']:,} parameters, {rec['tokens']:,} tokens, lr {rec['lr']:.3g}, "
-                     f"predicted loss {rec['predicted_loss']['loss']:.4f} -> {result['sweep']}/{RECOMMENDED_FILE}")
+                     f"predicted loss {rec['predicted_loss']['loss']:.4f} -> {result['sweep']}/{RECOMMENDED_FILE}"
+                     + (f" ({rec['refit']})" if "refit" in rec else ""))
     lines += [f"warning: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)

@@ -137,6 +137,9 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
         assert refitted[key] == result[key], key
     assert {k: v for k, v in refitted["check"].items()} == result["check"]
     assert f"predictor: {result['predictor']['chosen']}" in again.stdout
+    # The refit keeps the sweep's recommendation, and its summary says so.
+    (shown,) = [line for line in again.stdout.splitlines() if line.startswith("recommended:")]
+    assert shown.endswith("(carried over from the sweep: --refit does not place the recommended run again)"), shown
     for name in ("loss_vs_compute.png", "lr_curves.png", "residuals.png"):
         assert os.path.getsize(os.path.join(directory, "plots", name)) > 10_000
 
