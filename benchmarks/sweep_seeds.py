@@ -17,9 +17,17 @@ the noise rung's seed 0 is shifted too; the per-rung spreads printed before it a
 `--beyond 128:8,...` (d_model:n_heads, at the held-out size's depth) also trains sizes past the
 held-out one at its budget (tokens per parameter), at the rate the sweep's lr_vs_params gives,
 seed 0 and `--seeds`: does the loss go on falling with size as the ladder said, or as the
-held-out rung did? It prints the loss along that budget at every size, the log-log slope between
-neighbours, and what each predictor of the seed-mean refit says for the sizes past the ladder.
-Their trials are kept in <sweep>/seeds-extra/beyond.jsonl.
+held-out rung did? `d_model:n_heads:n_layers` trains another shape (e.g. 112:7:3 beside a held-out
+96:6 of 4 layers: about the same size): does one shape sit off the trend, and by how much would a
+check over several shapes of one size scatter? It prints the loss along that budget at every
+size, the log-log slope between neighbours, what each predictor of the seed-mean refit says for
+the sizes from the held-out one on, and each size's distance from the power law through the
+sizes at the ladder's depth. Their trials are kept in <sweep>/seeds-extra/beyond.jsonl.
+
+`--mean-of 0,1,2` averages only those seeds (default: every seed run), and `--drop-budget
+tokens_per_param=20` also refits the copy without the ladder's rungs of that budget
+(<sweep>-seed-mean-without-tokens_per_param20) and prints its predictions beside the copy's:
+which ladder would have predicted the held-out size, asked of trials already run.
 """
 
 from __future__ import annotations
@@ -37,8 +45,14 @@ import sys
 import time
 import warnings
 from multiprocessing import Pool
+from typing import Callable
 
 EXTRA = "seeds-extra"
+
+
+def beyond_name(shape: dict) -> str:
+    """The size's rung name: `d128-check` at the held-out depth, `d112x3-check` at another."""
+    return f"d{shape['d_model']}" + (f"x{shape['n_layers']}" if "n_layers" in shape else "") + "-check"
 
 
 def beyond_rung(plan, shape: dict):
@@ -46,12 +60,12 @@ def beyond_rung(plan, shape: dict):
     from raylm.sweep import ladder
 
     held_out = next(r for r in plan.rungs if r.held_out)
+    name = beyond_name(shape)
     shape = {"n_layers": held_out.size.model.n_layers, **shape}
     sweep = dataclasses.replace(plan.sweep, ladder=dataclasses.replace(plan.sweep.ladder, sizes=[shape]))
     (size,) = ladder.build_sizes(sweep, plan.resolved)
     ratio = ladder.check_tokens_per_param(plan.sweep)
-    return ladder.Rung(f"d{shape['d_model']}-check", size, f"tokens_per_param={ratio:g}", ratio * size.params,
-                       True, 1.0)
+    return ladder.Rung(name, size, f"tokens_per_param={ratio:g}", ratio * size.params, True, 1.0)
 
 
 def run_one(job: tuple) -> dict:
@@ -79,17 +93,19 @@ def run_one(job: tuple) -> dict:
     train(trial, LocalEnv(run_dir, use_gpu=False), ())
     last = next(r for r in reversed(read_jsonl(os.path.join(run_dir, "metrics.jsonl"))) if "val_loss" in r)
     return {"rung": rung.name, "lr": lr, "seed": seed, "val_loss": last["val_loss"], "params": rung.size.params,
-            "tokens": last["tokens"], "wall_s": time.time() - started}
+            "n_layers": rung.size.model.n_layers, "tokens": last["tokens"], "wall_s": time.time() - started}
 
 
-def seed_mean_copy(directory: str, results: list[dict]) -> str:
-    """<directory>-seed-mean: trials.csv with every repeated rung's trials shifted to its seed mean."""
+def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int], bool]) -> str:
+    """<directory>-seed-mean: trials.csv with every repeated rung's trials shifted to the mean of
+    its `averaged` seeds."""
     rows = list(csv.DictReader(open(os.path.join(directory, "trials.csv"))))
     repeats: dict[str, list[float]] = {}
     rates: dict[str, float] = {}
     # The sweep's own noise phase repeated one rung already.
     for rung, lr, loss in [(r["rung"], r["lr"], r["val_loss"]) for r in results] + \
-            [(r["rung"], float(r["lr"]), float(r["val_loss"])) for r in rows if r["phase"] == "seeds"]:
+            [(r["rung"], float(r["lr"]), float(r["val_loss"])) for r in rows
+             if r["phase"] == "seeds" and averaged(int(r["seed"]))]:
         repeats.setdefault(rung, []).append(loss)
         rates[rung] = lr
     offsets = {}
@@ -107,28 +123,52 @@ def seed_mean_copy(directory: str, results: list[dict]) -> str:
     copy = directory.rstrip("/") + "-seed-mean"
     shutil.rmtree(copy, ignore_errors=True)
     shutil.copytree(directory, copy, ignore=shutil.ignore_patterns("trials", "tune-*", EXTRA, "*.pkl"))
-    with open(os.path.join(copy, "trials.csv"), "w", newline="") as f:
+    write_trials(copy, rows)
+    return copy
+
+
+def write_trials(directory: str, rows: list[dict]) -> None:
+    with open(os.path.join(directory, "trials.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    return copy
+
+
+def without_budget(copy: str, budget: str) -> str:
+    """<copy>-without-<budget>: the ladder less the rungs of one budget (e.g. tokens_per_param=20)."""
+    rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
+    if not any(r["budget"] == budget for r in rows if r["phase"] == "ladder"):
+        sys.exit(f"sweep_seeds: --drop-budget {budget}: no ladder rung has it "
+                 f"(budgets: {sorted({r['budget'] for r in rows if r['phase'] == 'ladder'})})")
+    out = f"{copy}-without-{budget.replace('=', '')}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(copy, out)
+    write_trials(out, [r for r in rows if not (r["phase"] == "ladder" and r["budget"] == budget)])
+    return out
 
 
 def shapes(text: str) -> list[dict]:
     out = []
     for item in text.split(","):
-        d_model, n_heads = (int(x) for x in item.split(":"))
-        out.append({"d_model": d_model, "n_heads": n_heads})
+        values = [int(x) for x in item.split(":")]
+        if len(values) not in (2, 3):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected d_model:n_heads or d_model:n_heads:n_layers")
+        out.append(dict(zip(("d_model", "n_heads", "n_layers"), values)))
     return out
 
 
-def trend(directory: str, copy: str, fitted: dict, budget: str, extra: list[dict], beyond: list[dict]) -> None:
-    """The loss along the held-out `budget` at every size, and the seed-mean refit's predictions past it."""
+def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra: list[dict], beyond: list[dict],
+          depth: int, averaged: Callable[[int], bool]) -> None:
+    """The loss along the held-out `budget` at every size, what each refit in `fits` (name: its
+    directory) predicts from the held-out size on, and each size's distance from the power law
+    through the sizes of the ladder's `depth` (other shapes are measured against it, not part of
+    it). Last, each predictor's error over the shapes of about the held-out size (within 10%)."""
     from raylm.sweep import run as sweep_run
 
     rows = sweep_run.read_trials(directory)
     check = fitted["check"]
     losses: dict[float, list[float]] = {}
+    layers: dict[float, int] = {}
     tokens: dict[float, float] = {check["params"]: check["tokens"], **{b["params"]: b["tokens"] for b in beyond}}
     for rung in fitted["rungs"]:
         if rung["budget"] != budget:
@@ -139,29 +179,54 @@ def trend(directory: str, copy: str, fitted: dict, budget: str, extra: list[dict
         tokens[rung["params"]] = rung["tokens"]
         repeats = [e["val_loss"] for e in extra
                    if e["rung"] == rung["rung"] and abs(e["lr"] / float(best["lr"]) - 1) < 1e-6]
-        repeats += [float(r["val_loss"]) for r in rows if r["phase"] == "seeds" and r["rung"] == rung["rung"]]
+        repeats += [float(r["val_loss"]) for r in rows
+                    if r["phase"] == "seeds" and r["rung"] == rung["rung"] and averaged(int(r["seed"]))]
         losses[rung["params"]] = [float(best["val_loss"]), *repeats]
     (picked,) = [float(r["val_loss"]) for r in rows
                  if r["phase"] == "check" and abs(float(r["lr"]) / check["lr"] - 1) < 1e-6]
     losses[check["params"]] = [picked] + [e["val_loss"] for e in extra if e["rung"] == check["rung"]]
     for b in beyond:
         losses.setdefault(b["params"], []).append(b["val_loss"])
-    _, _, laws = sweep_run.fit_ladder(copy)
-    print(f"\nalong {budget} (mean of the seeds; slope: -d ln L / d ln N from the size before):")
+        layers[b["params"]] = b.get("n_layers", depth)  # rows written before shapes were all at this depth
+    means = {params: statistics.mean(values) for params, values in losses.items()}
+    on_law = sorted(params for params in means if layers.get(params, depth) == depth)
+    # Least squares of ln L on ln N through the sizes of the ladder's depth.
+    xs, ys = [math.log(p) for p in on_law], [math.log(means[p]) for p in on_law]
+    x0, y0 = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - x0) * (y - y0) for x, y in zip(xs, ys)) / sum((x - x0) ** 2 for x in xs)
+    laws = {name: sweep_run.fit_ladder(path)[2] for name, path in fits.items()}
+    errors: dict[tuple[str, str], dict[float, float]] = {}
+    for fit_name, law in laws.items():
+        for predictor in law.predictors:
+            errors[fit_name, predictor] = {params: law.predict(params, tokens[params], predictor)["loss"] / means[params] - 1
+                                           for params in means if params >= check["params"]}
+    print(f"\nalong {budget} (mean of the seeds; slope: -d ln L / d ln N from the size before; off the law: "
+          f"from L ∝ N^{slope:.3f} through the {len(on_law)} sizes of {depth} layers):")
     previous = None
     for params in sorted(losses):
-        values = losses[params]
-        mean = statistics.mean(values)
-        line = f"  {params:>9,.0f} params: {mean:.4f} over {len(values)} seed(s), spread " \
-               f"{(max(values) - min(values)) / min(values):.2%}"
-        if previous:
+        values, mean = losses[params], means[params]
+        standard_error = statistics.stdev(values) / math.sqrt(len(values)) / mean if len(values) > 1 else math.nan
+        line = f"  {params:>9,.0f} params, {layers.get(params, depth)} layers: {mean:.4f} over {len(values)} " \
+               f"seed(s) (standard error {standard_error:.2%}), off the law " \
+               f"{mean / math.exp(y0 + slope * (math.log(params) - x0)) - 1:+.2%}"
+        if previous and layers.get(params, depth) == depth:
             line += f", slope {math.log(previous[1] / mean) / math.log(params / previous[0]):.3f}"
         if params >= check["params"]:
-            predicted = {name: laws.predict(params, tokens[params], name)["loss"] for name in laws.predictors}
-            line += "; predicted " + ", ".join(f"{name} {loss:.4f} ({loss / mean - 1:+.2%})"
-                                               for name, loss in predicted.items())
+            line += "; error " + ", ".join(f"{fit_name} {predictor} {by_size[params]:+.2%}"
+                                           for (fit_name, predictor), by_size in errors.items())
         print(line, flush=True)
-        previous = (params, mean)
+        if layers.get(params, depth) == depth:
+            previous = (params, mean)
+    near = [params for params in means if abs(params / check["params"] - 1) <= 0.1]
+    if len(near) > 1:
+        print(f"over the {len(near)} shapes of about the held-out size, the mean error of each prediction:")
+        for fit_name, path in fits.items():
+            with open(os.path.join(path, "fit.json")) as f:
+                chosen = json.load(f)["predictor"]["chosen"]
+            print(f"  {fit_name}: " + ", ".join(
+                f"{predictor}{' (chosen)' if predictor == chosen else ''} "
+                f"{statistics.mean(errors[fit_name, predictor][p] for p in near):+.2%}"
+                for predictor in laws[fit_name].predictors))
 
 
 def main() -> None:
@@ -171,8 +236,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
                         help="comma-separated, e.g. 1,2 (seed 0 is the sweep's own trial)")
     parser.add_argument("--beyond", type=shapes, default=[],
-                        help="sizes past the held-out one, d_model:n_heads, comma-separated, e.g. 80:5,128:8")
+                        help="other sizes at the held-out budget, d_model:n_heads (the held-out depth) or "
+                             "d_model:n_heads:n_layers, comma-separated, e.g. 80:5,128:8,112:7:3")
+    parser.add_argument("--mean-of", type=lambda t: {int(x) for x in t.split(",")},
+                        help="the seeds the copy and the trend average, e.g. 0,1,2 (default: every seed run)")
+    parser.add_argument("--drop-budget", metavar="BUDGET",
+                        help="also refit the copy without the ladder's rungs of this budget, e.g. tokens_per_param=20")
     args = parser.parse_intermixed_args()
+    if args.mean_of is not None and 0 not in args.mean_of:
+        parser.error("--mean-of: the sweep's own trials are seed 0, which every mean includes: list it")
     from raylm.sweep import fit as sweep_fit
     from raylm.sweep import run as sweep_run
 
@@ -204,7 +276,7 @@ def main() -> None:
         params = beyond_rung(plan, shape).size.params
         lr = sweep_fit.eval_power_law(fitted["lr"]["lr_vs_params"], params)
         jobs += [(args.sweep, args.overrides, shape, lr, seed, ratio * params * params)
-                 for seed in sorted({0, *args.seeds}) if (f"d{shape['d_model']}-check", seed) not in have]
+                 for seed in sorted({0, *args.seeds}) if (beyond_name(shape), seed) not in have]
     jobs.sort(key=lambda job: -job[-1])
     with Pool(2) as pool:
         for row in pool.imap_unordered(run_one, [job[:-1] for job in jobs]):
@@ -213,10 +285,20 @@ def main() -> None:
             with open(beyond_path if into is past else results_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             into.append(row)
-    copy = seed_mean_copy(plan.directory, done)
-    subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", copy], check=True)
+    def averaged(seed: int) -> bool:
+        return args.mean_of is None or seed in args.mean_of
+
+    done = [d for d in done if averaged(d["seed"])]
+    copy = seed_mean_copy(plan.directory, done, averaged)
+    fits = {"seed-mean": copy}
+    if args.drop_budget:
+        fits[f"without {args.drop_budget}"] = without_budget(copy, args.drop_budget)
+    for path in fits.values():
+        subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", path], check=True)
     if past:
-        trend(plan.directory, copy, fitted, next(r for r in plan.rungs if r.held_out).budget, done, past)
+        held_out = next(r for r in plan.rungs if r.held_out)
+        trend(plan.directory, fits, fitted, held_out.budget, done, [b for b in past if averaged(b["seed"])],
+              held_out.size.model.n_layers, averaged)
 
 
 if __name__ == "__main__":
