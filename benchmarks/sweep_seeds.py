@@ -137,9 +137,6 @@ def write_trials(directory: str, rows: list[dict]) -> None:
 def without_budget(copy: str, budget: str) -> str:
     """<copy>-without-<budget>: the ladder less the rungs of one budget (e.g. tokens_per_param=20)."""
     rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
-    if not any(r["budget"] == budget for r in rows if r["phase"] == "ladder"):
-        sys.exit(f"sweep_seeds: --drop-budget {budget}: no ladder rung has it "
-                 f"(budgets: {sorted({r['budget'] for r in rows if r['phase'] == 'ladder'})})")
     out = f"{copy}-without-{budget.replace('=', '')}"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(copy, out)
@@ -150,7 +147,10 @@ def without_budget(copy: str, budget: str) -> str:
 def shapes(text: str) -> list[dict]:
     out = []
     for item in text.split(","):
-        values = [int(x) for x in item.split(":")]
+        try:
+            values = [int(x) for x in item.split(":")]
+        except ValueError:
+            values = []
         if len(values) not in (2, 3):
             raise argparse.ArgumentTypeError(f"{item!r}: expected d_model:n_heads or d_model:n_heads:n_layers")
         out.append(dict(zip(("d_model", "n_heads", "n_layers"), values)))
@@ -249,6 +249,9 @@ def main() -> None:
     from raylm.sweep import run as sweep_run
 
     plan = sweep_run.resolve(args.sweep, args.overrides)
+    budgets = list(dict.fromkeys(r.budget for r in plan.rungs if not r.held_out))
+    if args.drop_budget is not None and args.drop_budget not in budgets:
+        parser.error(f"--drop-budget {args.drop_budget}: the ladder's budgets are {', '.join(budgets)}")
     if not os.path.exists(os.path.join(plan.directory, "fit.json")):
         sys.exit(f"sweep_seeds: {plan.directory} holds no fit.json: run the sweep to its end first "
                  f"(`raylm sweep {args.sweep} {' '.join(args.overrides)}`)")
