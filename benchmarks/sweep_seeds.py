@@ -288,6 +288,7 @@ def main() -> None:
             with open(beyond_path if into is past else results_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             into.append(row)
+
     def averaged(seed: int) -> bool:
         return args.mean_of is None or seed in args.mean_of
 
