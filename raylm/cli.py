@@ -27,6 +27,7 @@ def _add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    import ray.data  # noqa: F401 - importing it sets its loggers up, resetting a level set before
     from raylm.data.prepare import prepare_dataset
 
     # Ray Data's execution plans and progress blocks: its bookkeeping, shown with --verbose.
