@@ -99,6 +99,8 @@ def run_one(job: tuple) -> dict:
 def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int], bool]) -> str:
     """<directory>-seed-mean: trials.csv with every repeated rung's trials shifted to the mean of
     its `averaged` seeds."""
+    from raylm.sweep.run import write_trials
+
     rows = list(csv.DictReader(open(os.path.join(directory, "trials.csv"))))
     repeats: dict[str, list[float]] = {}
     rates: dict[str, float] = {}
@@ -127,15 +129,10 @@ def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int]
     return copy
 
 
-def write_trials(directory: str, rows: list[dict]) -> None:
-    with open(os.path.join(directory, "trials.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def without_budget(copy: str, budget: str) -> str:
     """<copy>-without-<budget>: the ladder less the rungs of one budget (e.g. tokens_per_param=20)."""
+    from raylm.sweep.run import write_trials
+
     rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
     out = f"{copy}-without-{budget.replace('=', '')}"
     shutil.rmtree(out, ignore_errors=True)
