@@ -27,7 +27,9 @@ sizes at the ladder's depth. Their trials are kept in <sweep>/seeds-extra/beyond
 `--mean-of 0,1,2` averages only those seeds (default: every seed run), and `--drop-budget
 tokens_per_param=20` also refits the copy without the ladder's rungs of that budget
 (<sweep>-seed-mean-without-tokens_per_param20) and prints its predictions beside the copy's:
-which ladder would have predicted the held-out size, asked of trials already run.
+which ladder would have predicted the held-out size, asked of trials already run. The dropped
+budget's rungs are not repeated (trials already run still count), so the full copy averages
+them only where earlier runs repeated them.
 """
 
 from __future__ import annotations
@@ -258,8 +260,9 @@ def main() -> None:
     # Each rung's best completed trial's own rate (fit.json's is refined between the rates tried).
     ladder = [r for r in csv.DictReader(open(os.path.join(plan.directory, "trials.csv")))
               if r["phase"] == "ladder" and r["status"] == "completed"]
+    # A dropped budget's rungs are not repeated: the refit that answers the question leaves them out.
     wanted = [(rung, float(min((r for r in ladder if r["rung"] == rung), key=lambda r: float(r["val_loss"]))["lr"]))
-              for rung in sorted({r["rung"] for r in ladder})]
+              for rung in sorted({r["rung"] for r in ladder if r["budget"] != args.drop_budget})]
     wanted.append((fitted["check"]["rung"], fitted["check"]["lr"]))
     results_path = os.path.join(plan.directory, EXTRA, "results.jsonl")
     beyond_path = os.path.join(plan.directory, EXTRA, "beyond.jsonl")

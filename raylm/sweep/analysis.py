@@ -27,11 +27,14 @@ LOCAL_SIZES = 2  # the local form is fitted on the rungs of the ladder's largest
 DISAGREEMENT = 0.01  # predictors further apart than this (or the noise floor, when measured) are flagged
 
 
-def rung_bests(rows: list[dict]) -> list[dict]:
+def rung_bests(rows: list[dict], repeats: list[dict] = ()) -> list[dict]:
     """Per rung, the best learning rate and its loss, both refined by the parabola through the
     best completed trial and its neighbours in log lr (at its best batch size when batch sizes
     were swept): one trial's loss alone carries its seed's noise. The best is at the grid's edge
-    when no value tried beyond it, completed or stopped early as worse, brackets it."""
+    when no value tried beyond it, completed or stopped early as worse, brackets it. `repeats`
+    (`ladder.seeds`) trained the best trial again with other seeds: the loss is moved by their
+    mean's distance from the best trial's, so the refinement keeps its shape and the seed its
+    place."""
     by_rung: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         by_rung[row["rung"]].append(row)
@@ -45,10 +48,16 @@ def rung_bests(rows: list[dict]) -> list[dict]:
         lr, loss, _ = fit.best_lr([r["lr"] for r in same_batch], [r["val_loss"] for r in same_batch])
         lrs = {r["lr"] for r in tried if r["batch"] == best["batch"] and r["status"] != ERROR}
         at_edge = len(lrs) > 1 and best["lr"] in (min(lrs), max(lrs))
-        out.append({"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
-                    "tokens": best["tokens"], "flops": best["flops"], "loss": loss,
-                    "best_trial_loss": best["val_loss"], "lr": lr,
-                    "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)})
+        entry = {"rung": rung, "budget": best["budget"], "size": best["size"], "params": best["params"],
+                 "tokens": best["tokens"], "flops": best["flops"], "loss": loss,
+                 "best_trial_loss": best["val_loss"], "lr": lr,
+                 "lr_at_grid_edge": at_edge, "batch": best["batch"], "trials": len(trials)}
+        seeds = [r["val_loss"] for r in repeats if r["rung"] == rung and r["status"] == COMPLETED
+                 and r["batch"] == best["batch"] and math.isclose(r["lr"], best["lr"], rel_tol=1e-9)]
+        if seeds:
+            entry["seed_losses"] = [best["val_loss"], *seeds]
+            entry["loss"] = loss + float(np.mean(entry["seed_losses"])) - best["val_loss"]
+        out.append(entry)
     return sorted(out, key=lambda r: (r["params"], r["tokens"]))
 
 
@@ -156,9 +165,10 @@ def _safe(f: Callable[[], dict]) -> dict:
         return {"error": str(e)}
 
 
-def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig) -> tuple[dict, Laws]:
-    """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`)."""
-    bests = rung_bests(rows)
+def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = ()) -> tuple[dict, Laws]:
+    """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`);
+    with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase)."""
+    bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
     result: dict = {"params_count": sweep.fit.params, "rungs": bests}
     per_size: dict[int, list[dict]] = defaultdict(list)
     for b in bests:

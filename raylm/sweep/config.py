@@ -41,6 +41,12 @@ class LadderConfig:
     isoFLOP fit, Chinchilla approach 2)."""
     batch_size: list[int] = field(default_factory=list)
     """Global batch sizes (sequences) to sweep; empty: the base run's batch only."""
+    seeds: int = 1
+    """Trainings of each fitted rung at its best learning rate, each with its own seed (`train.seed`,
+    `data.seed`): the first is the search's trial, the others run after the ladder, and the fits
+    take their mean loss. With `check`, the held-out rung (at the picked rate) and every
+    check_shapes shape are trained as many times. One seed's loss moves by a few percent at these
+    sizes, as much as the error a check is judged by."""
 
 
 @dataclass
@@ -137,6 +143,12 @@ class SweepConfig:
     """Hold the largest size out of the fits, predict its loss, train it, and record the error."""
     check_tokens_per_param: Optional[float] = None
     """The held-out size's budget; None: the median of ladder.tokens_per_param (20 without)."""
+    check_shapes: list[dict] = field(default_factory=list)
+    """Other shapes of the held-out size (model keys, as ladder.sizes; within 25% of its parameter
+    count), trained at its budget and at the learning rate lr_vs_params gives them: the check's
+    error averaged over them and the held-out shape (with check: true; ignored without). Shapes of
+    one size sit a percent or two apart, so one shape alone says as much about its shape as about
+    the fit."""
     allow_repeated_data: bool = False
     """Let rungs whose budget exceeds the data's unique training tokens train on repeated tokens
     (refused by default: repetition bends the curve the fits assume)."""
@@ -204,6 +216,8 @@ def check_sweep(sweep: SweepConfig) -> None:
         raise ConfigError("give at most one of target.flops and target.params")
     if sweep.fit.bootstrap < 0 or not 0 < sweep.fit.confidence < 1:
         raise ConfigError("fit needs bootstrap >= 0 and 0 < confidence < 1")
+    if ladder.seeds < 1:
+        raise ConfigError(f"ladder.seeds must be at least 1 (the search's own trial), got {ladder.seeds}")
     if sweep.check and len(ladder.sizes or ladder.d_model) < 3:
         raise ConfigError("check: true holds the largest size out of the fit; the ladder then needs at "
                           "least 3 sizes (2 to fit, 1 to check)")

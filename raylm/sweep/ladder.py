@@ -65,6 +65,13 @@ def rule_shape(d_model: int, aspect_ratio: float, head_dim: int, min_layers: int
     return {"d_model": d_model, "n_layers": n_layers, "n_heads": d_model // head_dim}
 
 
+def _size(sweep: SweepConfig, base: Config, index: int, where: str, keys: dict) -> Size:
+    model = _model_for(base.model, keys, where)
+    non_emb, total = count_params(model, exclude_embeddings=True), count_params(model)
+    return Size(index, where, model, non_emb if sweep.fit.params == "non_embedding" else total, non_emb, total,
+                flops_per_token(model, base.train.seq_len))
+
+
 def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
     ladder = sweep.ladder
     if ladder.sizes:
@@ -75,13 +82,7 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
             if d % ladder.head_dim:
                 raise ConfigError(f"ladder.d_model[{i}]={d} is not a multiple of ladder.head_dim={ladder.head_dim}")
             shapes.append((f"ladder.d_model[{i}]", rule_shape(d, ladder.aspect_ratio, ladder.head_dim)))
-    seq_len = base.train.seq_len
-    sizes = []
-    for i, (where, keys) in enumerate(shapes):
-        model = _model_for(base.model, keys, where)
-        non_emb, total = count_params(model, exclude_embeddings=True), count_params(model)
-        sizes.append(Size(i, where, model, non_emb if sweep.fit.params == "non_embedding" else total, non_emb, total,
-                          flops_per_token(model, seq_len)))
+    sizes = [_size(sweep, base, i, where, keys) for i, (where, keys) in enumerate(shapes)]
     for a, b in zip(sizes, sizes[1:]):
         if b.params <= a.params:
             raise ConfigError(f"{b.where} ({b.params:,} parameters) is not larger than {a.where} ({a.params:,}): "
@@ -89,18 +90,35 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
     return sizes
 
 
+SHAPE_TOLERANCE = 0.25  # how far a check shape's parameter count may sit from the held-out size's
+
+
+def build_check_shapes(sweep: SweepConfig, base: Config, sizes: list[Size]) -> list[Size]:
+    """check_shapes as sizes numbered after the ladder's; each of about the held-out size."""
+    held_out = sizes[-1]
+    shapes = [_size(sweep, base, len(sizes) + i, f"check_shapes[{i}]", dict(keys))
+              for i, keys in enumerate(sweep.check_shapes)]
+    for shape in shapes:
+        if abs(shape.params / held_out.params - 1) > SHAPE_TOLERANCE:
+            raise ConfigError(f"{shape.where} has {shape.params:,} parameters, the held-out size ({held_out.where}) "
+                              f"{held_out.params:,}: the check averages shapes of one size, within "
+                              f"{SHAPE_TOLERANCE:.0%} of it")
+    return shapes
+
+
 def check_tokens_per_param(sweep: SweepConfig) -> float:
     ratios = sweep.ladder.tokens_per_param
     return sweep.check_tokens_per_param or (statistics.median(ratios) if ratios else CHINCHILLA_TOKENS_PER_PARAM)
 
 
-def build_rungs(sweep: SweepConfig, sizes: list[Size]) -> list[Rung]:
-    """Every (size, budget) of the ladder; with `check`, the largest size is held out at one budget."""
+def build_rungs(sweep: SweepConfig, sizes: list[Size], check_shapes: tuple[Size, ...] = ()) -> list[Rung]:
+    """Every (size, budget) of the ladder; with `check`, the largest size is held out at one budget,
+    and after it the check's other shapes at that budget (`held_out_rung` is the first)."""
     ladder, smallest = sweep.ladder, sizes[0].params
     rungs = []
-    for size in sizes:
+    for size in [*sizes, *check_shapes]:
         scale = (size.params / smallest) ** sweep.lr.scale_exponent
-        held_out = sweep.check and size is sizes[-1]
+        held_out = sweep.check and size.index >= sizes[-1].index
         if held_out:
             ratio = check_tokens_per_param(sweep)
             rungs.append(Rung(f"s{size.index}-check", size, f"tokens_per_param={ratio:g}", ratio * size.params,
@@ -113,6 +131,11 @@ def build_rungs(sweep: SweepConfig, sizes: list[Size]) -> list[Rung]:
             rungs.append(Rung(f"s{size.index}-f{flops:.3g}", size, f"flops={flops:.3g}",
                               flops / size.flops_per_token, False, scale))
     return rungs
+
+
+def held_out_rung(rungs: list[Rung]) -> Rung:
+    """The held-out size's rung, the one the check predicts and picks a learning rate for."""
+    return next(r for r in rungs if r.held_out)
 
 
 def batch_sizes(sweep: SweepConfig, base: Config) -> list[int]:

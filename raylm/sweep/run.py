@@ -78,7 +78,8 @@ def resolve(path: str, overrides: list[str]) -> Plan:
         data=dataclasses.replace(base.data, loader="local"))  # in-process trials read with pyarrow
     spec = resolve_run(trials_base, announce=True)
     sizes = ladder.build_sizes(sweep, spec.config)
-    rungs = ladder.build_rungs(sweep, sizes)
+    shapes = ladder.build_check_shapes(sweep, spec.config, sizes) if sweep.check else []
+    rungs = ladder.build_rungs(sweep, sizes, shapes)
     ladder.check_budgets(sweep, spec.config, rungs)
     unique_tokens = sum(m.splits["train"].unique_tokens for m in spec.datasets.manifests)
     for line in ladder.check_repetition(sweep, rungs, unique_tokens):
@@ -212,26 +213,40 @@ def _rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
     return sorted(rows, key=lambda r: (r["phase"] != "ladder", r["params"], r["tokens"], r["lr"]))
 
 
-def _noise_phase(plan: Plan, bests: list[dict], rows: list[dict], trials: TrialPlan) -> tuple[dict, list[dict]]:
-    """The largest fitted size's rung (at the held-out rung's budget where it has one) trained
-    again at its best trial's learning rate with NOISE_SEEDS other seeds (`train.seed`,
-    `data.seed`): the spread of the three losses is the noise floor a prediction is judged by."""
-    held = next(r for r in plan.rungs if r.held_out)
-    largest = [b for b in bests if b["params"] == max(x["params"] for x in bests)]
-    rung = next((b for b in largest if b["budget"] == held.budget), min(largest, key=lambda b: b["tokens"]))
-    best = min((r for r in rows if r["rung"] == rung["rung"] and r["status"] == COMPLETED),
-               key=lambda r: r["val_loss"])
-    seeds = list(range(1, NOISE_SEEDS + 1))
+def noise_rung(fitted: list[dict], held_out_budget: str) -> str:
+    """The rung whose seeds make the noise floor: the largest fitted size's, at the held-out rung's
+    budget where it has one (else its smallest). `fitted`: rows or rung bests of the ladder."""
+    largest = [r for r in fitted if r["params"] == max(x["params"] for x in fitted)]
+    return next((r for r in largest if r["budget"] == held_out_budget), min(largest, key=lambda r: r["tokens"]))["rung"]
+
+
+def _seeds_phase(plan: Plan, rows: list[dict], trials: TrialPlan, concurrency: int) -> list[dict]:
+    """Fitted rungs trained again at their best trial's learning rate with other seeds
+    (`train.seed`, `data.seed`): every rung ladder.seeds - 1 times (the fits take the mean), and
+    with `check` the noise rung at least NOISE_SEEDS times (the spread of its losses is the noise
+    floor a prediction is judged by)."""
+    from raylm.sweep.search import RungSearcher, RungSlot
+
+    repeats = {rung: plan.sweep.ladder.seeds - 1 for rung in {r["rung"] for r in rows if r["status"] == COMPLETED}}
+    if plan.sweep.check and repeats:
+        noisy = noise_rung([r for r in rows if r["status"] == COMPLETED], ladder.held_out_rung(plan.rungs).budget)
+        repeats[noisy] = max(repeats[noisy], NOISE_SEEDS)
+    slots = []
+    for rung in sorted(repeats, key=lambda name: -plan.rung(name).target_tokens * plan.rung(name).size.flops_per_token):
+        best = min((r for r in rows if r["rung"] == rung and r["status"] == COMPLETED), key=lambda r: r["val_loss"])
+        slots += [RungSlot(rung, 1.0, best["lr"], best["batch"], seed) for seed in range(1, repeats[rung] + 1)]
+    if not slots:
+        return []
     grid = _run_phase(plan, "tune-seeds", trials, {"CPU": plan.sweep.trial.cpus, "GPU": plan.sweep.trial.gpus},
-                      param_space={"rung": rung["rung"], "lr": best["lr"], "batch": best["batch"],
-                                   "seed": _grid_search(seeds)}, concurrency=len(seeds))
-    seed_rows = _rows(plan, grid, "seeds", expected=len(seeds))
-    return noise_floor(rows, seed_rows), seed_rows
+                      searcher=RungSearcher(slots, plan.sweep, plan.batches), num_samples=len(slots),
+                      concurrency=concurrency)
+    return _rows(plan, grid, "seeds", expected=len(slots))
 
 
-def noise_floor(ladder_rows: list[dict], seed_rows: list[dict]) -> Optional[dict]:
-    """The repeats' losses beside the ladder trial they repeat, and their relative spread
-    ((max - min) / mean): None without two completed losses."""
+def noise_floor(ladder_rows: list[dict], seed_rows: list[dict], rung: str) -> Optional[dict]:
+    """The noise rung's repeats beside the ladder trial they repeat, and the relative spread of
+    their losses ((max - min) / mean): None without two completed losses."""
+    seed_rows = [r for r in seed_rows if r["rung"] == rung]
     if not seed_rows:
         return None
     first = seed_rows[0]
@@ -254,8 +269,11 @@ def _grid_search(values: list):
 def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: TrialPlan, cpus: float):
     """Predict the held-out rung from the chosen predictor, then train it at the predicted
     learning rate and at that rate x 2^-1/2 and x 2^1/2: the loss at the picked rate is the
-    check, and the best of the three says whether the pick was good."""
-    rung = next(r for r in plan.rungs if r.held_out)
+    check, and the best of the three says whether the pick was good. Then the check's repeats:
+    the picked rate with ladder.seeds - 1 other seeds, and each of check_shapes with every seed."""
+    from raylm.sweep.search import RungSearcher, RungSlot
+
+    rung = ladder.held_out_rung(plan.rungs)
     path = os.path.join(plan.directory, CHECK_PLAN_FILE)
     if os.path.exists(path):  # the prediction made before an interruption stands
         with open(path) as f:
@@ -265,8 +283,15 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
         lr = analysis.predicted_lr(laws, rung.size.params, fallback=largest["lr"])
         batch = largest["batch"]  # the largest fitted size's best (batch sizes are not extrapolated here)
         seq_len = plan.resolved.train.seq_len
-        tokens = ladder.steps_for(rung.target_tokens, batch, seq_len) * batch * seq_len
-        check = {"rung": rung.name, "params": rung.size.params, "tokens": tokens, "lr": lr, "batch": batch}
+
+        def tokens(r: ladder.Rung) -> int:
+            return ladder.steps_for(r.target_tokens, batch, seq_len) * batch * seq_len
+
+        check = {"rung": rung.name, "params": rung.size.params, "tokens": tokens(rung), "lr": lr, "batch": batch,
+                 "shapes": [{"rung": r.name, "params": r.size.params, "tokens": tokens(r),
+                             "lr": analysis.predicted_lr(laws, r.size.params, fallback=lr),
+                             **{k: getattr(r.size.model, k) for k in ("d_model", "n_layers", "n_heads")}}
+                            for r in plan.rungs if r.held_out and r is not rung]}
         with open(path, "w") as f:
             json.dump(check, f, indent=1)
     check.update(predict_check(laws, check))
@@ -290,16 +315,58 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
         grid = _run_phase(plan, "tune-check-batch", trials, resources, concurrency=int(concurrency),
                           param_space={"rung": rung.name, "lr": check["lr"], "batch": _grid_search(others)})
         rows += _rows(plan, grid, "check-batch", expected=len(others))
+    seeds = plan.sweep.ladder.seeds
+    slots = [RungSlot(rung.name, 1.0, check["lr"], check["batch"], seed) for seed in range(1, seeds)]
+    slots += [RungSlot(shape["rung"], 1.0, shape["lr"], check["batch"], seed)
+              for shape in check.get("shapes", []) for seed in range(seeds)]
+    if slots:
+        print(f"raylm: check: {len(slots)} repeats ({seeds} seed(s) of the held-out size in "
+              f"{1 + len(check.get('shapes', []))} shape(s))", flush=True)
+        grid = _run_phase(plan, "tune-check-repeats", trials, resources, num_samples=len(slots),
+                          searcher=RungSearcher(slots, plan.sweep, plan.batches), concurrency=int(concurrency))
+        rows += _rows(plan, grid, "check-repeats", expected=len(slots))
     return check, rows
 
 
 def predict_check(laws: analysis.Laws, check: dict) -> dict:
-    """The held-out rung's prediction by the chosen predictor, and by each of them."""
+    """The held-out rung's prediction by the chosen predictor, and by each of them; the same for
+    each of the check's other shapes."""
     chosen = laws.predict(check["params"], check["tokens"])
+    by_predictor = {name: laws.predict(check["params"], check["tokens"], name)["loss"] for name in laws.predictors}
+    shapes = [dict(shape, predicted_loss=laws.predict(shape["params"], shape["tokens"])["loss"],
+                   by_predictor={name: laws.predict(shape["params"], shape["tokens"], name)["loss"]
+                                 for name in laws.predictors})
+              for shape in check.get("shapes", [])]
     return {"predictor": laws.chosen, "predicted_loss": chosen["loss"], "interval": chosen["interval"],
-            "bootstrap_failed": chosen["bootstrap_failed"],
-            "by_predictor": {name: laws.predict(check["params"], check["tokens"], name)["loss"]
-                             for name in laws.predictors}}
+            "bootstrap_failed": chosen["bootstrap_failed"], "by_predictor": by_predictor, "shapes": shapes}
+
+
+def _averaged(check: dict, check_rows: list[dict]) -> Optional[dict]:
+    """The check's error averaged over seeds and shapes: per shape (the held-out one at the picked
+    rate, then check_shapes), the mean loss of its seeds against its prediction; then the mean of
+    those errors. None when the check was not repeated."""
+    repeats = [r for r in check_rows if r["phase"] == "check-repeats"]
+    if not repeats:
+        return None
+    held_out = {k: check[k] for k in ("rung", "params", "tokens", "lr", "predicted_loss", "by_predictor")}
+    by_shape = []
+    for shape in [held_out, *check["shapes"]]:
+        losses = [r["val_loss"] for r in check_rows if r["rung"] == shape["rung"] and r["status"] == COMPLETED
+                  and (r["phase"] == "check-repeats" or (r["phase"] == "check" and
+                                                          math.isclose(r["lr"], shape["lr"], rel_tol=1e-9)))]
+        entry = dict(shape, losses=losses)
+        if losses:
+            mean = float(np.mean(losses))
+            entry.update(measured_loss=mean, relative_error=(shape["predicted_loss"] - mean) / mean,
+                         errors_by_predictor={k: (v - mean) / mean for k, v in shape["by_predictor"].items()})
+        by_shape.append(entry)
+    measured = [e for e in by_shape if "relative_error" in e]
+    out = {"shapes": by_shape, "measured_shapes": len(measured)}
+    if measured:
+        out["relative_error"] = float(np.mean([e["relative_error"] for e in measured]))
+        out["errors_by_predictor"] = {k: float(np.mean([e["errors_by_predictor"][k] for e in measured]))
+                                      for k in measured[0]["errors_by_predictor"]}
+    return out
 
 
 def measure_check(check: dict, check_rows: list[dict], noise: Optional[dict]) -> dict:
@@ -322,6 +389,8 @@ def measure_check(check: dict, check_rows: list[dict], noise: Optional[dict]) ->
         batch_rows = [r for r in check_rows if r["phase"] == "check-batch"]
         if batch_rows:
             out["batch_pick"] = _pick("batch", picked, [picked, *batch_rows], noise)
+    if averaged := _averaged(check, check_rows):
+        out["averaged"] = averaged
     return out
 
 
@@ -401,16 +470,18 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     if not any(r["status"] == COMPLETED for r in rows):
         errors = [str(r.error) for r in grid if r.error]
         raise RuntimeError(f"no trial of the sweep completed; first error: {errors[0] if errors else 'none reported'}")
-    result, laws = analysis.analyze(rows, plan.sizes, sweep)
+    seed_rows = _seeds_phase(plan, rows, trials, int(concurrency))
+    result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows)
     result = {"sweep": plan.directory, "asha": _asha_savings(rows), **result}
+    check_rows = []
     if sweep.check and laws.predictors:
         import ray
 
-        noise, seed_rows = _noise_phase(plan, result["rungs"], rows, trials)
+        noise = noise_floor(rows, seed_rows, noise_rung(result["rungs"], ladder.held_out_rung(plan.rungs).budget))
         cpus = sweep.trial.check_cpus or ray.cluster_resources().get("CPU", 1)
         check, check_rows = _check_phase(plan, laws, result["rungs"], trials, cpus)
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
-        rows += seed_rows + check_rows
+    rows += seed_rows + check_rows
     write_trials(plan.directory, rows)
     if (sweep.target.flops or sweep.target.params) and laws.parametric is not None:
         try:
@@ -457,10 +528,12 @@ def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:
     with open(record_path) as f:
         sweep = build_dataclass(SweepConfig, yaml.safe_load(f)["sweep"])
     rows = read_trials(directory)
+    # The ladder's sizes and the held-out one; the check's other shapes are not the ladder's.
     sizes = {int(r["size"]): ladder.Size(int(r["size"]), TRIALS_FILE, None, r["params"], r["params_non_embedding"],
-                                         r["params_total"], r["flops_per_token"]) for r in rows}
+                                         r["params_total"], r["flops_per_token"])
+             for r in rows if r["phase"] != "check-repeats"}
     result, laws = analysis.analyze([r for r in rows if r["phase"] == "ladder"], [sizes[i] for i in sorted(sizes)],
-                                    sweep)
+                                    sweep, [r for r in rows if r["phase"] == "seeds"])
     return rows, result, laws
 
 
@@ -476,12 +549,14 @@ def refit(directory: str) -> dict:
             previous = json.load(f)
     result = {"sweep": directory, "asha": _asha_savings(ladder_rows), **result}
     plan_path = os.path.join(directory, CHECK_PLAN_FILE)
-    check_rows = [r for r in rows if r["phase"] in ("check", "check-batch")]
+    check_rows = [r for r in rows if r["phase"] in ("check", "check-batch", "check-repeats")]
     if laws.predictors and check_rows and os.path.exists(plan_path):
         with open(plan_path) as f:
             check = json.load(f)
         check.update(predict_check(laws, check))
-        noise = noise_floor(ladder_rows, [r for r in rows if r["phase"] == "seeds"])
+        held_out_budget = next(r["budget"] for r in check_rows if r["rung"] == check["rung"])
+        noise = noise_floor(ladder_rows, [r for r in rows if r["phase"] == "seeds"],
+                            noise_rung(result["rungs"], held_out_budget))
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
     if "recommended" in previous:
         result["recommended"] = {**previous["recommended"], "refit": "carried over from the sweep: --refit does "
@@ -521,6 +596,13 @@ def summary(result: dict) -> str:
                      f"predicted {check['predicted_loss']:.4f} "
                      f"[{check['interval'][0]:.4f}, {check['interval'][1]:.4f}], measured {check['measured_loss']:.4f} "
                      f"({100 * check['relative_error']:+.2f}%; by predictor: {others})")
+    averaged = (check or {}).get("averaged")
+    if averaged and "relative_error" in averaged:
+        shapes = "; ".join(f"{e['rung']} {e['params']:,} params {e['measured_loss']:.4f} over {len(e['losses'])} "
+                           f"seed(s) ({100 * e['relative_error']:+.2f}%)" for e in averaged["shapes"] if e["losses"])
+        others = ", ".join(f"{k} {100 * v:+.2f}%" for k, v in averaged["errors_by_predictor"].items())
+        lines.append(f"check over {averaged['measured_shapes']} shape(s) and their seeds: mean error "
+                     f"{100 * averaged['relative_error']:+.2f}% (by predictor: {others}; {shapes})")
     for knob, shown in (("lr", ".3g"), ("batch", "g")):
         pick = (check or {}).get(f"{knob}_pick")
         if pick:

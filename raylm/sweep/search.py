@@ -32,6 +32,7 @@ class RungSlot:
     lr_scale: float
     lr: Optional[float] = None  # grid and random: decided up front; bayes: by Optuna
     batch: Optional[int] = None
+    seed: int = 0  # > 0: a repeat of the rung at a decided rate (`ladder.seeds`, the check's shapes)
 
 
 def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: dict[str, float]) -> list[RungSlot]:
@@ -54,21 +55,21 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
 
 
 class RungSearcher(Searcher):
-    """Suggests {"rung", "lr", "batch"} from a fixed plan; for bayes, each rung's learning rate
-    (and batch) comes from that rung's own Optuna TPE study."""
+    """Suggests {"rung", "lr", "batch"} (and "seed" for a repeat) from a fixed plan; for bayes, each
+    rung's learning rate (and batch) comes from that rung's own Optuna TPE study."""
 
     def __init__(self, slots: list[RungSlot], sweep: SweepConfig, batches: list[int]):
         super().__init__(metric=METRIC, mode=MODE)
         self.slots, self.next = slots, 0
         self.trial_rung: dict[str, str] = {}
         self.studies: dict = {}
-        if sweep.search.algorithm == "bayes":
+        rungs = list(dict.fromkeys(s.rung for s in slots if s.lr is None))  # each its own study and seed
+        if rungs:
             from ray.tune.search.optuna import OptunaSearch
 
             space = {"lr_mult": tune.loguniform(sweep.lr.low, sweep.lr.high)}
             if len(batches) > 1:
                 space["batch"] = tune.choice(batches)
-            rungs = list(dict.fromkeys(s.rung for s in slots))  # each its own study and seed
             self.studies = {rung: OptunaSearch(space, metric=METRIC, mode=MODE, seed=sweep.search.seed + i)
                             for i, rung in enumerate(rungs)}
         self.batch = batches[0]
@@ -83,7 +84,7 @@ class RungSearcher(Searcher):
         self.next += 1
         self.trial_rung[trial_id] = slot.rung
         if slot.lr is not None:
-            return {"rung": slot.rung, "lr": slot.lr, "batch": slot.batch}
+            return {"rung": slot.rung, "lr": slot.lr, "batch": slot.batch, **({"seed": slot.seed} if slot.seed else {})}
         suggested = self.studies[slot.rung].suggest(trial_id)
         return {"rung": slot.rung, "lr": suggested["lr_mult"] * slot.lr_scale,
                 "batch": suggested.get("batch", self.batch)}

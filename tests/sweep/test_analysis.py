@@ -144,12 +144,15 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
                    {"rung": "s2", "lr": 2e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": 2.10, "seed": 0}]
     seeds = [{"rung": "s2", "lr": 1e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": v, "seed": i}
              for i, v in ((1, 2.02), (2, 1.99))]
-    noise = noise_floor(ladder_rows, seeds)
+    other_rung = [dict(seeds[0], rung="s1", val_loss=3.0)]  # `ladder.seeds` repeats every rung: not the noise
+    noise = noise_floor(ladder_rows, seeds + other_rung, "s2")
     assert noise["losses"] == [2.00, 2.02, 1.99] and noise["seeds"] == [0, 1, 2]
     assert noise["relative_spread"] == pytest.approx(0.03 / np.mean([2.00, 2.02, 1.99]))
-    check = {"params": 1e5, "tokens": 2e6, "lr": 1e-3, "batch": 8, "predictor": "local", "predicted_loss": 1.50,
-             "interval": [1.45, 1.55], "by_predictor": {"local": 1.50, "chinchilla": 1.60}}
-    tried = [{"phase": "check", "lr": 1e-3 * f, "batch": 8, "status": analysis.COMPLETED, "val_loss": v}
+    check = {"rung": "s3-check", "params": 1e5, "tokens": 2e6, "lr": 1e-3, "batch": 8, "predictor": "local",
+             "predicted_loss": 1.50, "interval": [1.45, 1.55], "by_predictor": {"local": 1.50, "chinchilla": 1.60},
+             "shapes": []}
+    tried = [{"phase": "check", "rung": "s3-check", "lr": 1e-3 * f, "batch": 8, "status": analysis.COMPLETED,
+              "val_loss": v}
              for f, v in ((2 ** -0.5, 1.52), (1.0, 1.48), (2 ** 0.5, 1.47))]
     out = measure_check(check, tried, noise)
     assert "batch_pick" not in out  # one batch size swept: nothing to check it against
@@ -164,7 +167,7 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
     tight = dict(noise, relative_spread=0.001)
     assert measure_check(check, tried, tight)["lr_pick"]["good"] is False
     # Batch sizes swept: the others, at the picked rate, against the picked batch.
-    batches = [{"phase": "check-batch", "lr": 1e-3, "batch": b, "status": s, "val_loss": v}
+    batches = [{"phase": "check-batch", "rung": "s3-check", "lr": 1e-3, "batch": b, "status": s, "val_loss": v}
                for b, s, v in ((4, analysis.COMPLETED, 1.40), (16, analysis.DIVERGED, math.nan))]
     out = measure_check(check, tried + batches, noise)
     assert out["lr_pick"]["tried"].keys() == {f"{1e-3 * f:.6g}" for f in (2 ** -0.5, 1.0, 2 ** 0.5)}
@@ -172,6 +175,55 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
     assert (pick["picked_batch"], pick["picked_loss"], pick["best_batch"], pick["best_loss"]) == (8, 1.48, 4, 1.40)
     assert pick["relative_gap"] == pytest.approx(0.08 / 1.40) and pick["good"] is False and len(pick["tried"]) == 3
     assert any("batch size 8" in w and "against 4" in w for w in analysis.warnings({"check": out}))
+    assert "averaged" not in out  # the check was not repeated
+
+
+def test_a_repeated_check_averages_each_shape_over_its_seeds_then_the_shapes():
+    from raylm.sweep.run import measure_check
+
+    shape = {"rung": "s4-check", "params": 1.1e5, "tokens": 2.2e6, "lr": 9e-4, "predicted_loss": 1.45,
+             "by_predictor": {"local": 1.45, "chinchilla": 1.52}}
+    check = {"rung": "s3-check", "params": 1e5, "tokens": 2e6, "lr": 1e-3, "batch": 8, "predictor": "local",
+             "predicted_loss": 1.50, "interval": [1.45, 1.55], "by_predictor": {"local": 1.50, "chinchilla": 1.60},
+             "shapes": [shape]}
+
+    def row(phase, rung, lr, loss, seed=0, status=analysis.COMPLETED):
+        return {"phase": phase, "rung": rung, "lr": lr, "batch": 8, "status": status, "val_loss": loss, "seed": seed}
+
+    rows = [row("check", "s3-check", 1e-3 * 2 ** -0.5, 1.60), row("check", "s3-check", 1e-3, 1.48),
+            row("check", "s3-check", 1e-3 * 2 ** 0.5, 1.47),
+            row("check-repeats", "s3-check", 1e-3, 1.50, seed=1),
+            row("check-repeats", "s4-check", 9e-4, 1.44), row("check-repeats", "s4-check", 9e-4, 1.46, seed=1),
+            row("check-repeats", "s4-check", 9e-4, math.inf, seed=2, status=analysis.DIVERGED)]
+    out = measure_check(check, rows, None)
+    assert out["measured_loss"] == 1.48 and out["lr_pick"]["picked_loss"] == 1.48  # seed 0: the pick's own figures
+    averaged = out["averaged"]
+    held, other = averaged["shapes"]
+    assert held["losses"] == [1.48, 1.50] and other["losses"] == [1.44, 1.46]  # the other rates and a divergence left out
+    assert held["relative_error"] == pytest.approx(0.01 / 1.49) and other["relative_error"] == pytest.approx(0.0, abs=1e-12)
+    assert averaged["measured_shapes"] == 2 and averaged["relative_error"] == pytest.approx(0.005 / 1.49)
+    assert averaged["errors_by_predictor"]["chinchilla"] == pytest.approx((0.11 / 1.49 + 0.07 / 1.45) / 2)
+
+
+def test_seed_repeats_move_each_rungs_loss_by_their_mean_when_the_ladder_asks_for_seeds():
+    rows = synthetic_rows()
+    best = {}
+    for r in rows:
+        if r["status"] == analysis.COMPLETED and (r["rung"] not in best or r["val_loss"] < best[r["rung"]]["val_loss"]):
+            best[r["rung"]] = r
+    repeats = [dict(b, phase="seeds", seed=seed, val_loss=b["val_loss"] + delta)
+               for b in best.values() for seed, delta in ((1, 0.03), (2, -0.01))]
+    repeats += [dict(next(iter(best.values())), phase="seeds", seed=3, lr=1.0, val_loss=9.0)]  # another rate: not a repeat
+    once, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40])))
+    ignored, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40])),
+                                  repeats)
+    assert ignored["rungs"] == once["rungs"]  # ladder.seeds 1: the noise floor's repeats do not move the fits
+    averaged, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40],
+                                                                                  seeds=3)), repeats)
+    for before, after in zip(once["rungs"], averaged["rungs"]):
+        b = best[before["rung"]]["val_loss"]
+        assert after["seed_losses"] == [b, b + 0.03, b - 0.01]
+        assert after["loss"] == pytest.approx(before["loss"] + 0.02 / 3) and after["lr"] == before["lr"]
 
 
 def test_too_few_rungs_records_why_there_is_no_fit():

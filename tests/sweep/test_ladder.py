@@ -53,6 +53,33 @@ def test_bad_input_is_refused_naming_the_field(tiny_dataset, tmp_path, override,
         plan(tiny_dataset, tmp_path, override)
 
 
+def test_check_shapes_are_rungs_of_the_held_out_budget_after_it(tiny_dataset, tmp_path):
+    p = plan(tiny_dataset, tmp_path, "sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 5}]")
+    held_out, shape = p.rungs[-2:]
+    assert (held_out.name, shape.name) == ("s3-check", "s4-check") and shape.held_out
+    assert ladder.held_out_rung(p.rungs) is held_out and len(p.sizes) == 4  # the ladder's sizes are not changed
+    assert (shape.size.model.d_model, shape.size.model.n_layers, shape.size.where) == (40, 4, "check_shapes[0]")
+    assert abs(shape.size.params / held_out.size.params - 1) < 0.25
+    assert shape.budget == held_out.budget and shape.target_tokens == 2 * shape.size.params
+    cfg = ladder.trial_config(p.sweep, p.resolved, shape, 1e-2, 16, "x", seed=2)
+    assert cfg.model.n_layers == 4 and cfg.train.seed == p.resolved.train.seed + 2
+    # Without the check there is nothing to compare them with.
+    assert [r.name for r in plan(tiny_dataset, tmp_path, "sweep.check=false", "sweep.check_shapes=[{d_model: 40, "
+                                 "n_layers: 4, n_heads: 5}]").rungs][-1] == "s3-tpp4"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sweep.check_shapes=[{d_model: 96, n_layers: 3, n_heads: 12}]", r"check_shapes\[0\] has [\d,]+ parameters, the "
+     r"held-out size \(ladder.d_model\[3\]\) 83,280.*within 25%"),
+    ("sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 3}]", r"check_shapes\[0\]: .*n_heads"),
+    ("sweep.check_shapes=[40]", r"check_shapes\[0\]: expected dict, got 40"),
+    ("sweep.ladder.seeds=0", r"ladder.seeds must be at least 1"),
+])
+def test_bad_check_shapes_and_seeds_are_refused(tiny_dataset, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(tiny_dataset, tmp_path, override)
+
+
 def test_rungs_that_would_repeat_data_are_refused_with_their_epochs(tiny_dataset, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"24,352 unique training tokens.*epochs: s1-tpp2 1.15, .*s3-check 6.84\).*allow_repeated_data"):
         plan(tiny_dataset, tmp_path, "sweep.allow_repeated_data=false")

@@ -17,6 +17,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
+from raylm.sweep.fit import eval_power_law
 from raylm.sweep.run import run_sweep
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -43,7 +44,9 @@ def finished_trials(directory):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~3 minutes on 2 idle cores; far longer when the machine is shared
 def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_output(tiny_dataset, tmp_path):
-    command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}"]
+    # Two seeds a rung, and a second shape of the held-out size: the repeats and their means run too.
+    command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+               "sweep.ladder.seeds=2", "sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 5}]"]
     directory = str(tmp_path / "sweep-tiny")
     ladder_trials = 6 * 2  # 3 fitted sizes x 2 budgets x 2 learning rates
 
@@ -109,9 +112,19 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     validation = {name: p["cross_validation"] for name, p in result["predictors"].items()}
     assert "at least 5" in validation["chinchilla"]["error"] and validation["local"]["mean_abs_error"] > 0
     assert result["predictor"]["chosen"] == "local" and "chinchilla could not be checked" in result["predictor"]["why"]
-    # The noise floor: the largest fitted size's rung at its best lr, with two more seeds.
+    # Every fitted rung again at its best trial's rate with seed 1; the noise rung (the largest
+    # fitted size at the held-out budget) with seed 2 as well. The fits take each rung's mean.
     seeds = [r for r in rows if r["phase"] == "seeds"]
-    assert len(seeds) == 2 and {r["seed"] for r in seeds} == {"1", "2"} and {r["rung"] for r in seeds} == {"s2-tpp2"}
+    assert sorted((r["rung"], r["seed"]) for r in seeds) == sorted(
+        [(rung, "1") for rung in {r["rung"] for r in ladder}] + [("s2-tpp2", "2")])
+    for rung in result["rungs"]:
+        best = min((r for r in ladder if r["rung"] == rung["rung"] and r["status"] == "completed"),
+                   key=lambda r: float(r["val_loss"]))
+        repeated = [float(r["val_loss"]) for r in seeds if r["rung"] == rung["rung"]]
+        assert all(float(r["lr"]) == float(best["lr"]) for r in seeds if r["rung"] == rung["rung"])
+        assert rung["seed_losses"] == [float(best["val_loss"]), *repeated]
+        # Two rates a rung, so no parabola refines the best: the fitted loss is the seeds' mean.
+        assert rung["loss"] == pytest.approx(sum(rung["seed_losses"]) / len(rung["seed_losses"]))
     noise = result["noise"]
     assert len(noise["losses"]) == 3 and len(set(noise["losses"])) == 3  # other seeds, other losses
     assert check["noise_floor"] == noise["relative_spread"] > 0
@@ -122,6 +135,18 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     pick = check["lr_pick"]
     assert pick["picked_loss"] == check["measured_loss"] == checks[1][1] and pick["best_loss"] == min(l for _, l in checks)
     assert pick["good"] == (pick["relative_gap"] <= noise["relative_spread"])
+    # The check repeated: the picked rate with seed 1, the other shape with seeds 0 and 1 at the rate
+    # lr_vs_params gives it; its error is averaged over its seeds, then over the two shapes.
+    repeats = [r for r in rows if r["phase"] == "check-repeats"]
+    assert sorted((r["rung"], r["seed"]) for r in repeats) == [("s3-check", "1"), ("s4-check", "0"), ("s4-check", "1")]
+    (shape,) = check["shapes"]
+    assert shape["rung"] == "s4-check" and shape["n_layers"] == 4 and shape["params"] != check["params"]
+    assert shape["lr"] == pytest.approx(eval_power_law(result["lr"]["lr_vs_params"], shape["params"]))
+    assert all(float(r["lr"]) == pytest.approx(shape["lr"]) for r in repeats if r["rung"] == "s4-check")
+    averaged = check["averaged"]
+    assert averaged["measured_shapes"] == 2 and [e["rung"] for e in averaged["shapes"]] == ["s3-check", "s4-check"]
+    assert averaged["shapes"][0]["losses"][0] == check["measured_loss"] and len(averaged["shapes"][1]["losses"]) == 2
+    assert averaged["relative_error"] == pytest.approx(sum(e["relative_error"] for e in averaged["shapes"]) / 2)
 
     # The sweep directory alone refits the same numbers (no data, no Ray).
     os.rename(tiny_dataset, f"{tiny_dataset}.away")
