@@ -17,7 +17,9 @@ import pytest
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
+from raylm.sweep.analysis import rung_bests
 from raylm.sweep.fit import eval_power_law
+from raylm.sweep.run import read_trials as sweep_trials
 from raylm.sweep.run import run_sweep
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -44,9 +46,10 @@ def finished_trials(directory):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~3 minutes on 2 idle cores; far longer when the machine is shared
 def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_output(tiny_dataset, tmp_path):
-    # Two seeds a rung, and a second shape of the held-out size: the repeats and their means run too.
+    # A second shape of the held-out size: the check is repeated and averaged too (`ladder.seeds`
+    # is the Bayesian search's test's, below, to keep this one's time).
     command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
-               "sweep.ladder.seeds=2", "sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 5}]"]
+               "sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 5}]"]
     directory = str(tmp_path / "sweep-tiny")
     ladder_trials = 6 * 2  # 3 fitted sizes x 2 budgets x 2 learning rates
 
@@ -112,19 +115,10 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     validation = {name: p["cross_validation"] for name, p in result["predictors"].items()}
     assert "at least 5" in validation["chinchilla"]["error"] and validation["local"]["mean_abs_error"] > 0
     assert result["predictor"]["chosen"] == "local" and "chinchilla could not be checked" in result["predictor"]["why"]
-    # Every fitted rung again at its best trial's rate with seed 1; the noise rung (the largest
-    # fitted size at the held-out budget) with seed 2 as well. The fits take each rung's mean.
+    # The noise floor: the largest fitted size's rung at its best lr, with two more seeds.
     seeds = [r for r in rows if r["phase"] == "seeds"]
-    assert sorted((r["rung"], r["seed"]) for r in seeds) == sorted(
-        [(rung, "1") for rung in {r["rung"] for r in ladder}] + [("s2-tpp2", "2")])
-    for rung in result["rungs"]:
-        best = min((r for r in ladder if r["rung"] == rung["rung"] and r["status"] == "completed"),
-                   key=lambda r: float(r["val_loss"]))
-        repeated = [float(r["val_loss"]) for r in seeds if r["rung"] == rung["rung"]]
-        assert all(float(r["lr"]) == float(best["lr"]) for r in seeds if r["rung"] == rung["rung"])
-        assert rung["seed_losses"] == [float(best["val_loss"]), *repeated]
-        # Two rates a rung, so no parabola refines the best: the fitted loss is the seeds' mean.
-        assert rung["loss"] == pytest.approx(sum(rung["seed_losses"]) / len(rung["seed_losses"]))
+    assert len(seeds) == 2 and {r["seed"] for r in seeds} == {"1", "2"} and {r["rung"] for r in seeds} == {"s2-tpp2"}
+    assert all("seed_losses" not in rung for rung in result["rungs"])  # ladder.seeds 1: the fits take seed 0
     noise = result["noise"]
     assert len(noise["losses"]) == 3 and len(set(noise["losses"])) == 3  # other seeds, other losses
     assert check["noise_floor"] == noise["relative_spread"] > 0
@@ -135,17 +129,18 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     pick = check["lr_pick"]
     assert pick["picked_loss"] == check["measured_loss"] == checks[1][1] and pick["best_loss"] == min(l for _, l in checks)
     assert pick["good"] == (pick["relative_gap"] <= noise["relative_spread"])
-    # The check repeated: the picked rate with seed 1, the other shape with seeds 0 and 1 at the rate
-    # lr_vs_params gives it; its error is averaged over its seeds, then over the two shapes.
+    # The check repeated on the other shape, at the rate lr_vs_params gives it; the error is
+    # averaged over the two shapes.
     repeats = [r for r in rows if r["phase"] == "check-repeats"]
-    assert sorted((r["rung"], r["seed"]) for r in repeats) == [("s3-check", "1"), ("s4-check", "0"), ("s4-check", "1")]
+    assert [(r["rung"], r["seed"]) for r in repeats] == [("s4-check", "0")]
     (shape,) = check["shapes"]
     assert shape["rung"] == "s4-check" and shape["n_layers"] == 4 and shape["params"] != check["params"]
     assert shape["lr"] == pytest.approx(eval_power_law(result["lr"]["lr_vs_params"], shape["params"]))
     assert all(float(r["lr"]) == pytest.approx(shape["lr"]) for r in repeats if r["rung"] == "s4-check")
     averaged = check["averaged"]
     assert averaged["measured_shapes"] == 2 and [e["rung"] for e in averaged["shapes"]] == ["s3-check", "s4-check"]
-    assert averaged["shapes"][0]["losses"][0] == check["measured_loss"] and len(averaged["shapes"][1]["losses"]) == 2
+    assert averaged["shapes"][0]["losses"] == [check["measured_loss"]]
+    assert averaged["shapes"][1]["losses"] == [float(repeats[0]["val_loss"])]
     assert averaged["relative_error"] == pytest.approx(sum(e["relative_error"] for e in averaged["shapes"]) / 2)
 
     # The sweep directory alone refits the same numbers (no data, no Ray).
@@ -228,13 +223,27 @@ def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_da
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_bayesian_search_runs_an_optuna_study_per_rung(ray_session, tiny_dataset, tmp_path):
+def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_best(ray_session, tiny_dataset, tmp_path):
     overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=bayes",
                  "sweep.check=false", "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]",
                  "sweep.ladder.tokens_per_param=[4]", "sweep.search.algorithm=bayes", "sweep.lr.low=1e-3",
-                 "sweep.lr.high=3e-2", "sweep.search.samples=3", "sweep.fit.bootstrap=0"]
-    run_sweep(TINY_SWEEP, overrides)
-    rows = read_trials(str(tmp_path / "bayes"))
+                 "sweep.lr.high=3e-2", "sweep.search.samples=3", "sweep.fit.bootstrap=0", "sweep.ladder.seeds=2"]
+    result = run_sweep(TINY_SWEEP, overrides)
+    everything = read_trials(str(tmp_path / "bayes"))
+    rows = [r for r in everything if r["phase"] == "ladder"]
+    # ladder.seeds=2: each rung once more at its best trial's rate, with seed 1; the fits take the mean.
+    seeds = [r for r in everything if r["phase"] == "seeds"]
+    assert sorted((r["rung"], r["seed"]) for r in seeds) == [("s0-tpp4", "1"), ("s1-tpp4", "1")]
+    one_seed = {b["rung"]: b for b in rung_bests([r for r in sweep_trials(str(tmp_path / "bayes"))
+                                                  if r["phase"] == "ladder"])}
+    for rung in result["rungs"]:
+        best = min((r for r in rows if r["rung"] == rung["rung"] and r["status"] == "completed"),
+                   key=lambda r: float(r["val_loss"]))
+        (repeat,) = [r for r in seeds if r["rung"] == rung["rung"]]
+        assert repeat["lr"] == best["lr"] and repeat["val_loss"] != best["val_loss"]
+        assert rung["seed_losses"] == [float(best["val_loss"]), float(repeat["val_loss"])]
+        shift = (float(repeat["val_loss"]) - float(best["val_loss"])) / 2  # the mean of two seeds, less seed 0
+        assert rung["loss"] == pytest.approx(one_seed[rung["rung"]]["loss"] + shift)
     assert sorted(r["rung"] for r in rows) == ["s0-tpp4"] * 3 + ["s1-tpp4"] * 3
     assert all(1e-3 <= float(r["lr"]) <= 3e-2 for r in rows)  # lr.scale_exponent 0: the range as given
     for rung in ("s0-tpp4", "s1-tpp4"):
