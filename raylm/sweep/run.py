@@ -169,6 +169,18 @@ def _run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict
     return tuner.fit()
 
 
+def _trial_config(result) -> Optional[dict]:
+    """A Tune result's trial config: from its last report, or, for a trial that had not reported
+    yet (a Ctrl-C as it started), from the params.json Tune wrote when it created the trial."""
+    if result.config:
+        return result.config
+    path = os.path.join(result.path, "params.json") if result.path else ""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
 def _rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
     """trials.csv rows of one experiment's results. Tune returns early when interrupted (Ctrl-C,
     SIGTERM): a trial neither finished, failed nor stopped by ASHA, or a trial not yet created,
@@ -179,8 +191,11 @@ def _rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
     stopped = stopped_by_asha(os.path.join(plan.directory, ASHA_STATE_FILE))
     rows = []
     for result in grid:
-        config, metrics = result.config, dict(result.metrics or {})
+        config, metrics = _trial_config(result), dict(result.metrics or {})
         trial_id = metrics.get("trial_id") or os.path.basename(result.path or "?")
+        if config is None:
+            raise SweepInterrupted(f"the sweep was interrupted ({trial_id} of {phase} did not start); run the same "
+                                   "command again to resume it (finished trials are kept)")
         rung = plan.rung(config["rung"])
         final_path = os.path.join(trial_dir(os.path.join(plan.directory, "trials"), trial_id), FINAL_FILE)
         if os.path.exists(final_path):
@@ -252,7 +267,7 @@ def noise_floor(ladder_rows: list[dict], seed_rows: list[dict], rung: str) -> Op
     first = seed_rows[0]
     original = [r for r in ladder_rows if r["rung"] == first["rung"] and r["status"] == COMPLETED
                 and r["batch"] == first["batch"] and math.isclose(r["lr"], first["lr"], rel_tol=1e-9)]
-    repeats = [r for r in seed_rows if r["status"] == COMPLETED]
+    repeats = sorted((r for r in seed_rows if r["status"] == COMPLETED), key=lambda r: r.get("seed", 0))
     losses = [r["val_loss"] for r in original[:1] + repeats]
     if len(losses) < 2:
         return None

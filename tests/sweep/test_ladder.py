@@ -1,10 +1,12 @@
 """Sweep configs and the ladder: every trial's config is built and bad input is refused, naming
 the field, before any trial starts (no Ray)."""
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,7 +14,7 @@ from raylm.config import load_config
 from raylm.errors import ConfigError
 from raylm.sweep import analysis, fit, ladder
 from raylm.sweep.fit import Parametric
-from raylm.sweep.run import _recommended_yaml, resolve
+from raylm.sweep.run import SweepInterrupted, _recommended_yaml, _rows, resolve
 from tests.support.fixtures import write_corpus
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -78,6 +80,22 @@ def test_check_shapes_are_rungs_of_the_held_out_budget_after_it(tiny_dataset, tm
 def test_bad_check_shapes_and_seeds_are_refused(tiny_dataset, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         plan(tiny_dataset, tmp_path, override)
+
+
+def test_a_trial_interrupted_before_its_first_report_reads_as_an_interrupted_sweep(tiny_dataset, tmp_path):
+    """Tune's result of a trial that never reported has no config (a Ctrl-C as the phase's trials
+    start): the trial's params.json names it, and the sweep says it was interrupted."""
+    p = plan(tiny_dataset, tmp_path)
+    started = tmp_path / "tune-check-repeats" / "run_trial_1"
+    started.mkdir(parents=True)
+    (started / "params.json").write_text(json.dumps({"rung": "s3-check", "lr": 0.01, "batch": 16, "seed": 1}))
+    with pytest.raises(SweepInterrupted, match="run_trial_1 of check-repeats did not finish"):
+        _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=None)], "check-repeats", 1)
+    with pytest.raises(SweepInterrupted, match="gone of check-repeats did not start"):
+        _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(tmp_path / "gone"), error=None)], "check-repeats", 1)
+    (row,) = _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=RuntimeError("failed"))],
+                   "check-repeats", 1)
+    assert (row["status"], row["rung"], row["seed"]) == ("error", "s3-check", 1)
 
 
 def test_rungs_that_would_repeat_data_are_refused_with_their_epochs(tiny_dataset, tmp_path, capsys):
