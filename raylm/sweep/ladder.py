@@ -11,7 +11,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from raylm.config import Config, ModelConfig, build_dataclass, config_from_dict, config_to_dict
 from raylm.errors import ConfigError
@@ -111,7 +111,7 @@ def check_tokens_per_param(sweep: SweepConfig) -> float:
     return sweep.check_tokens_per_param or (statistics.median(ratios) if ratios else CHINCHILLA_TOKENS_PER_PARAM)
 
 
-def build_rungs(sweep: SweepConfig, sizes: list[Size], check_shapes: tuple[Size, ...] = ()) -> list[Rung]:
+def build_rungs(sweep: SweepConfig, sizes: list[Size], check_shapes: Sequence[Size] = ()) -> list[Rung]:
     """Every (size, budget) of the ladder; with `check`, the largest size is held out at one budget,
     and after it the check's other shapes at that budget (`held_out_rung` is the first)."""
     ladder, smallest = sweep.ladder, sizes[0].params
