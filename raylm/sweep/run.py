@@ -235,16 +235,26 @@ def noise_rung(fitted: list[dict], held_out_budget: str) -> str:
     return next((r for r in largest if r["budget"] == held_out_budget), min(largest, key=lambda r: r["tokens"]))["rung"]
 
 
-def _seeds_phase(plan: Plan, rows: list[dict], trials: TrialPlan, concurrency: int) -> list[dict]:
+def _repeats(plan: Plan, name: str, phase: str, slots: list, trials: TrialPlan, resources: dict,
+             concurrency: int) -> list[dict]:
+    """Trials at decided rates and seeds (RungSlots) as one Tune experiment; their rows."""
+    from raylm.sweep.search import RungSearcher
+
+    grid = _run_phase(plan, name, trials, resources, searcher=RungSearcher(slots, plan.sweep, plan.batches),
+                      num_samples=len(slots), concurrency=concurrency)
+    return _rows(plan, grid, phase, expected=len(slots))
+
+
+def _seeds_phase(plan: Plan, rows: list[dict], noisy: Optional[str], trials: TrialPlan,
+                 concurrency: int) -> list[dict]:
     """Fitted rungs trained again at their best trial's learning rate with other seeds
     (`train.seed`, `data.seed`): every rung ladder.seeds - 1 times (the fits take the mean), and
-    with `check` the noise rung at least NOISE_SEEDS times (the spread of its losses is the noise
-    floor a prediction is judged by)."""
-    from raylm.sweep.search import RungSearcher, RungSlot
+    the noise rung `noisy` (with `check`) at least NOISE_SEEDS times (the spread of its losses is
+    the noise floor a prediction is judged by)."""
+    from raylm.sweep.search import RungSlot
 
     repeats = {rung: plan.sweep.ladder.seeds - 1 for rung in {r["rung"] for r in rows if r["status"] == COMPLETED}}
-    if plan.sweep.check and repeats:
-        noisy = noise_rung([r for r in rows if r["status"] == COMPLETED], ladder.held_out_rung(plan.rungs).budget)
+    if noisy is not None:
         repeats[noisy] = max(repeats[noisy], NOISE_SEEDS)
     slots = []
     for rung in sorted(repeats, key=lambda name: -plan.rung(name).target_tokens * plan.rung(name).size.flops_per_token):
@@ -252,10 +262,8 @@ def _seeds_phase(plan: Plan, rows: list[dict], trials: TrialPlan, concurrency: i
         slots += [RungSlot(rung, 1.0, best["lr"], best["batch"], seed) for seed in range(1, repeats[rung] + 1)]
     if not slots:
         return []
-    grid = _run_phase(plan, "tune-seeds", trials, {"CPU": plan.sweep.trial.cpus, "GPU": plan.sweep.trial.gpus},
-                      searcher=RungSearcher(slots, plan.sweep, plan.batches), num_samples=len(slots),
-                      concurrency=concurrency)
-    return _rows(plan, grid, "seeds", expected=len(slots))
+    resources = {"CPU": plan.sweep.trial.cpus, "GPU": plan.sweep.trial.gpus}
+    return _repeats(plan, "tune-seeds", "seeds", slots, trials, resources, concurrency)
 
 
 def noise_floor(ladder_rows: list[dict], seed_rows: list[dict], rung: str) -> Optional[dict]:
@@ -286,7 +294,7 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
     learning rate and at that rate x 2^-1/2 and x 2^1/2: the loss at the picked rate is the
     check, and the best of the three says whether the pick was good. Then the check's repeats:
     the picked rate with ladder.seeds - 1 other seeds, and each of check_shapes with every seed."""
-    from raylm.sweep.search import RungSearcher, RungSlot
+    from raylm.sweep.search import RungSlot
 
     rung = ladder.held_out_rung(plan.rungs)
     path = os.path.join(plan.directory, CHECK_PLAN_FILE)
@@ -337,9 +345,7 @@ def _check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tri
     if slots:
         print(f"raylm: check: {len(slots)} repeats ({seeds} seed(s) of the held-out size in "
               f"{1 + len(check.get('shapes', []))} shape(s))", flush=True)
-        grid = _run_phase(plan, "tune-check-repeats", trials, resources, num_samples=len(slots),
-                          searcher=RungSearcher(slots, plan.sweep, plan.batches), concurrency=int(concurrency))
-        rows += _rows(plan, grid, "check-repeats", expected=len(slots))
+        rows += _repeats(plan, "tune-check-repeats", "check-repeats", slots, trials, resources, int(concurrency))
     return check, rows
 
 
@@ -485,14 +491,16 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     if not any(r["status"] == COMPLETED for r in rows):
         errors = [str(r.error) for r in grid if r.error]
         raise RuntimeError(f"no trial of the sweep completed; first error: {errors[0] if errors else 'none reported'}")
-    seed_rows = _seeds_phase(plan, rows, trials, int(concurrency))
+    completed = [r for r in rows if r["status"] == COMPLETED]
+    noisy = noise_rung(completed, ladder.held_out_rung(plan.rungs).budget) if sweep.check else None
+    seed_rows = _seeds_phase(plan, rows, noisy, trials, int(concurrency))
     result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows)
     result = {"sweep": plan.directory, "asha": _asha_savings(rows), **result}
     check_rows = []
     if sweep.check and laws.predictors:
         import ray
 
-        noise = noise_floor(rows, seed_rows, noise_rung(result["rungs"], ladder.held_out_rung(plan.rungs).budget))
+        noise = noise_floor(rows, seed_rows, noisy)
         cpus = sweep.trial.check_cpus or ray.cluster_resources().get("CPU", 1)
         check, check_rows = _check_phase(plan, laws, result["rungs"], trials, cpus)
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
