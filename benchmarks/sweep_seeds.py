@@ -49,6 +49,8 @@ import warnings
 from multiprocessing import Pool
 from typing import Callable
 
+import yaml
+
 EXTRA = "seeds-extra"
 
 
@@ -57,21 +59,30 @@ def beyond_name(shape: dict) -> str:
     return f"d{shape['d_model']}" + (f"x{shape['n_layers']}" if "n_layers" in shape else "") + "-check"
 
 
-def beyond_rung(plan, shape: dict):
-    """The held-out rung's budget at another size (the held-out size's depth unless `shape` says)."""
+def shape_rung(plan, shape: dict, ratio: float, name: str, held_out: bool):
+    """`shape` (at the held-out size's depth unless it says) at `ratio` tokens per parameter."""
     from raylm.sweep import ladder
 
-    held_out = next(r for r in plan.rungs if r.held_out)
-    name = beyond_name(shape)
-    shape = {"n_layers": held_out.size.model.n_layers, **shape}
-    sweep = dataclasses.replace(plan.sweep, ladder=dataclasses.replace(plan.sweep.ladder, sizes=[shape]))
+    depth = next(r for r in plan.rungs if r.held_out).size.model.n_layers
+    sweep = dataclasses.replace(plan.sweep, ladder=dataclasses.replace(plan.sweep.ladder,
+                                                                       sizes=[{"n_layers": depth, **shape}]))
     (size,) = ladder.build_sizes(sweep, plan.resolved)
-    ratio = ladder.check_tokens_per_param(plan.sweep)
-    return ladder.Rung(name, size, f"tokens_per_param={ratio:g}", ratio * size.params, True, 1.0)
+    return ladder.Rung(name, size, f"tokens_per_param={ratio:g}", ratio * size.params, held_out, 1.0)
+
+
+def beyond_rung(plan, shape: dict):
+    """The held-out rung's budget at another size."""
+    from raylm.sweep import ladder
+
+    return shape_rung(plan, shape, ladder.check_tokens_per_param(plan.sweep), beyond_name(shape), True)
+
+
+def ladder_shape_name(shape: dict, ratio: float) -> str:
+    return f"d{shape['d_model']}x{shape['n_layers']}-tpp{ratio:g}"
 
 
 def run_one(job: tuple) -> dict:
-    sweep_yaml, overrides, rung_or_shape, lr, seed = job
+    sweep_yaml, overrides, what, lr, seed = job
     import torch
 
     torch.set_num_threads(1)
@@ -84,7 +95,14 @@ def run_one(job: tuple) -> dict:
     from raylm.train.preflight import preflight
 
     plan = sweep_run.resolve(sweep_yaml, overrides)
-    rung = plan.rung(rung_or_shape) if isinstance(rung_or_shape, str) else beyond_rung(plan, rung_or_shape)
+    # A rung of the sweep (its name), a size past it at the held-out budget (a shape), or a shape
+    # at one of the ladder's budgets ((shape, ratio)).
+    if isinstance(what, str):
+        rung = plan.rung(what)
+    elif isinstance(what, dict):
+        rung = beyond_rung(plan, what)
+    else:
+        rung = shape_rung(plan, what[0], what[1], ladder_shape_name(*what), False)
     leaf = f"{rung.name}-lr{lr:.6g}-seed{seed}"
     run_dir = os.path.join(plan.directory, EXTRA, leaf)
     cfg = trial_config(plan.sweep, plan.resolved, rung, lr, 4,
@@ -94,8 +112,12 @@ def run_one(job: tuple) -> dict:
     preflight(trial, run_dir)
     train(trial, LocalEnv(run_dir, use_gpu=False), ())
     last = next(r for r in reversed(read_jsonl(os.path.join(run_dir, "metrics.jsonl"))) if "val_loss" in r)
-    return {"rung": rung.name, "lr": lr, "seed": seed, "val_loss": last["val_loss"], "params": rung.size.params,
-            "n_layers": rung.size.model.n_layers, "tokens": last["tokens"], "wall_s": time.time() - started}
+    size = rung.size
+    return {"rung": rung.name, "lr": lr, "seed": seed, "val_loss": last["val_loss"], "params": size.params,
+            "n_layers": size.model.n_layers, "tokens": last["tokens"], "wall_s": time.time() - started,
+            "budget": rung.budget, "d_model": size.model.d_model, "n_heads": size.model.n_heads,
+            "params_non_embedding": size.params_non_embedding, "params_total": size.params_total,
+            "flops_per_token": size.flops_per_token, "steps": cfg.train.steps}
 
 
 def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int], bool]) -> str:
@@ -140,6 +162,80 @@ def without_budget(copy: str, budget: str) -> str:
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(copy, out)
     write_trials(out, [r for r in rows if not (r["phase"] == "ladder" and r["budget"] == budget)])
+    return out
+
+
+def with_ladder_shapes(copy: str, trained: list[dict]) -> str:
+    """<copy>-with-shapes: the ladder with more sizes, each of the `trained` shapes' rungs one
+    completed trial whose loss is the mean of its seeds. The sizes are numbered again smallest
+    first (the held-out size stays last), and the rungs' names with them."""
+    from raylm.sweep.run import write_trials
+
+    rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
+    with open(os.path.join(copy, "check_plan.json")) as f:
+        plan = json.load(f)
+    held_out = int(next(r["size"] for r in rows if r["rung"] == plan["rung"]))
+    old = {int(r["size"]): int(r["params"]) for r in rows}
+    by_rung: dict[str, list[dict]] = {}
+    for t in trained:
+        by_rung.setdefault(t["rung"], []).append(t)
+    new = {t["rung"].rsplit("-", 1)[0]: t for t in trained}  # shape name -> one of its rows
+    if max(t["params"] for t in new.values()) >= old[held_out]:
+        raise ValueError("the ladder's added shapes must be smaller than the held-out size")
+    ladder_sizes = sorted([(params, ("old", i)) for i, params in old.items() if i < held_out] +
+                          [(t["params"], ("new", name)) for name, t in new.items()])
+    index = {key: i for i, (_, key) in enumerate(ladder_sizes)}
+    index.update({("old", i): i + len(new) for i in old if i >= held_out})
+
+    def renamed(name: str, size: int) -> str:
+        return f"s{index['old', size]}-{name.split('-', 1)[1]}"
+
+    names = {}
+    for r in rows:
+        names[r["rung"]] = renamed(r["rung"], int(r["size"]))
+        r["rung"], r["size"] = names[r["rung"]], str(index["old", int(r["size"])])
+    for rung, runs in sorted(by_rung.items()):
+        t = runs[0]
+        shape = rung.rsplit("-", 1)[0]
+        rows.append({"trial_id": f"{rung}-mean", "phase": "ladder", "status": "completed", "seed": "0",
+                     "rung": f"s{index['new', shape]}-{rung.rsplit('-', 1)[1]}", "size": str(index["new", shape]),
+                     "budget": t["budget"], "params": t["params"], "params_non_embedding": t["params_non_embedding"],
+                     "params_total": t["params_total"], "tokens": t["tokens"],
+                     "flops_per_token": t["flops_per_token"], "flops": t["tokens"] * t["flops_per_token"],
+                     "lr": t["lr"], "batch": 4, "steps": t["steps"], "progress": 1.0, "tokens_trained": t["tokens"],
+                     "val_loss": statistics.mean(x["val_loss"] for x in runs),
+                     "wall_s": statistics.mean(x["wall_s"] for x in runs)})
+    out = f"{copy}-with-shapes"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(copy, out)
+    write_trials(out, rows)
+    plan["rung"] = names[plan["rung"]]
+    for shape in plan.get("shapes", []):
+        shape["rung"] = names[shape["rung"]]
+    with open(os.path.join(out, "check_plan.json"), "w") as f:
+        json.dump(plan, f, indent=1)
+    with open(os.path.join(out, "sweep.yaml")) as f:
+        record = yaml.safe_load(f)
+    sizes = record["sweep"]["ladder"]["sizes"]
+    shape_keys = {name: {"d_model": t["d_model"], "n_layers": t["n_layers"], "n_heads": t["n_heads"]}
+                  for name, t in new.items()}
+    record["sweep"]["ladder"]["sizes"] = [sizes[key[1]] if key[0] == "old" else shape_keys[key[1]]
+                                          for _, key in ladder_sizes] + sizes[held_out:]
+    with open(os.path.join(out, "sweep.yaml"), "w") as f:
+        yaml.safe_dump(record, f, sort_keys=False)
+    return out
+
+
+def with_local_sizes(copy: str, count: int) -> str:
+    """<copy>-local<count>: the same trials, the local form fitted on `count` sizes (0: all)."""
+    out = f"{copy}-local{count}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(copy, out)
+    with open(os.path.join(out, "sweep.yaml")) as f:
+        record = yaml.safe_load(f)
+    record["sweep"]["fit"]["local_sizes"] = count
+    with open(os.path.join(out, "sweep.yaml"), "w") as f:
+        yaml.safe_dump(record, f, sort_keys=False)
     return out
 
 
@@ -237,6 +333,12 @@ def main() -> None:
     parser.add_argument("--beyond", type=shapes, default=[],
                         help="other sizes at the held-out budget, d_model:n_heads (the held-out depth) or "
                              "d_model:n_heads:n_layers, comma-separated, e.g. 80:5,128:8,112:7:3")
+    parser.add_argument("--ladder-shapes", type=shapes, default=[],
+                        help="more sizes for the ladder, d_model:n_heads:n_layers, comma-separated, each trained at "
+                             "every ladder budget (but --drop-budget's) at the rate lr_vs_params gives, seed 0 and "
+                             "--seeds; refitted with them in <copy>-with-shapes")
+    parser.add_argument("--local-sizes", type=int,
+                        help="also refit every copy with fit.local_sizes set to this (0: every size)")
     parser.add_argument("--mean-of", type=lambda t: {int(x) for x in t.split(",")},
                         help="the seeds the copy and the trend average, e.g. 0,1,2 (default: every seed run)")
     parser.add_argument("--drop-budget", metavar="BUDGET",
@@ -280,12 +382,26 @@ def main() -> None:
         lr = sweep_fit.eval_power_law(fitted["lr"]["lr_vs_params"], params)
         jobs += [(args.sweep, args.overrides, shape, lr, seed, ratio * params * params)
                  for seed in sorted({0, *args.seeds}) if (beyond_name(shape), seed) not in have]
+    shapes_path = os.path.join(plan.directory, EXTRA, "ladder-shapes.jsonl")
+    trained = [json.loads(line) for line in open(shapes_path)] if os.path.exists(shapes_path) else []
+    have |= {(t["rung"], t["seed"]) for t in trained}
+    ratios = [ratio for ratio in plan.sweep.ladder.tokens_per_param if f"tokens_per_param={ratio:g}" != args.drop_budget]
+    depth = next(r for r in plan.rungs if r.held_out).size.model.n_layers
+    for shape in [{"n_layers": depth, **shape} for shape in args.ladder_shapes]:
+        params = shape_rung(plan, shape, 1.0, "", False).size.params
+        lr = sweep_fit.eval_power_law(fitted["lr"]["lr_vs_params"], params)
+        jobs += [(args.sweep, args.overrides, (shape, ratio), lr, seed, ratio * params * params)
+                 for ratio in ratios for seed in sorted({0, *args.seeds})
+                 if (ladder_shape_name(shape, ratio), seed) not in have]
     jobs.sort(key=lambda job: -job[-1])
+    outputs = {"beyond": (beyond_path, past), "ladder": (shapes_path, trained), "repeat": (results_path, done)}
     with Pool(2) as pool:
         for row in pool.imap_unordered(run_one, [job[:-1] for job in jobs]):
             print(json.dumps(row), flush=True)
-            into = past if row["rung"].startswith("d") else done
-            with open(beyond_path if into is past else results_path, "a") as f:
+            kind = "repeat" if not row["rung"].startswith("d") else "beyond" if row["rung"].endswith("-check") \
+                else "ladder"
+            path, into = outputs[kind]
+            with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             into.append(row)
 
@@ -296,12 +412,19 @@ def main() -> None:
     copy = seed_mean_copy(plan.directory, done, averaged)
     fits = {"seed-mean": copy}
     if args.drop_budget:
-        fits[f"without {args.drop_budget}"] = without_budget(copy, args.drop_budget)
+        fits[f"without {args.drop_budget}"] = copy = without_budget(copy, args.drop_budget)
+    trained = [t for t in trained if averaged(t["seed"])]
+    if trained:
+        fits["with the ladder's shapes"] = with_ladder_shapes(copy, trained)
+    if args.local_sizes is not None:
+        for name, path in list(fits.items()):
+            fits[f"{name}, local on {args.local_sizes or 'every'} sizes"] = with_local_sizes(path, args.local_sizes)
     for path in fits.values():
         subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", path], check=True)
     if past:
         held_out = next(r for r in plan.rungs if r.held_out)
-        trend(plan.directory, fits, fitted, held_out.budget, done, [b for b in past if averaged(b["seed"])],
+        trend(plan.directory, fits, fitted, held_out.budget, done,
+              [b for b in past + [t for t in trained if t["budget"] == held_out.budget] if averaged(b["seed"])],
               held_out.size.model.n_layers, averaged)
 
 

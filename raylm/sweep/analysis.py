@@ -23,7 +23,6 @@ COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", 
 CHINCHILLA, LOCAL = "chinchilla", "local"
 PREDICTORS = (CHINCHILLA, LOCAL)
 CHINCHILLA_FORM, LOCAL_FORM = "L(N, D) = E + A / N^alpha + B / D^beta", "L(N, D) = K / (N^a D^b)"
-LOCAL_SIZES = 2  # the local form is fitted on the rungs of the ladder's largest two sizes
 DISAGREEMENT = 0.01  # predictors further apart than this (or the noise floor, when measured) are flagged
 
 
@@ -105,7 +104,7 @@ class Laws:
 
 def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int) -> Predictor:
     """`name`'s form fitted to these rungs (ValueError when they cannot determine it). The local
-    form takes the rungs of the largest LOCAL_SIZES sizes only: it describes the ladder's top end."""
+    form takes the rungs of the largest `fit.local_sizes` sizes only: it describes the ladder's top end."""
     if name == CHINCHILLA:
         if len(bests) < 5:
             raise ValueError(f"{len(bests)} rungs; the Chinchilla form has 5 constants and needs at least 5")
@@ -114,7 +113,7 @@ def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: i
         boots = fit.bootstrap_parametric(n, d, loss, p, resamples, sweep.fit.seed, sweep.fit.huber_delta) \
             if resamples else []
         return Predictor(name, CHINCHILLA_FORM, p.fit, boots)
-    top = sorted({b["params"] for b in bests})[-LOCAL_SIZES:]
+    top = sorted({b["params"] for b in bests})[-sweep.fit.local_sizes:]
     points = [b for b in bests if b["params"] in top]
     n, d, loss = ([b[k] for b in points] for k in ("params", "tokens", "loss"))
     local = fit.fit_local(n, d, loss)

@@ -111,6 +111,9 @@ class FitConfig:
     """Huber loss threshold on log-loss residuals (Hoffmann et al. 2022 used 1e-3)."""
     confidence: float = 0.95
     seed: int = 0
+    local_sizes: int = 2
+    """The local form is fitted on the rungs of this many of the ladder's largest sizes (0: all):
+    it describes the ladder's top end; a ladder of many close sizes averages more of them."""
 
 
 @dataclass
@@ -216,6 +219,9 @@ def check_sweep(sweep: SweepConfig) -> None:
         raise ConfigError("give at most one of target.flops and target.params")
     if sweep.fit.bootstrap < 0 or not 0 < sweep.fit.confidence < 1:
         raise ConfigError("fit needs bootstrap >= 0 and 0 < confidence < 1")
+    if sweep.fit.local_sizes == 1 or sweep.fit.local_sizes < 0:
+        raise ConfigError(f"fit.local_sizes must be 0 (every size) or at least 2 (a power law needs two sizes), "
+                          f"got {sweep.fit.local_sizes}")
     if ladder.seeds < 1:
         raise ConfigError(f"ladder.seeds must be at least 1 (the search's own trial), got {ladder.seeds}")
     if sweep.check and len(ladder.sizes or ladder.d_model) < 3:
