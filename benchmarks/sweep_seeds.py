@@ -24,6 +24,17 @@ size, the log-log slope between neighbours, what each predictor of the seed-mean
 the sizes from the held-out one on, and each size's distance from the power law through the
 sizes at the ladder's depth. Their trials are kept in <sweep>/seeds-extra/beyond.jsonl.
 
+`--ladder-shapes 32:2:6,48:3:3` (d_model:n_heads[:n_layers]) adds sizes to the ladder: each shape
+is trained at every ladder budget (but `--drop-budget`'s) at the rate lr_vs_params gives, seed 0
+and `--seeds` (<sweep>/seeds-extra/ladder-shapes.jsonl), and the copy is refitted with them as
+more sizes, each rung its seeds' mean (<copy>-with-shapes): do more sizes in the ladder's own
+range average one size's deviation away? `--local-sizes 0` refits every copy again with the
+local form on that many of the largest sizes (0: all; `fit.local_sizes`).
+
+The trend ends with a table of plain power laws along the held-out budget, each through 3 to 5
+consecutive sizes of the ladder's depth, predicting each larger size up to 4x the window's top:
+how far a smooth curve carries at each stretch of sizes, no fit of the sweep's involved.
+
 `--mean-of 0,1,2` averages only those seeds (default: every seed run), and `--drop-budget
 tokens_per_param=20` also refits the copy without the ladder's rungs of that budget
 (<sweep>-seed-mean-without-tokens_per_param20) and prints its predictions beside the copy's:
@@ -258,6 +269,7 @@ def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra
     directory) predicts from the held-out size on, and each size's distance from the power law
     through the sizes of the ladder's `depth` (other shapes are measured against it, not part of
     it). Last, each predictor's error over the shapes of about the held-out size (within 10%)."""
+    from raylm.sweep import fit as sweep_fit
     from raylm.sweep import run as sweep_run
 
     rows = sweep_run.read_trials(directory)
@@ -313,6 +325,19 @@ def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra
         if layers.get(params, depth) == depth:
             previous = (params, mean)
     near = [params for params in means if abs(params / check["params"] - 1) <= 0.1]
+    # Up to 4x past the window's top: how far a smooth law carries from each stretch of sizes.
+    windows = [(k, on_law[i:i + k], target) for k in (3, 4, 5) for i in range(len(on_law) - k)
+               for target in on_law[i + k:] if target <= 4 * on_law[i + k - 1]]
+    if windows:
+        # No fit of the sweep's: the budget's own curve. At the held-out size, also against its
+        # shapes' mean.
+        print(f"a power law along {budget} through consecutive sizes of {depth} layers, each larger one predicted:")
+        for k, window, target in windows:
+            predicted = sweep_fit.eval_power_law(sweep_fit.power_law(window, [means[p] for p in window]), target)
+            line = f"  {k} sizes {window[0]:,.0f}-{window[-1]:,.0f} -> {target:,.0f}: {predicted / means[target] - 1:+.2%}"
+            if target == check["params"] and len(near) > 1:
+                line += f" (its {len(near)} shapes: {statistics.mean(predicted / means[p] - 1 for p in near):+.2%})"
+            print(line, flush=True)
     if len(near) > 1:
         print(f"over the {len(near)} shapes of about the held-out size, the mean error of each prediction:")
         for fit_name, path in fits.items():
@@ -387,8 +412,15 @@ def main() -> None:
     have |= {(t["rung"], t["seed"]) for t in trained}
     ratios = [ratio for ratio in plan.sweep.ladder.tokens_per_param if f"tokens_per_param={ratio:g}" != args.drop_budget]
     depth = next(r for r in plan.rungs if r.held_out).size.model.n_layers
+    sizes = {r.size.params for r in plan.rungs}
+    held_out_params = next(r for r in plan.rungs if r.held_out).size.params
     for shape in [{"n_layers": depth, **shape} for shape in args.ladder_shapes]:
         params = shape_rung(plan, shape, 1.0, "", False).size.params
+        if params >= held_out_params or params in sizes:
+            parser.error(f"--ladder-shapes {shape['d_model']}:{shape['n_heads']}:{shape['n_layers']} has {params:,} "
+                         f"parameters: a ladder size must be smaller than the held-out one ({held_out_params:,}) "
+                         "and differ from every other size")
+        sizes.add(params)
         lr = sweep_fit.eval_power_law(fitted["lr"]["lr_vs_params"], params)
         jobs += [(args.sweep, args.overrides, (shape, ratio), lr, seed, ratio * params * params)
                  for ratio in ratios for seed in sorted({0, *args.seeds})

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from raylm.sweep import analysis
+from raylm.sweep import analysis, fit
 from raylm.sweep.config import SweepConfig, LadderConfig, LRConfig, SearchConfig
 from raylm.sweep.fit import Parametric
 from raylm.sweep.ladder import Rung, Size
@@ -103,6 +103,20 @@ def test_the_predictor_is_chosen_by_predicting_the_largest_fitted_size_from_the_
     assert laws.predict(3.2e5, 6.4e6)["loss"] == laws.predict(3.2e5, 6.4e6, chosen)["loss"]
     lo, hi = laws.predict(3.2e5, 6.4e6)["interval"]
     assert lo < hi
+
+
+def test_the_local_form_takes_the_largest_sizes_fit_local_sizes_asks_for():
+    """Off-trend small sizes bend a local fit on every size and leave one on the top two alone."""
+    plane = lambda n, d: 8.0 * n ** -0.1 * d ** -0.08
+    bests = [{"params": n, "tokens": n * r, "loss": plane(n, n * r) * (1.05 if n < 4e4 else 1.0),
+              "budget": f"tokens_per_param={r}"} for n in (1e4, 2e4, 4e4, 8e4) for r in (10, 20)]
+    sweep = SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20]))
+    two = analysis.fit_predictor(analysis.LOCAL, bests, sweep, resamples=0).fit
+    assert (two.K, two.a, two.b) == pytest.approx((8.0, 0.1, 0.08), rel=1e-6)
+    sweep.fit.local_sizes = 0
+    every = analysis.fit_predictor(analysis.LOCAL, bests, sweep, resamples=0).fit
+    assert every.a + every.b > 0.18 + 0.01  # the high small sizes steepen it
+    assert every == fit.fit_local(*([b[k] for b in bests] for k in ("params", "tokens", "loss")))
 
 
 def test_a_fit_degenerate_without_the_largest_size_is_not_chosen():

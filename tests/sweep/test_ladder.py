@@ -76,8 +76,9 @@ def test_check_shapes_are_rungs_of_the_held_out_budget_after_it(tiny_dataset, tm
     ("sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 3}]", r"check_shapes\[0\]: .*n_heads"),
     ("sweep.check_shapes=[40]", r"check_shapes\[0\]: expected dict, got 40"),
     ("sweep.ladder.seeds=0", r"ladder.seeds must be at least 1"),
+    ("sweep.fit.local_sizes=1", r"fit.local_sizes must be 0 \(every size\) or at least 2"),
 ])
-def test_bad_check_shapes_and_seeds_are_refused(tiny_dataset, tmp_path, override, message):
+def test_bad_check_shapes_seeds_and_local_sizes_are_refused(tiny_dataset, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         plan(tiny_dataset, tmp_path, override)
 
