@@ -191,8 +191,6 @@ def with_ladder_shapes(copy: str, trained: list[dict]) -> str:
     for t in trained:
         by_rung.setdefault(t["rung"], []).append(t)
     new = {t["rung"].rsplit("-", 1)[0]: t for t in trained}  # shape name -> one of its rows
-    if max(t["params"] for t in new.values()) >= old[held_out]:
-        raise ValueError("the ladder's added shapes must be smaller than the held-out size")
     ladder_sizes = sorted([(params, ("old", i)) for i, params in old.items() if i < held_out] +
                           [(t["params"], ("new", name)) for name, t in new.items()])
     index = {key: i for i, (_, key) in enumerate(ladder_sizes)}

@@ -113,7 +113,8 @@ def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: i
         boots = fit.bootstrap_parametric(n, d, loss, p, resamples, sweep.fit.seed, sweep.fit.huber_delta) \
             if resamples else []
         return Predictor(name, CHINCHILLA_FORM, p.fit, boots)
-    top = sorted({b["params"] for b in bests})[-sweep.fit.local_sizes:]
+    sizes = sorted({b["params"] for b in bests})
+    top = sizes[-sweep.fit.local_sizes:] if sweep.fit.local_sizes else sizes
     points = [b for b in bests if b["params"] in top]
     n, d, loss = ([b[k] for b in points] for k in ("params", "tokens", "loss"))
     local = fit.fit_local(n, d, loss)
