@@ -74,7 +74,7 @@ def shape_rung(plan, shape: dict, ratio: float, name: str, held_out: bool):
     """`shape` (at the held-out size's depth unless it says) at `ratio` tokens per parameter."""
     from raylm.sweep import ladder
 
-    depth = next(r for r in plan.rungs if r.held_out).size.model.n_layers
+    depth = ladder.held_out_rung(plan.rungs).size.model.n_layers
     sweep = dataclasses.replace(plan.sweep, ladder=dataclasses.replace(plan.sweep.ladder,
                                                                        sizes=[{"n_layers": depth, **shape}]))
     (size,) = ladder.build_sizes(sweep, plan.resolved)
@@ -370,6 +370,7 @@ def main() -> None:
     if args.mean_of is not None and 0 not in args.mean_of:
         parser.error("--mean-of: the sweep's own trials are seed 0, which every mean includes: list it")
     from raylm.sweep import fit as sweep_fit
+    from raylm.sweep import ladder as sweep_ladder
     from raylm.sweep import run as sweep_run
 
     plan = sweep_run.resolve(args.sweep, args.overrides)
@@ -409,9 +410,9 @@ def main() -> None:
     trained = [json.loads(line) for line in open(shapes_path)] if os.path.exists(shapes_path) else []
     have |= {(t["rung"], t["seed"]) for t in trained}
     ratios = [ratio for ratio in plan.sweep.ladder.tokens_per_param if f"tokens_per_param={ratio:g}" != args.drop_budget]
-    depth = next(r for r in plan.rungs if r.held_out).size.model.n_layers
+    held_out = sweep_ladder.held_out_rung(plan.rungs)
+    depth, held_out_params = held_out.size.model.n_layers, held_out.size.params
     sizes = {r.size.params for r in plan.rungs}
-    held_out_params = next(r for r in plan.rungs if r.held_out).size.params
     for shape in [{"n_layers": depth, **shape} for shape in args.ladder_shapes]:
         params = shape_rung(plan, shape, 1.0, "", False).size.params
         if params >= held_out_params or params in sizes:
@@ -452,10 +453,9 @@ def main() -> None:
     for path in fits.values():
         subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", path], check=True)
     if past:
-        held_out = next(r for r in plan.rungs if r.held_out)
         trend(plan.directory, fits, fitted, held_out.budget, done,
               [b for b in past + [t for t in trained if t["budget"] == held_out.budget] if averaged(b["seed"])],
-              held_out.size.model.n_layers, averaged)
+              depth, averaged)
 
 
 if __name__ == "__main__":
