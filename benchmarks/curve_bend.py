@@ -25,7 +25,6 @@ with the seeds of `--mean-of` found in trials.csv and <sweep>/seeds-extra.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -40,7 +39,7 @@ from raylm.data.manifest import DatasetError, Manifest, load_manifest
 from raylm.inference.evaluate import read_rows
 from raylm.inference.load import load_for_inference
 from raylm.sweep.fit import eval_power_law, power_law
-from raylm.sweep.run import CHECK_PLAN_FILE
+from raylm.sweep.run import CHECK_PLAN_FILE, TRIALS_FILE, read_trials
 from sweep_seeds import EXTRA  # the script beside this one, which trained the extra seeds and sizes
 BANDS = [(0, 16), (16, 64), (64, 128), (128, 256)]
 WINDOW = 64
@@ -71,8 +70,7 @@ def found_share(queries: np.ndarray, reference: np.ndarray, n: int = WINDOW) -> 
 def checkpoints(sweep: str, seeds: set[int]) -> dict[int, list[str]]:
     """Run directories by parameter count: the sizes of the held-out depth at the check's budget,
     `seeds` of each (seed 0 is the sweep's own trial); a run whose directory is gone is named and left out."""
-    with open(os.path.join(sweep, "trials.csv")) as f:
-        rows = [r for r in csv.DictReader(f) if r["status"] == "completed"]
+    rows = [r for r in read_trials(sweep) if r["status"] == "completed"]
     with open(os.path.join(sweep, CHECK_PLAN_FILE)) as f:
         check = json.load(f)
     budget = next(r["budget"] for r in rows if r["rung"] == check["rung"])
@@ -80,13 +78,12 @@ def checkpoints(sweep: str, seeds: set[int]) -> dict[int, list[str]]:
     rungs = {r["rung"]: int(r["params"]) for r in rows if r["budget"] == budget and r["phase"] in ("ladder", "check")}
     for rung, params in rungs.items():
         if rung == check["rung"]:
-            first = min((r for r in rows if r["phase"] == "check"), key=lambda r: abs(float(r["lr"]) - check["lr"]))
+            first = min((r for r in rows if r["phase"] == "check"), key=lambda r: abs(r["lr"] - check["lr"]))
         else:
-            first = min((r for r in rows if r["rung"] == rung and r["phase"] == "ladder"),
-                        key=lambda r: float(r["val_loss"]))
+            first = min((r for r in rows if r["rung"] == rung and r["phase"] == "ladder"), key=lambda r: r["val_loss"])
         runs[params] += [os.path.join(sweep, "trials", r["trial_id"]) for r in rows
-                         if r is first or (r["rung"] == rung and r["phase"] == "seeds" and r["lr"] == first["lr"]
-                                           and int(r["seed"]) in seeds)]
+                         if (r is first or (r["rung"] == rung and r["phase"] == "seeds" and r["lr"] == first["lr"]))
+                         and int(r["seed"]) in seeds]
     for name in ("results.jsonl", "beyond.jsonl"):
         path = os.path.join(sweep, EXTRA, name)
         for line in open(path) if os.path.exists(path) else ():
@@ -133,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-    for name in ("trials.csv", CHECK_PLAN_FILE):
+    for name in (TRIALS_FILE, CHECK_PLAN_FILE):
         if not os.path.exists(os.path.join(args.sweep, name)):
             parser.error(f"{args.sweep} has no {name}: give the directory of a sweep that ran its held-out check")
     try:
