@@ -40,7 +40,7 @@ from raylm.inference.evaluate import read_rows
 from raylm.inference.load import load_for_inference
 from raylm.sweep.fit import eval_power_law, power_law
 from raylm.sweep.run import CHECK_PLAN_FILE, TRIALS_FILE, read_trials
-from sweep_seeds import EXTRA  # the script beside this one, which trained the extra seeds and sizes
+from sweep_seeds import EXTRA, power_law_windows  # the script beside this one, which trained the extra seeds and sizes
 BANDS = [(0, 16), (16, 64), (64, 128), (128, 256)]
 WINDOW = 64
 
@@ -62,9 +62,14 @@ def window_hashes(tokens: np.ndarray, n: int = WINDOW) -> np.ndarray:
     return h
 
 
-def found_share(queries: np.ndarray, reference: np.ndarray, n: int = WINDOW) -> float:
-    """Share of `queries`' windows, one every n tokens, that occur anywhere in `reference`."""
-    return float(np.isin(window_hashes(queries, n)[::n], np.unique(window_hashes(reference, n))).mean())
+def known_windows(tokens: np.ndarray) -> np.ndarray:
+    """Every window of `tokens`, hashed once and sorted: what `found_share` and `isin` look up."""
+    return np.unique(window_hashes(tokens))
+
+
+def found_share(queries: np.ndarray, known: np.ndarray) -> float:
+    """Share of `queries`' windows, one every WINDOW tokens, that are among the `known_windows`."""
+    return float(np.isin(window_hashes(queries)[::WINDOW], known).mean())
 
 
 def checkpoints(sweep: str, seeds: set[int]) -> dict[int, list[str]]:
@@ -138,11 +143,11 @@ def main() -> None:
     except DatasetError as e:
         parser.error(str(e))
     train, val = split_tokens(args.data, manifest, "train"), split_tokens(args.data, manifest, "val")
-    train_windows = np.unique(window_hashes(train))
+    train_windows = known_windows(train)
     half = len(train) // 2
     print(f"{args.data}: {len(train):,} train and {len(val):,} val tokens; {WINDOW}-token windows found verbatim: "
-          f"val in train {found_share(val, train):.1%}, train's second half in its first "
-          f"{found_share(train[half:], train[:half]):.1%}", flush=True)
+          f"val in train {found_share(val, train_windows):.1%}, train's second half in its first "
+          f"{found_share(train[half:], known_windows(train[:half])):.1%}", flush=True)
 
     # A target is "seen" when the 64 tokens that end at it occur verbatim in the training split.
     seen = np.zeros(len(val), dtype=bool)
@@ -176,12 +181,10 @@ def main() -> None:
     # window of the training split make a curve a power law carries further?
     print("a power law through 3 consecutive sizes, each larger one up to 4x predicted: every target, and positions "
           "64 on whose 64 tokens are not in train")
-    for i in range(len(sizes) - 3):
-        window = sizes[i:i + 3]
-        for target in [t for t in sizes[i + 3:] if t <= 4 * window[-1]]:
-            errors = [eval_power_law(power_law(window, [losses[p][c] for p in window]), target) / losses[target][c] - 1
-                      for c in ("all", "unseen")]
-            print(f"  {window[0]:,}-{window[-1]:,} -> {target:,}: {errors[0]:+.2%}, unseen {errors[1]:+.2%}")
+    for _, window, target in power_law_windows(sizes, (3,)):
+        errors = [eval_power_law(power_law(window, [losses[p][c] for p in window]), target) / losses[target][c] - 1
+                  for c in ("all", "unseen")]
+        print(f"  {window[0]:,}-{window[-1]:,} -> {target:,}: {errors[0]:+.2%}, unseen {errors[1]:+.2%}")
 
 
 if __name__ == "__main__":

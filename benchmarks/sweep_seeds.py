@@ -261,6 +261,13 @@ def shapes(text: str) -> list[dict]:
     return out
 
 
+def power_law_windows(sizes: list[float], lengths: tuple[int, ...]) -> list[tuple[int, list[float], float]]:
+    """(k, k consecutive `sizes`, a larger size) for each k in `lengths`: up to 4x past the window's
+    top, how far a smooth law carries from each stretch of sizes."""
+    return [(k, sizes[i:i + k], target) for k in lengths for i in range(len(sizes) - k)
+            for target in sizes[i + k:] if target <= 4 * sizes[i + k - 1]]
+
+
 def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra: list[dict], beyond: list[dict],
           depth: int, averaged: Callable[[int], bool]) -> None:
     """The loss along the held-out `budget` at every size, what each refit in `fits` (name: its
@@ -323,9 +330,7 @@ def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra
         if layers.get(params, depth) == depth:
             previous = (params, mean)
     near = [params for params in means if abs(params / check["params"] - 1) <= 0.1]
-    # Up to 4x past the window's top: how far a smooth law carries from each stretch of sizes.
-    windows = [(k, on_law[i:i + k], target) for k in (3, 4, 5) for i in range(len(on_law) - k)
-               for target in on_law[i + k:] if target <= 4 * on_law[i + k - 1]]
+    windows = power_law_windows(on_law, (3, 4, 5))
     if windows:
         # No fit of the sweep's: the budget's own curve. At the held-out size, also against its
         # shapes' mean.
