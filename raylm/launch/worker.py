@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import tempfile
 from typing import ContextManager, Iterator, Optional
 
@@ -22,6 +24,45 @@ from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
 from raylm.train.resilience.preemption import Notice
 from raylm.train.checkpoint.resume import open_latest
 from raylm.train.spec import RunSpec, local_run_dir, run_uri
+
+
+STAGING_PREFIX = "raylm-ckpt-"
+
+
+@contextlib.contextmanager
+def local_staging_dir(parent: Optional[str] = None) -> Iterator[str]:
+    """A fresh directory under `parent` (default: the machine's temporary directory) for this
+    process's part of one checkpoint, removed after it is published.
+
+    A worker killed while it saved (on a preempted or lost node, by the OOM killer) cannot remove
+    its own, and each is a rank's share of the model and optimizer state: a run that restarts
+    on a node again and again would fill its disk with them. So the name carries the process id,
+    and each save first removes those whose process is gone."""
+    parent = parent or tempfile.gettempdir()
+    remove_orphaned_staging(parent)
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=parent) as directory:
+        yield directory
+
+
+def remove_orphaned_staging(parent: str) -> list[str]:
+    """Remove the staging directories under `parent` whose process no longer runs; returns them."""
+    removed = []
+    for name in os.listdir(parent):
+        match = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(\d+)-.+", name)
+        if match and not _process_runs(int(match.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
 
 
 class RayTrainEnv:
@@ -56,10 +97,8 @@ class RayTrainEnv:
                          allow_none_usable, events) as directory:
             yield directory
 
-    @contextlib.contextmanager
-    def staging_dir(self, step: int) -> Iterator[str]:
-        with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
-            yield tmp
+    def staging_dir(self, step: int) -> ContextManager[str]:
+        return local_staging_dir()
 
     def publish(self, step: int, directory: str) -> str:
         import ray.train
