@@ -15,6 +15,9 @@ the data, on one corpus:
    mean over its seeds' final checkpoints, and the log-log slope between neighbouring sizes in
    each band of positions: a bend of in-context learning is steep late and flat early.
 
+Where a size has several seeds, it also prints how far they differ, over every target and over
+the targets whose 64 tokens are or are not found in train.
+
     OMP_NUM_THREADS=1 python benchmarks/curve_bend.py runs/sweep-cpu-manpages runs/data/manpages-byte-256
 
 Sizes: the ladder's rungs and the held-out one at the check's budget (the ladder's best rate,
@@ -165,11 +168,18 @@ def main() -> None:
     columns = [f"{a}-{b - 1}" for a, b in BANDS] + list(groups)
     losses: dict[int, dict[str, float]] = {}
     for params, dirs in checkpoints(args.sweep, args.mean_of).items():
-        nats = np.mean([token_loss(d, rows) for d in dirs], axis=0)
+        by_seed = [token_loss(d, rows) for d in dirs]
+        nats = np.mean(by_seed, axis=0)
         losses[params] = {"all": nats.mean(), **{f"{a}-{b - 1}": nats[:, a:b].mean() for a, b in BANDS},
                           **{name: nats[mask].mean() for name, mask in groups.items()}}
-        print(f"{params:>9,} parameters, {len(dirs)} seed(s): " +
-              " | ".join(f"{k} {v:.4f}" for k, v in losses[params].items()), flush=True)
+        line = f"{params:>9,} parameters, {len(dirs)} seed(s): " + \
+            " | ".join(f"{k} {v:.4f}" for k, v in losses[params].items())
+        if len(by_seed) > 1:
+            # Where the seeds differ: text the model could have memorised, or the rest.
+            line += " | seed spread (highest / lowest - 1) " + ", ".join(
+                f"{name} {max(seed[mask].mean() for seed in by_seed) / min(seed[mask].mean() for seed in by_seed) - 1:.1%}"
+                for name, mask in {"all": np.ones_like(late), **groups}.items())
+        print(line, flush=True)
     print("\nlog-log slope of val loss against parameters between neighbouring sizes: over every target, by "
           "position in the context, and (positions 64 on) by whether the 64 tokens ending at the target are in train")
     print(f"{'sizes':>22} | " + " | ".join(f"{c:>7}" for c in ["all", *columns]))

@@ -357,7 +357,8 @@ def main() -> None:
     parser.add_argument("sweep", help="the sweep's YAML, as given to `raylm sweep`")
     parser.add_argument("overrides", nargs="*", help="the sweep's overrides, as given to `raylm sweep`")
     parser.add_argument("--seeds", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2],
-                        help="comma-separated, e.g. 1,2 (seed 0 is the sweep's own trial)")
+                        help="comma-separated, e.g. 1,2 (seed 0 is the sweep's own trial: `--seeds 0` trains "
+                             "only --beyond's and --ladder-shapes' seed 0)")
     parser.add_argument("--beyond", type=shapes, default=[],
                         help="other sizes at the held-out budget, d_model:n_heads (the held-out depth) or "
                              "d_model:n_heads:n_layers, comma-separated, e.g. 80:5,128:8,112:7:3")
@@ -403,8 +404,9 @@ def main() -> None:
     have = {(d["rung"], d["seed"]) for d in done + past} | {(noise.get("rung"), s) for s in noise.get("seeds", [])}
     # The longest trials first: two lanes finish together.
     cost = {r["rung"]: r["params"] * r["tokens"] for r in [*fitted["rungs"], fitted["check"]]}
+    # Seed 0 of a rung is the sweep's own trial: `--seeds 0` trains only the sizes past the ladder.
     jobs = [(args.sweep, args.overrides, rung, lr, seed, cost[rung]) for rung, lr in wanted for seed in args.seeds
-            if (rung, seed) not in have]
+            if seed != 0 and (rung, seed) not in have]
     ratio = fitted["check"]["tokens"] / fitted["check"]["params"]
     for shape in args.beyond:
         params = beyond_rung(plan, shape).size.params
