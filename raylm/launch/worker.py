@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 from typing import ContextManager, Iterator, Optional
 
@@ -36,20 +37,23 @@ def local_staging_dir(parent: Optional[str] = None) -> Iterator[str]:
 
     A worker killed while it saved (on a preempted or lost node, by the OOM killer) cannot remove
     its own, and each is a rank's share of the model and optimizer state: a run that restarts
-    on a node again and again would fill its disk with them. So the name carries the process id,
-    and each save first removes those whose process is gone."""
+    on a node again and again would fill its disk with them. So the name carries the host and the
+    process id, and each save first removes this host's whose process is gone (a directory shared
+    by containers holds other hosts' processes, which this one cannot see)."""
     parent = parent or tempfile.gettempdir()
     remove_orphaned_staging(parent)
-    with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=parent) as directory:
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-",
+                                     dir=parent) as directory:
         yield directory
 
 
 def remove_orphaned_staging(parent: str) -> list[str]:
-    """Remove the staging directories under `parent` whose process no longer runs; returns them."""
+    """Remove this host's staging directories under `parent` whose process no longer runs; returns them."""
     removed = []
     for name in os.listdir(parent):
-        match = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(\d+)-.+", name)
-        if match and not _process_runs(int(match.group(1))):
+        # tempfile's random suffix holds no "-": the last two split off the pid and the suffix.
+        match = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(.+)-(\d+)-[^-]+", name)
+        if match and match.group(1) == socket.gethostname() and not _process_runs(int(match.group(2))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
             removed.append(name)
     return removed
