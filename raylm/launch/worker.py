@@ -47,16 +47,13 @@ def local_staging_dir(parent: Optional[str] = None) -> Iterator[str]:
         yield directory
 
 
-def remove_orphaned_staging(parent: str) -> list[str]:
-    """Remove this host's staging directories under `parent` whose process no longer runs; returns them."""
-    removed = []
+def remove_orphaned_staging(parent: str) -> None:
+    """Remove this host's staging directories under `parent` whose process no longer runs."""
     for name in os.listdir(parent):
         # tempfile's random suffix holds no "-": the last two split off the pid and the suffix.
         match = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(.+)-(\d+)-[^-]+", name)
         if match and match.group(1) == socket.gethostname() and not _process_runs(int(match.group(2))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-            removed.append(name)
-    return removed
 
 
 def _process_runs(pid: int) -> bool:
