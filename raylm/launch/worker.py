@@ -25,6 +25,7 @@ from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
 from raylm.train.resilience.preemption import Notice
 from raylm.train.checkpoint.resume import open_latest
 from raylm.train.spec import RunSpec, local_run_dir, run_uri
+from raylm.train.lease import process_alive
 
 
 STAGING_PREFIX = "raylm-ckpt-"
@@ -52,18 +53,8 @@ def remove_orphaned_staging(parent: str) -> None:
     for name in os.listdir(parent):
         # tempfile's random suffix holds no "-": the last two split off the pid and the suffix.
         match = re.fullmatch(rf"{re.escape(STAGING_PREFIX)}(.+)-(\d+)-[^-]+", name)
-        if match and match.group(1) == socket.gethostname() and not _process_runs(int(match.group(2))):
+        if match and match.group(1) == socket.gethostname() and not process_alive(int(match.group(2))):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _process_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: running
-        return True
-    return True
 
 
 class RayTrainEnv:

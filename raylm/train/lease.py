@@ -114,7 +114,7 @@ class RunLease:
         age = time.time() - _heartbeat(holder)
         if age > self.timeout_s:
             return f"its last heartbeat is {age:.0f} s old (run.lease_timeout_s={self.timeout_s:g})"
-        if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid"), holder.get("pid_start")):
+        if holder.get("host") == socket.gethostname() and not process_alive(holder.get("pid"), holder.get("pid_start")):
             return f"its process {holder.get('pid')} on this machine no longer runs"
         return None
 
@@ -176,7 +176,8 @@ def _start_time(pid: int) -> Optional[int]:
         return None
 
 
-def _alive(pid: object, started: object) -> bool:
+def process_alive(pid: object, started: object = None) -> bool:
+    """Whether process `pid` of this host runs (and, given its start time, is not a reused pid)."""
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:  # never a group or all
         return False
     try:
