@@ -57,7 +57,10 @@ class MetricsLogger(Hook):
     def __init__(self, cfg: Config, run_dir: str, world: World):
         self.cfg, self.world = cfg, world
         self.rank0 = world.rank == 0
+        # The progress line smooths throughput and MFU alike: a step's own MFU beside the smoothed
+        # tokens/s read 33% and 59% at one steady 9.5k tok/s on a busy CPU.
         self.tokens_per_s_ema: Optional[float] = None
+        self.mfu_ema: Optional[float] = None
         self.step_time_ema: Optional[float] = None
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.writer = None
@@ -107,6 +110,7 @@ class MetricsLogger(Hook):
             return
         ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
         self.tokens_per_s_ema = ema(self.tokens_per_s_ema, metrics["tokens_per_s"])
+        self.mfu_ema = ema(self.mfu_ema, metrics["mfu"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
         append_line(self.path, metrics)
         scalars = {k: float(v) for k, v in metrics.items()
@@ -126,7 +130,7 @@ class MetricsLogger(Hook):
             val = f" | val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
             print(f"step {metrics['step']:>6}/{steps} | loss {metrics['loss']:.4f}{val} | "
                   f"lr {metrics['lr']:.2e} | gnorm {metrics['grad_norm']:.3f} | "
-                  f"{self.tokens_per_s_ema:,.0f} tok/s | mfu {100 * metrics['mfu']:.2f}% | eta {eta}",
+                  f"{self.tokens_per_s_ema:,.0f} tok/s | mfu {100 * self.mfu_ema:.2f}% | eta {eta}",
                   flush=True)
 
     def on_train_end(self, run: Run, metrics: dict) -> None:
