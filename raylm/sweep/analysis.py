@@ -133,15 +133,19 @@ def cross_validate(bests: list[dict], sweep: SweepConfig) -> dict[str, dict]:
         except (ValueError, np.linalg.LinAlgError) as e:
             out[name] = {"error": str(e)}
             continue
-        errors = [float((predictor.fit.loss(b["params"], b["tokens"]) - b["loss"]) / b["loss"]) for b in left_out]
-        if not all(map(math.isfinite, errors)):  # NaN would win or lose every comparison at random
-            constants = ", ".join(f"{k} {v:.3g}" for k, v in predictor.fit.to_dict().items())
-            out[name] = {"error": f"fitted without the largest size it is degenerate ({constants}): its "
-                                  "prediction of that size is not a number"}
-            continue
-        out[name] = {"left_out_params": largest, "relative_errors": errors,
-                     "mean_abs_error": float(np.mean(np.abs(errors)))}
+        out[name] = validation_entry(predictor.fit, left_out)
     return out
+
+
+def validation_entry(law: Union[fit.Parametric, fit.LocalPowerLaw], left_out: list[dict]) -> dict:
+    """A law's cross-validation: its relative errors on the left-out size's rungs, or why it has none."""
+    errors = [float((law.loss(b["params"], b["tokens"]) - b["loss"]) / b["loss"]) for b in left_out]
+    if not all(map(math.isfinite, errors)):  # NaN would win or lose every comparison at random
+        constants = ", ".join(f"{k} {v:.3g}" for k, v in law.to_dict().items())
+        return {"error": f"fitted without the largest size it is degenerate ({constants}): its "
+                         "prediction of that size is not a number"}
+    return {"left_out_params": left_out[0]["params"], "relative_errors": errors,
+            "mean_abs_error": float(np.mean(np.abs(errors)))}
 
 
 def choose_predictor(validation: dict[str, dict]) -> tuple[str, str]:

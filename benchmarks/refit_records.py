@@ -1,0 +1,68 @@
+"""Do the recorded sweeps' numbers come back on this machine? `raylm sweep --refit` on a scratch
+copy of each sweep directory under benchmarks/sweeps/, compared with the fit.json it recorded.
+
+The fits are L-BFGS runs, and where the Chinchilla form is underdetermined (6 points for 5
+constants, a valley towards alpha = infinity) where the optimizer stops depends on the scipy and
+numpy it runs on. This prints, for each record, the chosen predictor, the held-out error and each
+predictor's cross-validated error, recorded and refitted, marking what differs at 4 significant
+digits, then the counts.
+
+    OMP_NUM_THREADS=1 python benchmarks/refit_records.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy
+import scipy
+
+RECORDS = Path(__file__).resolve().parent / "sweeps"
+
+
+def figures(fit: dict) -> dict[str, object]:
+    """What a reader of RESULTS.md takes from a record, rounded to 4 significant digits."""
+    def rounded(x):
+        return None if x is None else float(f"{x:.4g}")
+    out = {"chosen predictor": fit["predictor"]["chosen"],
+           "held-out error": rounded(fit["check"]["relative_error"])}
+    for name, predictor in fit["predictors"].items():
+        out[f"{name} cross-validated"] = rounded(predictor.get("cross_validation", {}).get("mean_abs_error"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("records", nargs="*", type=Path, help="sweep directories (default: every one under benchmarks/sweeps)")
+    args = parser.parse_args()
+    records = args.records or sorted(p for p in RECORDS.iterdir() if (p / "fit.json").exists())
+    print(f"scipy {scipy.__version__}, numpy {numpy.__version__}")
+    same: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for record in records:
+            copy = Path(scratch) / record.name
+            shutil.copytree(record, copy)
+            run = subprocess.run([sys.executable, "-m", "raylm.cli", "sweep", "--refit", str(copy)],
+                                 capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"{record}: raylm sweep --refit exited with {run.returncode}:\n{run.stderr[-2000:]}")
+            recorded = figures(json.loads((record / "fit.json").read_text()))
+            refitted = figures(json.loads((copy / "fit.json").read_text()))
+            print(record.name)
+            for key, value in recorded.items():
+                moved = value != refitted[key]
+                same[key] = same.get(key, 0) + (not moved)
+                print(f"  {key:28s} {value!s:>12} -> {refitted[key]!s:<12}{'  MOVED' if moved else ''}")
+    print(f"\nreproduced, of {len(records)} records:")
+    for key, count in same.items():
+        print(f"  {key:28s} {count}")
+
+
+if __name__ == "__main__":
+    main()
