@@ -13,7 +13,7 @@ from raylm.train.observe.metrics import MetricsLogger
 
 def test_the_progress_lines_mfu_follows_its_smoothed_throughput(tmp_path, capsys):
     cfg = load_config(None, ["train.tensorboard=false", "train.log_every=1", "train.steps=6",
-                       "schedule.warmup_steps=1"])
+                             "schedule.warmup_steps=1"])
     logger = MetricsLogger(cfg, str(tmp_path), World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     flops_per_token, peak = 3e6, 1e11
     for step, tokens_per_s in enumerate([9_000, 18_000, 6_000, 12_000, 9_000, 20_000], start=1):
