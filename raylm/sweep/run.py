@@ -517,10 +517,20 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
             result["recommended"] = info
             with open(os.path.join(plan.directory, RECOMMENDED_FILE), "w") as f:
                 f.write(_recommended_yaml(cfg, info, plan.directory))
+    result["fitted_with"] = fitted_with()
     result["warnings"] = analysis.warnings(result)
     result["wall_s"] = time.time() - started
     _write_fit(plan.directory, result, rows, laws)
     return result
+
+
+def fitted_with() -> dict[str, str]:
+    """The libraries the fits ran on. Where the ladder leaves the Chinchilla form underdetermined,
+    L-BFGS stops at another alpha on another scipy or numpy (benchmarks/RESULTS.md: a record's chosen
+    predictor changed), so a refit must be able to tell that its numbers may not be the sweep's."""
+    import scipy
+
+    return {"scipy": scipy.__version__, "numpy": np.__version__}
 
 
 def _write_fit(directory: str, result: dict, rows: list[dict], laws: analysis.Laws) -> None:
@@ -584,10 +594,21 @@ def refit(directory: str) -> dict:
     if "recommended" in previous:
         result["recommended"] = {**previous["recommended"], "refit": "carried over from the sweep: --refit does "
                                  "not place the recommended run again"}
+    result["fitted_with"] = fitted_with()
     result["warnings"] = analysis.warnings(result)
+    if previous.get("fitted_with", result["fitted_with"]) != result["fitted_with"]:
+        result["warnings"].append(
+            f"refitted with {_versions(result['fitted_with'])}, where the sweep fitted with "
+            f"{_versions(previous['fitted_with'])}: a fit the ladder leaves underdetermined (an alpha or beta in the "
+            "tens, or a cross-validation fit on the smaller sizes) can land elsewhere, and the chosen predictor "
+            "with it")
     result["wall_s"] = previous.get("wall_s")
     _write_fit(directory, result, rows, laws)
     return result
+
+
+def _versions(libraries: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in sorted(libraries.items()))
 
 
 def summary(result: dict) -> str:

@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from raylm.errors import ConfigError
 from raylm.sweep.analysis import rung_bests
 from raylm.sweep.fit import eval_power_law
 from raylm.sweep.run import read_trials as sweep_trials
-from raylm.sweep.run import run_sweep
+from raylm.sweep.run import fitted_with, refit, run_sweep
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
 RAYLM = [sys.executable, "-m", "raylm.cli"]
@@ -153,8 +154,9 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     assert again.returncode == 0, again.stderr[-3000:]
     with open(os.path.join(directory, "fit.json")) as f:
         refitted = json.load(f)
-    for key in ("predictor", "predictors", "noise", "parametric", "lr"):
+    for key in ("predictor", "predictors", "noise", "parametric", "lr", "fitted_with"):
         assert refitted[key] == result[key], key
+    assert not [w for w in refitted["warnings"] if w.startswith("refitted with")]
     assert {k: v for k, v in refitted["check"].items()} == result["check"]
     assert f"predictor: {result['predictor']['chosen']}" in again.stdout
     # The refit keeps the sweep's recommendation, and its summary says so.
@@ -250,3 +252,21 @@ def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_bes
         assert len({r["lr"] for r in rows if r["rung"] == rung}) == 3
     assert {r["lr"] for r in rows if r["rung"] == "s0-tpp4"} != {r["lr"] for r in rows if r["rung"] == "s1-tpp4"}
     assert glob.glob(str(tmp_path / "bayes" / "tune-ladder" / "searcher-state-*.pkl"))  # Tune saved the studies
+
+
+def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
+    """On scipy 1.17.1 a record's underdetermined Chinchilla fit landed elsewhere than where the sweep
+    had fitted it, and its chosen predictor changed (benchmarks/RESULTS.md): a refit says when it
+    runs on other libraries than the sweep did, and only then."""
+    directory = tmp_path / "sweep"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
+                    directory)
+    fit_path = directory / "fit.json"
+    recorded = json.loads(fit_path.read_text())
+    fit_path.write_text(json.dumps({**recorded, "fitted_with": {"scipy": "1.14.1", "numpy": "2.1.3"}}))
+    first = refit(str(directory))
+    assert first["fitted_with"] == fitted_with() and first["predictor"] == recorded["predictor"]
+    (warning,) = [w for w in first["warnings"] if w.startswith("refitted with")]
+    assert "where the sweep fitted with numpy 2.1.3, scipy 1.14.1" in warning and "chosen predictor" in warning
+    again = refit(str(directory))  # fit.json now names this machine's libraries
+    assert not [w for w in again["warnings"] if w.startswith("refitted with")]
