@@ -267,6 +267,6 @@ def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
     first = refit(str(directory))
     assert first["fitted_with"] == fitted_with() and first["predictor"] == recorded["predictor"]
     (warning,) = [w for w in first["warnings"] if w.startswith("refitted with")]
-    assert "where the sweep fitted with numpy 2.1.3, scipy 1.14.1" in warning and "chosen predictor" in warning
+    assert "where the fit.json it replaces was fitted with numpy 2.1.3, scipy 1.14.1" in warning and "chosen predictor" in warning
     again = refit(str(directory))  # fit.json now names this machine's libraries
     assert not [w for w in again["warnings"] if w.startswith("refitted with")]
