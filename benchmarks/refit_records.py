@@ -20,8 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy
-import scipy
+from raylm.sweep.run import fitted_with
 
 RECORDS = Path(__file__).resolve().parent / "sweeps"
 
@@ -42,7 +41,7 @@ def main() -> None:
     parser.add_argument("records", nargs="*", type=Path, help="sweep directories (default: every one under benchmarks/sweeps)")
     args = parser.parse_args()
     records = args.records or sorted(p for p in RECORDS.iterdir() if (p / "fit.json").exists())
-    print(f"scipy {scipy.__version__}, numpy {numpy.__version__}")
+    print(", ".join(f"{name} {version}" for name, version in fitted_with().items()))
     same: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for record in records:
