@@ -127,7 +127,16 @@ def cross_validate(bests: list[dict], sweep: SweepConfig) -> dict[str, dict]:
     largest = max(b["params"] for b in bests)
     kept, left_out = [b for b in bests if b["params"] < largest], [b for b in bests if b["params"] == largest]
     out = {}
+    kept_sizes = len({b["params"] for b in kept})
     for name in PREDICTORS:
+        if name == CHINCHILLA and kept_sizes < 3:
+            # Over k sizes the rungs fix only k offsets E + A/N^alpha: with k < 3 every alpha fits them
+            # equally well (E and A follow), and each predicts the largest size differently, so the
+            # error is wherever L-BFGS stopped, and moves with the scipy it runs on.
+            out[name] = {"error": f"fitted on the {kept_sizes} smaller sizes, E + A/N^alpha fits them equally well "
+                                  "at every alpha, each predicting the largest differently: checking this form needs a "
+                                  "ladder of at least 4 sizes"}
+            continue
         try:
             predictor = fit_predictor(name, kept, sweep, resamples=0)
         except (ValueError, np.linalg.LinAlgError) as e:

@@ -600,8 +600,7 @@ def refit(directory: str) -> dict:
         result["warnings"].append(
             f"refitted with {_versions(result['fitted_with'])}, where the fit.json it replaces was fitted with "
             f"{_versions(previous['fitted_with'])}: a fit the ladder leaves underdetermined (an alpha or beta in the "
-            "tens, or a cross-validation fit on the smaller sizes) can land elsewhere, and the chosen predictor "
-            "with it")
+            "tens) can land elsewhere, and the chosen predictor with it")
     result["wall_s"] = previous.get("wall_s")
     _write_fit(directory, result, rows, laws)
     return result
