@@ -457,6 +457,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     except RunInterrupted as e:
         print(f"raylm: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # a command with no resume of its own to name (a refit, an export): no traceback
+        print("raylm: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

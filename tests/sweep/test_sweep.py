@@ -254,6 +254,27 @@ def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_bes
     assert glob.glob(str(tmp_path / "bayes" / "tune-ladder" / "searcher-state-*.pkl"))  # Tune saved the studies
 
 
+def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(tmp_path, capsys):
+    """A refit takes half a minute on 2 cores; a Ctrl-C in it printed a Python traceback. It ends with
+    a shell's status for SIGINT and one line, and the fit.json it would have replaced is untouched."""
+    from raylm.cli import main
+
+    directory = tmp_path / "sweep"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
+                    directory)
+    before = (directory / "fit.json").read_bytes()
+    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # a terminal's Ctrl-C, mid-fit
+    ctrl_c.start()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["sweep", "--refit", str(directory)])
+    finally:
+        ctrl_c.cancel()
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "raylm: interrupted\n"
+    assert (directory / "fit.json").read_bytes() == before and not (directory / "plots").exists()
+
+
 def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
     """On scipy 1.17.1 a record's underdetermined Chinchilla fit landed elsewhere than where the sweep
     had fitted it, and its chosen predictor changed (benchmarks/RESULTS.md): a refit says when it
