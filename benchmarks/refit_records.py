@@ -1,13 +1,15 @@
 """Do the recorded sweeps' numbers come back on this machine? `raylm sweep --refit` on a scratch
 copy of each sweep directory under benchmarks/sweeps/, compared with the fit.json it recorded.
 
-The fits are L-BFGS runs, and where the Chinchilla form is underdetermined (6 points for 5
-constants, a valley towards alpha = infinity) where the optimizer stops depends on the scipy and
-numpy it runs on. This prints, for each record, the chosen predictor, the held-out error and each
-predictor's cross-validated error, recorded and refitted, marking what differs at 4 significant
-digits, then the counts.
+The fits are L-BFGS runs, and where the Chinchilla form is underdetermined (on 2 sizes every
+alpha fits the rungs alike; a valley towards alpha = infinity) where the optimizer stops depends
+on the scipy and numpy it runs on. This prints, for each record, the chosen predictor, the
+held-out error and each predictor's cross-validated error, recorded and refitted, marking what
+differs at 4 significant digits, then the counts. Other library versions, e.g. installed with
+`pip install --target /tmp/oldsci scipy==1.14.1 numpy==2.1.3`:
 
     OMP_NUM_THREADS=1 python benchmarks/refit_records.py
+    PYTHONPATH=/tmp/oldsci OMP_NUM_THREADS=1 python benchmarks/refit_records.py
 """
 
 from __future__ import annotations
