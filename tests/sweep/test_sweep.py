@@ -263,6 +263,8 @@ def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(
     shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
                     directory)
     before = (directory / "fit.json").read_bytes()
+    # A fresh raylm process's SIGINT handling: an earlier test's in-process Tune run leaves its own handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # a terminal's Ctrl-C, mid-fit
     ctrl_c.start()
     try:
@@ -270,6 +272,7 @@ def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(
             main(["sweep", "--refit", str(directory)])
     finally:
         ctrl_c.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert exited.value.code == 130
     assert capsys.readouterr().err == "raylm: interrupted\n"
     assert (directory / "fit.json").read_bytes() == before and not (directory / "plots").exists()
