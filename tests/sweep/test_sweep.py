@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -254,14 +255,20 @@ def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_bes
     assert glob.glob(str(tmp_path / "bayes" / "tune-ladder" / "searcher-state-*.pkl"))  # Tune saved the studies
 
 
+def stdlib_record(tmp_path: Path) -> Path:
+    """A scratch copy of the built-in corpus's sweep record (benchmarks/sweeps/), to refit."""
+    directory = tmp_path / "sweep"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
+                    directory)
+    return directory
+
+
 def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(tmp_path, capsys):
     """A refit takes half a minute on 2 cores; a Ctrl-C in it printed a Python traceback. It ends with
     a shell's status for SIGINT and one line, and the fit.json it would have replaced is untouched."""
     from raylm.cli import main
 
-    directory = tmp_path / "sweep"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
-                    directory)
+    directory = stdlib_record(tmp_path)
     before = (directory / "fit.json").read_bytes()
     # A fresh raylm process's SIGINT handling: an earlier test's in-process Tune run leaves its own handler.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -282,9 +289,7 @@ def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
     """On scipy 1.17.1 a record's underdetermined Chinchilla fit landed elsewhere than where the sweep
     had fitted it, and its chosen predictor changed (benchmarks/RESULTS.md): a refit says when it
     runs on other libraries than the sweep did, and only then."""
-    directory = tmp_path / "sweep"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
-                    directory)
+    directory = stdlib_record(tmp_path)
     fit_path = directory / "fit.json"
     recorded = json.loads(fit_path.read_text())
     fit_path.write_text(json.dumps({**recorded, "fitted_with": {"scipy": "1.14.1", "numpy": "2.1.3"}}))
