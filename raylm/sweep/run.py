@@ -162,7 +162,10 @@ def _run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict
         tuner = tune.Tuner(
             trainable, param_space=param_space or {},
             tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, search_alg=searcher, scheduler=scheduler,
-                                        num_samples=num_samples, max_concurrent_trials=concurrency),
+                                        num_samples=num_samples, max_concurrent_trials=concurrency,
+                                        # a new process per trial costs ~5 s of start and imports,
+                                        # more than a small rung's training on 2 cores
+                                        reuse_actors=True),
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures)))
     logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once

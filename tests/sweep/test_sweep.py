@@ -225,6 +225,32 @@ def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_da
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trials_that_share_a_worker_process_train_as_each_would_alone(ray_session, tiny_dataset, tmp_path):
+    """Tune hands a finished trial's process to the next trial of the phase (`reuse_actors`):
+    nothing one trial leaves behind in it (threads, random state, caches) may change the next."""
+    common = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "sweep.check=false",
+              "sweep.target.flops=null", "sweep.ladder.tokens_per_param=[2]", "sweep.fit.bootstrap=0",
+              "sweep.early_stopping.asha=false", "sweep.trial.cpus=4"]  # the session's 4 CPUs: one at a time
+    run_sweep(TINY_SWEEP, [*common, "run.name=shared", "sweep.ladder.d_model=[16,24]", "sweep.lr.grid=[1e-2,3e-3]"])
+    trials = {os.path.basename(d): d for d in glob.glob(str(tmp_path / "shared" / "trials" / "*"))}
+    assert len(trials) == 4
+    assert len({open(os.path.join(d, "worker.pid")).read() for d in trials.values()}) == 1, "no process was reused"
+    last = max(trials, key=lambda t: float(open(os.path.join(trials[t], "started")).read()))
+    (row,) = [r for r in read_trials(str(tmp_path / "shared")) if r["trial_id"] == last]
+
+    # The trial that ran last, after three others in its process, again in a process of its own.
+    d_model = 16 if row["size"] == "0" else 24
+    run_sweep(TINY_SWEEP, [*common, "run.name=alone", f"sweep.ladder.d_model=[{d_model}]",
+                           f"sweep.lr.grid=[{row['lr']}]"])
+    (alone,) = glob.glob(str(tmp_path / "alone" / "trials" / "*"))
+    with open(os.path.join(trials[last], "metrics.jsonl")) as f, open(os.path.join(alone, "metrics.jsonl")) as g:
+        shared_rows, alone_rows = ([{k: r[k] for k in ("step", "loss", "val_loss", "lr") if k in r}
+                                    for r in map(json.loads, h)] for h in (f, g))
+    assert len(shared_rows) > 3 and shared_rows == alone_rows
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_best(ray_session, tiny_dataset, tmp_path):
     overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=bayes",
