@@ -101,12 +101,20 @@ def _effective(cls: type, tree) -> Optional[dict]:
         return None
 
 
+def _trials_began(directory: str) -> bool:
+    """Whether a phase of the sweep in `directory` was handed to Tune: its experiment or a trial's
+    run directory exists."""
+    return any(name == "trials" or name.startswith("tune-") for name in os.listdir(directory))
+
+
 def _check_same_sweep(plan: Plan, path: str) -> None:
-    """A sweep directory belongs to one sweep: resuming it with other settings would mix results."""
+    """A sweep directory belongs to one sweep: resuming it with other settings would mix results.
+    One refused before any trial began (a trial larger than the cluster) holds nothing to mix:
+    the corrected command takes it over."""
     record = {"sweep": sweep_to_dict(plan.sweep), "base": config_to_dict(plan.base)}
     os.makedirs(plan.directory, exist_ok=True)
     target = os.path.join(plan.directory, SWEEP_FILE)
-    if os.path.exists(target):
+    if os.path.exists(target) and _trials_began(plan.directory):
         with open(target) as f:
             previous = yaml.safe_load(f)
         changed = [key for key, cls in (("sweep", SweepConfig), ("base", Config))
@@ -116,8 +124,7 @@ def _check_same_sweep(plan: Plan, path: str) -> None:
                               f"differ from {path} and the overrides; see {target}): resume it with the same "
                               "command, or choose another run.name")
         return
-    with open(target, "w") as f:
-        yaml.safe_dump(record, f, sort_keys=False)
+    storage.write_bytes(target, yaml.safe_dump(record, sort_keys=False).encode())  # whole or not at all
 
 
 def _threads(cpus: float) -> int:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
@@ -182,6 +183,29 @@ def test_held_out_trials_larger_than_the_cluster_are_refused_before_the_ladder(r
         run_sweep(TINY_SWEEP, [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=too-big",
                                "sweep.trial.check_cpus=64"])
     assert not (tmp_path / "too-big" / "trials").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_sweep_refused_before_its_trials_leaves_nothing_that_stops_the_corrected_command(ray_session, tiny_dataset,
+                                                                                          tmp_path):
+    """A first try asks for trials larger than the cluster: refused, its directory holds no trial,
+    so the corrected command runs there. Once trials began, other settings are refused."""
+    cheap = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=corrected", "sweep.check=false",
+             "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]", "sweep.ladder.tokens_per_param=[2]",
+             "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0"]
+    directory = tmp_path / "corrected"
+    with pytest.raises(ConfigError, match=r"trial.cpus=64.0 but the Ray cluster has \d+ CPUs"):
+        run_sweep(TINY_SWEEP, [*cheap, "sweep.trial.cpus=64"])
+    run_sweep(TINY_SWEEP, cheap)
+    rows = read_trials(str(directory))
+    assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
+    assert yaml.safe_load((directory / "sweep.yaml").read_text())["sweep"]["trial"]["cpus"] == 1.0
+
+    with pytest.raises(ConfigError, match=r"holds a sweep started with different settings \(sweep differ"):
+        run_sweep(TINY_SWEEP, [*cheap, "sweep.lr.grid=[0.003]"])
+    assert read_trials(str(directory)) == rows
+    assert yaml.safe_load((directory / "sweep.yaml").read_text())["sweep"]["lr"]["grid"] == [0.01]
 
 
 @pytest.mark.slow
