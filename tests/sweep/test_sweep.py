@@ -24,6 +24,7 @@ from raylm.sweep.analysis import rung_bests
 from raylm.sweep.fit import eval_power_law
 from raylm.sweep.run import read_trials as sweep_trials
 from raylm.sweep.run import fitted_with, refit, run_sweep
+from raylm.train.observe.records import METRICS_FILE, read_jsonl
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
 RAYLM = [sys.executable, "-m", "raylm.cli"]
@@ -268,9 +269,9 @@ def test_trials_that_share_a_worker_process_train_as_each_would_alone(ray_sessio
     run_sweep(TINY_SWEEP, [*common, "run.name=alone", f"sweep.ladder.d_model=[{d_model}]",
                            f"sweep.lr.grid=[{row['lr']}]"])
     (alone,) = glob.glob(str(tmp_path / "alone" / "trials" / "*"))
-    with open(os.path.join(trials[last], "metrics.jsonl")) as f, open(os.path.join(alone, "metrics.jsonl")) as g:
-        shared_rows, alone_rows = ([{k: r[k] for k in ("step", "loss", "val_loss", "lr") if k in r}
-                                    for r in map(json.loads, h)] for h in (f, g))
+    shared_rows, alone_rows = ([{k: r[k] for k in ("step", "loss", "val_loss", "lr") if k in r}
+                                for r in read_jsonl(os.path.join(run_dir, METRICS_FILE))]
+                               for run_dir in (trials[last], alone))
     assert len(shared_rows) > 3 and shared_rows == alone_rows
 
 
