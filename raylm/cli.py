@@ -171,6 +171,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if not args.prompt:
         raise ConfigError("--prompt is empty: generation continues a prompt of at least one character "
                           "(the default is a newline)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv's bytes that are not UTF-8 arrive as surrogate escapes
+        raise ConfigError(f"--prompt is not UTF-8 text (character {e.start + 1} is an undecodable byte): give "
+                          "the prompt in UTF-8") from None
     print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
                                       args.top_k, args.seed, _storage(args)))
 
@@ -229,6 +234,8 @@ def cmd_report(args: argparse.Namespace) -> None:
     from raylm.report import write_report
 
     result = write_report(args.runs, args.output, _storage(args))
+    for line in result["dropped"]:
+        print(f"raylm: dropped {line}", file=sys.stderr)
     for label, s in result["runs"].items():
         goodput = f"{100 * s['goodput']:.1f}%" if s["goodput"] is not None else "n/a"
         print(f"{label}: step {s['steps']}, loss {s['final loss']}, val_loss {s['final val_loss']}, "
@@ -371,9 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="estimate per-GPU memory of parallel layouts and recommend one")
     p.add_argument("--model", required=True, help="named size (e.g. 175b) or a YAML config")
-    p.add_argument("--gpus", type=_positive_int, required=True)
+    p.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in all: whole nodes of "
+                   "--gpus-per-node, or fewer than one node holds (one node, partly used)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    p.add_argument("--gpu-memory", default="80GB")
+    p.add_argument("--gpu-memory", default="80GB", help="each GPU's memory, e.g. 80GB or 80GiB")
     p.add_argument("--seq-len", type=_positive_int)
     p.add_argument("--global-batch-tokens", type=_positive_int)
     p.add_argument("--micro-batch-size", type=_positive_int, default=1)

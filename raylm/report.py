@@ -5,7 +5,9 @@ drops the rows of steps that were trained again), events.jsonl (failures, resume
 stability guard's actions) and config.yaml; with `train.profile`, profile/ holds its traces (the
 page links them). Every figure has the step on its x axis with each event drawn where it happened;
 runs given together are overlaid. Keys a run lacks (MFU on an old run, activation norms before
-the guard writes them) are left out, not errors.
+the guard writes them) are left out, not errors. A record line the report cannot use (torn by a
+kill, garbled, a metrics row without an integer "step") is left out and named; a run with no
+metrics row left is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import base64
 import html
 import io
 import json
+import math
 import os
 import re
 import statistics
@@ -23,8 +26,9 @@ from typing import Optional
 
 from raylm.config import CONFIG_FILE, StorageConfig
 from raylm.data import storage
+from raylm.errors import RecordError
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, PROFILE_DIR, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, PROFILE_DIR, read_records
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
@@ -32,6 +36,42 @@ EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:pu
                 "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
                 "lease_taken_over": "tab:cyan", "preempted": "gold", "samples_quarantined": "khaki"}
 RUN_STYLES = ("-", "--", ":", "-.")
+
+
+# The fields the summary and figures compute with, and what each must hold: a row with anything
+# else there (a hand-edited or garbled record) is dropped and named rather than failing the report.
+INTEGER, NUMBER, TIMESTAMP, FLAG, TEXT = "an integer", "a number", "a finite number", "true or false", "a string"
+METRIC_FIELDS = {"step": INTEGER, "tokens": INTEGER, "global_batch": INTEGER, "skipped_samples": INTEGER,
+                 "time": TIMESTAMP, "step_time": NUMBER, "guard_s": NUMBER, "data_wait": NUMBER,
+                 "checkpoint_s": NUMBER, "discarded_s": NUMBER, "val_loss": NUMBER}
+EVENT_FIELDS = {"step": INTEGER, "from_step": INTEGER, "to_step": INTEGER, "steps_lost": INTEGER,
+                "skipped_samples": INTEGER, "time": TIMESTAMP, "lr_cut": FLAG, "resize": TEXT}
+
+
+def _holds(value: object, kind: str) -> bool:
+    if kind in (FLAG, TEXT):
+        return isinstance(value, bool if kind == FLAG else str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):  # JSON's true is no count
+        return False
+    return isinstance(value, int) if kind == INTEGER else kind == NUMBER or math.isfinite(value)
+
+
+def _problem(row: dict, fields: dict[str, str], required: tuple[str, ...] = ()) -> Optional[str]:
+    """Why `row` cannot be used (read_records' `problem`), or None."""
+    for key in required:
+        if key not in row:
+            return f'no "{key}"'
+    for key, kind in fields.items():
+        if key in row and not _holds(row[key], kind):
+            return f'"{key}" is {json.dumps(row[key])[:40]}, not {kind}'
+    return None
+
+
+class NothingToReport(RecordError):
+    """A run whose metrics.jsonl holds no row to report; the message names the file and why each
+    line was dropped. The user named the run, so it is their input: exit 2."""
+
+    exit_code = 2
 
 
 @dataclass
@@ -44,6 +84,9 @@ class RunRecord:
     summary: dict = field(default_factory=dict)
     profiles: list[str] = field(default_factory=list)
     """URIs of the profiler traces and memory snapshots under the run's profile/."""
+    dropped: list[str] = field(default_factory=list)
+    """The record lines left out: torn by a kill, garbled, or a field the report computes with
+    holding no value it can use (`METRIC_FIELDS`, `EVENT_FIELDS`)."""
 
 
 def _saved_world_size(uri: str, step: int, storage_cfg: Optional[StorageConfig]) -> Optional[int]:
@@ -71,9 +114,16 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
     metrics_uri = storage.join(uri, METRICS_FILE)
     if not storage.exists(metrics_uri, storage_cfg):
         raise FileNotFoundError(f"{uri} is not a run directory: no {METRICS_FILE}")
+    rows, dropped = read_records(metrics_uri, storage_cfg, lambda row: _problem(row, METRIC_FIELDS, ("step",)))
+    if not rows:
+        why = "; ".join(line.removeprefix(f"{metrics_uri} ") for line in dropped[:3])
+        more = f"; {len(dropped) - 3} more line(s) like them" if len(dropped) > 3 else ""
+        raise NothingToReport(f"{metrics_uri} holds no row to report (one JSON object with an integer \"step\" "
+                              f"per line): {why + more if dropped else 'it is empty'}")
     # A step trained again after a guard rollback is written again: its last row is the one kept.
-    rows = sorted({row["step"]: row for row in read_jsonl(metrics_uri, storage_cfg)}.values(), key=lambda r: r["step"])
-    events = read_jsonl(storage.join(uri, EVENTS_FILE), storage_cfg)
+    rows = sorted({row["step"]: row for row in rows}.values(), key=lambda r: r["step"])
+    events, dropped_events = read_records(storage.join(uri, EVENTS_FILE), storage_cfg,
+                                          lambda row: _problem(row, EVENT_FIELDS))
     config_uri = storage.join(uri, CONFIG_FILE)
     if not storage.exists(config_uri, storage_cfg):  # runs outside `raylm train`: the newest checkpoint's
         latest = checkpoint.latest_complete(uri, storage_cfg)
@@ -90,7 +140,7 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
     profile_dir = storage.join(uri, PROFILE_DIR)
     profiles = [storage.join(profile_dir, name) for name in storage.list_dir(profile_dir, storage_cfg)
                 if name.endswith((".json", ".json.gz", ".pickle"))]
-    run = RunRecord(uri, label, rows, events, config, profiles=profiles)
+    run = RunRecord(uri, label, rows, events, config, profiles=profiles, dropped=dropped + dropped_events)
     run.summary = summarize(run)
     return run
 
@@ -322,9 +372,10 @@ def _labels(uris: list[str]) -> list[str]:
 def write_report(run_uris: list[str], output: Optional[str] = None,
                  storage_cfg: Optional[StorageConfig] = None) -> dict:
     """Figures and report.html for the runs at `run_uris` into `output` (default: the first
-    run's `report/`), local or s3://; returns the files written. Everything is rendered before
-    the first file is written, so a failure leaves an earlier report as it was; each file is
-    replaced whole, and figures of an earlier report that this one has not are removed."""
+    run's `report/`), local or s3://; returns the files written and the record lines left out
+    (`RunRecord.dropped`), for the caller to name. Everything is rendered before the first file
+    is written, so a failure leaves an earlier report as it was; each file is replaced whole, and
+    figures of an earlier report that this one has not are removed."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
     figs = figures(runs)
@@ -336,4 +387,5 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     for name in earlier:
         if name.endswith(".png") and name not in files:
             storage.delete_file(storage.join(output, name), storage_cfg)
-    return {"output": output, "files": list(files), "runs": {r.label: r.summary for r in runs}}
+    return {"output": output, "files": list(files), "runs": {r.label: r.summary for r in runs},
+            "dropped": [line for r in runs for line in r.dropped]}

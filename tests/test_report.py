@@ -11,6 +11,7 @@ from raylm.launch.recovery import RecoveryLog
 from raylm.report import write_report
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
+from tests.support.cli import assert_clean_refusal, run_main
 from tests.support.distributed import run_distributed
 from tests.support.poison import poisoned_copy
 from tests.train.resilience.test_guard import GUARD, Nudge
@@ -116,3 +117,26 @@ def test_report_cli_names_a_directory_without_metrics(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("raylm: error:") and "no metrics.jsonl" in err and "Traceback" not in err
+
+
+def test_report_names_the_record_lines_it_leaves_out_and_refuses_a_run_with_no_row(tmp_path):
+    """Lines a kill tore or a hand edit garbled are left out and named on stderr, by file and
+    line; a metrics.jsonl with no row left is refused naming it, not reported as "step 0"."""
+    run = tmp_path / "run"
+    run.mkdir()
+    metrics, events = run / "metrics.jsonl", run / "events.jsonl"
+    metrics.write_text('{"step": 1, "loss": 3.0}\n{"foo": 1}\n{"step": "abc"}\n[1, 2]\n'
+                       '{"step": 2, "loss": 2.5}\n{"step": 3, "lo')
+    events.write_text('{"event": "failure", "time": "noon"}\n')
+    outcome = run_main("report", str(run))
+    assert outcome.status == 0, outcome.stderr
+    assert "run: step 2, loss 2.5" in outcome.stdout
+    for line in (f'{metrics} line 2: no "step"', f'{metrics} line 3: "step" is "abc", not an integer',
+                 f"{metrics} line 4: a JSON list, not an object", f"{metrics} line 6: torn",
+                 f'{events} line 1: "time" is "noon"'):
+        assert f"raylm: dropped {line}" in outcome.stderr
+    for text in ("", "hello world\n", "[1,2]\n", '{"foo": 1}\n', '{"step": "abc"}\n', '{"step": 1}'):
+        metrics.write_text(text)
+        outcome = run_main("report", str(run))
+        assert_clean_refusal(outcome, f"{metrics} holds no row to report")
+        assert outcome.status == 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -25,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from raylm.config import StorageConfig, saved_config
+from raylm.config import ConfigError, StorageConfig, saved_config
 from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_dataset_tokenizer, load_manifest
 from raylm.inference.load import load_for_inference, resolve_checkpoint
@@ -140,6 +141,26 @@ def parts_dir(output: str) -> str:
     return (output[:-len(".json")] if output.endswith(".json") else output) + ".parts"
 
 
+def check_output(output: str) -> None:
+    """Refuse, before any work, a local `--output` the result cannot be written to: a directory, a
+    path under a file or under a directory that cannot be written, or one whose `.parts/` sibling
+    is a file. Missing directories are created, as for every raylm output."""
+    if storage.is_s3(output):
+        return
+    path = os.path.abspath(output)
+    if os.path.isdir(path):
+        raise ConfigError(f"--output {output} is a directory: give the path of the JSON file to write")
+    if os.path.exists(parts_dir(path)) and not os.path.isdir(parts_dir(path)):
+        raise ConfigError(f"--output {output}: {parts_dir(output)}, where its pieces go, is a file")
+    existing = os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"--output {output} is under {existing}, which is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {output}: permission denied: {existing} is not writable")
+
+
 def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
                     storage_cfg: Optional[StorageConfig]) -> tuple[str, dict, Manifest]:
     """The checkpoint (or the run's newest), its train state and the dataset's manifest, after
@@ -177,8 +198,9 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     from raylm.ray_runtime import start_ray
 
     start = time.monotonic()
-    uri, state, manifest = _checked_inputs(checkpoint_uri, data_uri, split, storage_cfg)
     output = output or f"eval-{split}.json"
+    check_output(output)
+    uri, state, manifest = _checked_inputs(checkpoint_uri, data_uri, split, storage_cfg)
     pieces = parts_dir(output)
     # What a saved part must have been computed with to be reused (the checkpoint's files and
     # sizes, besides its path and step, tell a retrained checkpoint of the same name apart).

@@ -14,7 +14,7 @@ import torch
 from raylm.config import StorageConfig, saved_config
 from raylm.data import storage
 from raylm.downstream.scoring import Scorer
-from raylm.inference.evaluate import parts_dir as _parts_dir
+from raylm.inference.evaluate import check_output, parts_dir as _parts_dir
 from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
@@ -99,6 +99,7 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     from lm_eval.utils import handle_non_serializable, make_table
 
     start = time.monotonic()
+    check_output(output)
     manager = task_manager(tasks, include_path)
     uri = resolve_checkpoint(checkpoint_uri, storage_cfg)
     problem = checkpoint.incomplete_reason(uri, storage_cfg)

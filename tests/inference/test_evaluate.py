@@ -19,6 +19,7 @@ from raylm.data.tokenizer import bits_per_byte, token_byte_lengths
 from raylm.inference.load import load_for_inference
 from raylm.data.tokenizer import ByteTokenizer, train_bpe
 from raylm.train.loop import train_local
+from tests.support.cli import assert_clean_refusal, run_main
 from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
 
@@ -102,3 +103,15 @@ def test_dataset_of_another_tokenizer_is_refused(ray_session, trained_run, tmp_p
     err = capsys.readouterr().err
     assert err.startswith("raylm: error:") and "tokenizer" in err and "prepare the data with the checkpoint's" in err
     assert not os.path.exists(tmp_path / "r.json")
+
+
+def test_an_output_it_cannot_write_is_refused_before_any_work(trained_run, tiny_dataset, tmp_path):
+    """--output a directory, or under a file: refused naming --output before a part is evaluated,
+    leaving no <output>.parts/ behind (it used to fail on writing the result, at the end)."""
+    (tmp_path / "a-file").write_text("")
+    for output, message in ((tmp_path, f"--output {tmp_path} is a directory"),
+                            (tmp_path / "a-file" / "r.json", f"is under {tmp_path / 'a-file'}, which is a file")):
+        outcome = run_main("eval", trained_run, "--data", tiny_dataset, "--output", str(output), "--workers", "1")
+        assert_clean_refusal(outcome, message)
+        assert outcome.status == 2 and "part(s)" not in outcome.stdout
+    assert os.listdir(tmp_path) == ["a-file"] and not os.path.exists(f"{tmp_path}.parts")

@@ -48,5 +48,13 @@ def test_arguments_generation_cannot_use_are_refused(run, argv, name):
     assert len(outcome.stderr.strip().splitlines()) == 1, outcome.stderr
 
 
+def test_a_prompt_that_is_not_utf8_is_refused(run):
+    """A shell passes bytes: Python decodes argv's bytes that are not UTF-8 to surrogate escapes,
+    which no tokenizer can encode."""
+    outcome = run_main("generate", "--checkpoint", run, "--prompt", os.fsdecode(b"ab\xff\xfe"))
+    assert_clean_refusal(outcome, "--prompt is not UTF-8 text (character 3")
+    assert outcome.status == 2
+
+
 def test_eval_refuses_zero_workers(run, tiny_dataset):
     assert_clean_refusal(run_main("eval", run, "--data", tiny_dataset, "--workers", "0"), "--workers")

@@ -270,12 +270,13 @@ _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, name: str = "memory size") -> int:
     """'80GB' -> 80e9 bytes, '80GiB' -> 80 * 2**30. GB is decimal, as in the ZeRO paper; an
-    "80GB" A100 has 80 GiB, so passing 80GB leaves a further 7% of margin."""
+    "80GB" A100 has 80 GiB, so passing 80GB leaves a further 7% of margin. `name` is what an
+    error calls the text (the option it came from)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?)?b\s*", text, flags=re.IGNORECASE)
     if not match:
-        raise ConfigError(f"memory size {text!r} is not a number with a unit such as 80GB, 80GiB, 512MB")
+        raise ConfigError(f"{name} {text!r} is not a number with a unit: expected e.g. 80GB, 80GiB, 512MB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
@@ -307,9 +308,16 @@ def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len
     if output is not None and (Path(output).is_dir() or not Path(output).parent.is_dir()):
         problem = "is a directory" if Path(output).is_dir() else "is in a directory that does not exist"
         raise ConfigError(f"--output {output} {problem}: give the path of the YAML file to write")
+    # A cluster is whole nodes; fewer GPUs than one node hold is one partly used node.
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {gpus_per_node}: "
+                          f"give a multiple of it (e.g. {gpus - gpus % gpus_per_node} or "
+                          f"{gpus - gpus % gpus_per_node + gpus_per_node}), or fewer GPUs than one node holds")
+    memory = parse_memory(gpu_memory, "--gpu-memory")
+    if memory <= 0:
+        raise ConfigError(f"--gpu-memory {gpu_memory} is no memory: give each GPU's memory, e.g. 80GB")
     cfg, config_seq_len, notes = model_from_arg(model, vocab_size)
     seq_len = seq_len or config_seq_len or cfg.max_seq_len
-    memory = parse_memory(gpu_memory)
     rows = plan(cfg, gpus, gpus_per_node, memory, seq_len, global_batch_tokens, precision, micro_batch_size,
                 activation_checkpointing)
     tokens = global_batch_tokens or gpus * micro_batch_size * seq_len

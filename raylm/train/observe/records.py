@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from raylm.config import StorageConfig
 from raylm.data import storage
@@ -22,10 +22,13 @@ EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
 PROFILE_DIR = "profile"  # train.profile's traces and memory snapshots, a file per rank
 
 
-def read_records(uri: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[list[dict], list[str]]:
+def read_records(uri: str, storage_cfg: Optional[StorageConfig] = None,
+                 problem: Optional[Callable[[dict], Optional[str]]] = None) -> tuple[list[dict], list[str]]:
     """The rows of a JSON-lines file (local or s3://; none if it is absent), and a description of
     each line dropped because it is not one JSON object: a last line without its newline (a write
-    cut short, or still being written), or a garbled one."""
+    cut short, or still being written), or a garbled one. A reader that computes with the rows'
+    fields (`raylm report`) passes `problem`, which says what is wrong with a row it cannot use
+    (None: nothing): that row is dropped and named too."""
     try:
         text = storage.read_bytes(uri, storage_cfg).decode("utf-8", errors="replace")
     except FileNotFoundError:
@@ -43,10 +46,14 @@ def read_records(uri: str, storage_cfg: Optional[StorageConfig] = None) -> tuple
         except ValueError as e:
             dropped.append(f"{uri} line {number}: not JSON ({e})")
             continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
+        if not isinstance(row, dict):
             dropped.append(f"{uri} line {number}: a JSON {type(row).__name__}, not an object")
+            continue
+        reason = problem(row) if problem else None
+        if reason:
+            dropped.append(f"{uri} line {number}: {reason}")
+            continue
+        rows.append(row)
     return rows, dropped
 
 

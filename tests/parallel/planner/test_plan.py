@@ -388,6 +388,20 @@ def test_the_cli_exits_non_zero_when_no_layout_fits_and_refuses_bad_arguments(tm
     assert_clean_refusal(outcome, f"--output {tmp_path} is a directory")
 
 
+def test_the_cli_refuses_part_of_a_node_beyond_the_first_and_names_gpu_memory():
+    """A cluster is whole nodes: 12 GPUs of 8 per node would be a node and a half. Fewer GPUs than
+    one node holds is one node, partly used."""
+    outcome = run_main("plan", "--model", "1.3b", "--gpus", "12", "--gpus-per-node", "8")
+    assert_clean_refusal(outcome, "--gpus 12 is not a whole number of nodes of --gpus-per-node 8")
+    assert outcome.status == 2 and "e.g. 8 or 16" in outcome.stderr
+    assert run_main("plan", "--model", "1.3b", "--gpus", "4", "--gpus-per-node", "8").status == 0
+    for memory, message in (("0GB", "--gpu-memory 0GB is no memory"),
+                            ("0", "--gpu-memory '0' is not a number with a unit: expected e.g. 80GB")):
+        outcome = run_main("plan", "--model", "1.3b", "--gpus", "8", f"--gpu-memory={memory}")
+        assert_clean_refusal(outcome, message)
+        assert outcome.status == 2 and "gpu_memory_bytes" not in outcome.stderr
+
+
 def test_young_daly_interval_maximises_goodput_and_plan_prints_it():
     from raylm.train.checkpoint.interval import Reliability, goodput, project, young_daly_interval_s
 
