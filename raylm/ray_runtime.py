@@ -15,13 +15,14 @@ nodes, job drivers) inherits; later `raylm` and `ray` commands read the same fil
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import secrets
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 from raylm.ports import free_ports
 
@@ -151,12 +152,42 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         # Ray; beside another (a sweep and a run on one laptop) it found two and died.
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
-             runtime_env={"env_vars": env_vars}, **dashboard_options)
+    with _daemons_in_a_process_group_of_their_own():
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
+                 runtime_env={"env_vars": env_vars}, **dashboard_options)
     # Once per process, however many Rays it starts; runs before Ray's own hook, registered at import.
     atexit.unregister(_stop_autoscaler_monitor)
     atexit.register(_stop_autoscaler_monitor)
     return True
+
+
+@contextlib.contextmanager
+def _daemons_in_a_process_group_of_their_own() -> Iterator[None]:
+    """Start a local Ray's daemons (GCS, raylet, and through it the workers) outside this process's
+    group. A signal to the group (Slurm's `scancel`, `timeout`, `kill -TERM -PGID`) then reaches
+    the driver alone, which stops the run as the README says (the workers aborted, the last
+    checkpoint named, exit 143), and then Ray. In the group, the GCS died at once with the
+    driver's SIGTERM: Train could not abort its workers, which trained and saved on unattended,
+    and the driver waited 60 s for the GCS before exiting 1. Ray blocks SIGINT in its daemons
+    for the same reason; it has no option for this, so its process class is wrapped while
+    `ray.init` starts them. They still die with the driver (Ray's fate sharing)."""
+    import ray._private.services as services
+
+    popen = services.ConsolePopen
+
+    class OwnGroupPopen(popen):
+        def __init__(self, *args, preexec_fn: Optional[Callable[[], None]] = None, **kwargs):
+            def preexec() -> None:
+                os.setpgid(0, 0)
+                if preexec_fn is not None:
+                    preexec_fn()
+            super().__init__(*args, preexec_fn=preexec, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
 
 
 def _stop_autoscaler_monitor() -> None:

@@ -13,7 +13,7 @@ import signal
 import threading
 from typing import Iterator, Optional
 
-from raylm.config import CONFIG_FILE, Config, config_to_yaml
+from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
 from raylm.data import storage
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
@@ -62,10 +62,16 @@ def launch(cfg: Config) -> dict:
     spec = resolve_run(with_machine_defaults(cfg), announce=True)
     cfg = spec.config
     uri = run_uri(cfg)
+    if not storage.is_s3(uri):
+        try:
+            storage.check_local_output(uri)
+        except storage.StorageError as e:
+            raise ConfigError(f"run.storage_path and run.name give {e}") from None
     with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
         # Before Ray starts, so that a refusal is one clear error and no worker's work.
         if restore := preflight(spec, uri):
-            print(f"raylm: resuming from {restore}", flush=True)
+            # The workers check its files' checksums as they load it (a damaged one is passed over, named).
+            print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
         _fit(spec, uri)
     return last_metrics(local_run_dir(cfg))
 

@@ -77,11 +77,14 @@ def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_datase
         assert resumed[step] == pytest.approx(straight[step], rel=1e-6), step
 
 
-def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_same_command_resumes(
+def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_checkpoint_and_the_same_command_resumes(
         tiny_dataset, tmp_path):
-    """A user's Ctrl-C: Ray Train's handler aborts the workers and Ray ends the driver's wait with
-    a bare exit 1, silently. raylm says where the run stands and exits 130, as a shell does for a
-    SIGINT; the same command goes on from that checkpoint (here told to stop a few steps later)."""
+    """A user's Ctrl-C, then a SIGTERM (Slurm's `scancel`, `timeout`), each sent to the command's
+    whole process group as a shell or a scheduler does: Ray Train aborts the workers, raylm says
+    where the run stands and exits 130 or 143, as a shell does for those signals, and nothing
+    trains on after it. The same command goes on from that checkpoint (here told to stop a few
+    steps later). A local Ray's daemons once shared the group: the SIGTERM killed its GCS, the
+    workers trained on unattended and the driver waited 60 s to exit 1."""
     command = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
                "run.name=ctrl-c", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
                "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
@@ -89,22 +92,44 @@ def test_ctrl_c_ends_the_run_with_status_130_naming_its_last_checkpoint_and_the_
                "parallel.cpus_per_worker=1"]
     env = {**os.environ, "RAY_ADDRESS": ""}
     run = tmp_path / "ctrl-c"
-    with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
-        deadline = time.monotonic() + 300
-        while not (run / "checkpoint_00000008").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+
+    def checkpoints() -> list[str]:
+        """The complete ones (an interrupted save leaves a directory without its manifest)."""
+        return sorted(p.parent.name for p in run.glob("checkpoint_*/checkpoint_manifest.json"))
+
+    def stopped_by(sig: signal.Signals, after: str) -> tuple[int, str]:
+        """Run the command until it saves a checkpoint past `after`, then signal its process group."""
+        with subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True) as proc:
+            deadline = time.monotonic() + 300
+            while not checkpoints() or checkpoints()[-1] <= after:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.2)
+            os.killpg(proc.pid, sig)
+            out, err = proc.communicate(timeout=60)  # Ray's 60 s wait for a dead GCS would fail here
+        left = checkpoints()
+        time.sleep(3)
+        assert checkpoints() == left, "the run trained on after its command exited"
+        return proc.returncode, out + err
+
+    status, said = stopped_by(signal.SIGINT, after="checkpoint_00000007")
+    assert status == 130, said[-3000:]
     named = re.search(r"raylm: interrupted; the last checkpoint is (\S+/checkpoint_(\d{8})): the same command "
-                      r"resumes from it", err)
-    assert named and os.path.isdir(named.group(1)), err[-3000:]
+                      r"resumes from it", said)
+    assert named and os.path.isdir(named.group(1)), said[-3000:]
     saved = int(named.group(2))
     assert saved >= 8 and saved % 4 == 0
+
+    status, said = stopped_by(signal.SIGTERM, after=os.path.basename(named.group(1)))
+    assert status == 143, said[-3000:]
+    assert f"raylm: resuming from {named.group(1)} if its files pass their checksums" in said
+    named = re.search(r"raylm: stopped by SIGTERM; the last checkpoint is (\S+/checkpoint_(\d{8})): the same "
+                      r"command resumes from it", said)
+    assert named and os.path.isdir(named.group(1)) and int(named.group(2)) > saved, said[-3000:]
+    saved = int(named.group(2))
+
     again = subprocess.run([*command, f"train.stop_at_step={saved + 4}"], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"raylm: resuming from {named.group(1)}" in again.stdout
+    assert f"raylm: resuming from {named.group(1)} if its files pass their checksums" in again.stdout
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
