@@ -327,7 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require a checkpoint to resume from (resuming is automatic when one exists)")
     p.add_argument("--help-config", action="store_true", help="list every config key with its help")
     p.add_argument("--print-config", action="store_true",
-                   help="print the config as loaded and checked (defaults, file, overrides) and exit without training")
+                   help="print the config as loaded (defaults, file, overrides; keys, types and ranges "
+                   "checked) and exit without training; the model's shape rules, the layout, the data and the "
+                   "run directory are checked when a run starts")
     p.add_argument("--verbose", action="store_true",
                    help="also show Ray Train's and Ray Data's own logs (each report, dataset plans)")
     p.set_defaults(fn=cmd_train)

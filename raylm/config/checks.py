@@ -88,9 +88,34 @@ def validate(cfg: Config) -> None:
     if s.name in ("cosine", "wsd") and s.min_lr > cfg.optim.lr:
         raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above optim.lr ({cfg.optim.lr}): the {s.name} "
                           "schedule would rise while it decays; lower schedule.min_lr or raise optim.lr")
+    _check_ranges(cfg)
     if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
         raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
                           f"got {t.eval_every} and {t.eval_batches}")
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Single fields whose type admits values no run can use: refused here, before Ray starts,
+    rather than met by every rank (and each of Ray's restarts) or only at the first save."""
+    t, o, c = cfg.train, cfg.optim, cfg.checkpoint
+    at_least = {"train.log_every": (t.log_every, 1), "data.prefetch_chunks": (cfg.data.prefetch_chunks, 1),
+                "checkpoint.write_attempts": (c.write_attempts, 1), "checkpoint.every_steps": (c.every_steps, 0),
+                "checkpoint.keep_last": (c.keep_last, 1), "checkpoint.keep_every": (c.keep_every, 1),
+                "optim.weight_decay": (o.weight_decay, 0), "optim.grad_clip": (o.grad_clip, 0),
+                "train.report_every_s": (t.report_every_s, 0)}
+    for key, (value, least) in at_least.items():
+        if value is not None and not value >= least:
+            raise ConfigError(f"{key} must be at least {least}, got {value}")
+    above_zero = {"checkpoint.every_minutes": c.every_minutes, "optim.eps": o.eps}
+    for key, value in above_zero.items():
+        if value is not None and not value > 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    for i, component in enumerate(cfg.data.mixture):
+        if not 0.0 < component.weight < float("inf"):
+            raise ConfigError(f"data.mixture[{i}].weight must be positive, got {component.weight}")
 
 
 def global_batch_sequences(cfg: Config, seq_len: int) -> int:

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 import time
@@ -135,6 +136,35 @@ def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(overri
     assert_clean_refusal(outcome, override.split("=")[0])
     assert outcome.returncode == 2 and "must be positive" in outcome.stderr
     assert "Ray instance" not in outcome.stdout + outcome.stderr and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("override, named", [
+    ("train.log_every=0", "train.log_every must be at least 1"),  # once a ZeroDivisionError on every rank
+    ("checkpoint.write_attempts=0", "checkpoint.write_attempts must be at least 1"),  # once met at the first save
+    ("optim.beta1=1.5", "optim.beta1 must be in [0, 1)"),  # once torch's error, restarted 3 times
+    ("optim.beta2=-0.1", "optim.beta2 must be in [0, 1)"),
+    ("optim.eps=0", "optim.eps must be positive"),
+    ("optim.grad_clip=-1", "optim.grad_clip must be at least 0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last must be at least 1"),
+    ("checkpoint.every_steps=-1", "checkpoint.every_steps must be at least 0"),
+    ("checkpoint.every_minutes=0", "checkpoint.every_minutes must be positive"),
+    ("train.report_every_s=-5", "train.report_every_s must be at least 0"),
+    ("data.prefetch_chunks=0", "data.prefetch_chunks must be at least 1"),
+    ("data.mixture=[{path: a, weight: 1}, {path: b, weight: 0}]", "data.mixture[1].weight must be positive"),
+])
+def test_a_value_no_run_can_use_is_refused_by_its_key_when_the_config_loads(override, named):
+    extra = ["data.path="] if override.startswith("data.mixture") else []
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config("configs/demo-cpu.yaml", [override, *extra])
+
+
+def test_a_run_directory_that_is_a_file_is_refused_by_its_keys(tmp_path, tiny_dataset):
+    (tmp_path / "taken").write_text("x\n")
+    outcome = run_main("train", "configs/demo-cpu.yaml", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+                       "run.name=taken")
+    assert_clean_refusal(outcome, "run.storage_path")
+    assert outcome.status == 2 and "is a file" in outcome.stderr and "Ray instance" not in outcome.stderr
+    assert (tmp_path / "taken").read_text() == "x\n"
 
 
 def test_a_saved_config_of_an_older_raylm_is_read_without_the_keys_it_no_longer_has():
