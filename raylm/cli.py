@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-fraction", type=_fraction, default=0.1)
     p.add_argument("--lines-as-documents", action="store_true", help=".txt: one document per line")
     p.add_argument("--max-documents", type=_positive_int, help="stop after this many documents")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    p.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --output (or what an "
+                   "interrupted prepare left there); a directory holding other files is refused")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--verbose", action="store_true", help="also show Ray Data's own progress and plans")
     _add_storage_args(p)
@@ -415,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="model directory to write (local or s3://)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="tensor dtype (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors into shards of this size")
-    p.add_argument("--overwrite", action="store_true", help="replace a model already in --output")
+    p.add_argument("--overwrite", action="store_true", help="replace a model that raylm export wrote to --output; a "
+                   "directory holding other files is refused")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_export)
 
@@ -424,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="run directory to create (local or s3://)")
     p.add_argument("--seq-len", type=_positive_int, help="training sequence length the run will use (default: the "
                    "model's context, at most 2048); prepare the data with it")
-    p.add_argument("--overwrite", action="store_true", help="replace checkpoints already in --output")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier import at --output; a run that "
+                   "has trained since, or a directory holding other files, is refused")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_import)
 
@@ -454,22 +457,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _cause(error: BaseException) -> BaseException:
+    """The error a user's command met, unwrapped from the layers that carry it back: a Ray task's
+    (its message is the remote traceback) and torch.distributed.checkpoint's, which wraps even a
+    Ctrl-C met while reading or writing a checkpoint."""
+    while True:
+        ray_exceptions = sys.modules.get("ray.exceptions")
+        if ray_exceptions and isinstance(error, ray_exceptions.RayTaskError) and error.cause is not None:
+            error = error.cause
+        elif type(error).__name__ == "CheckpointException" and getattr(error, "failures", None):
+            error = next(iter(error.failures.values()))[0]
+        else:
+            return error
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except DeterministicError as e:  # what the user gave (exit 2), or a run that cannot go on (1)
-        print(f"raylm: error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except (StorageError, FileNotFoundError, FileExistsError, SubmitError) as e:
-        print(f"raylm: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except RunInterrupted as e:
-        print(f"raylm: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # a command with no resume of its own to name (a refit, an export): no traceback
-        print("raylm: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except BaseException as raised:
+        error = _cause(raised)
+        if isinstance(error, DeterministicError):  # what the user gave (exit 2), or a run that cannot go on (1)
+            message, code = f"raylm: error: {error}", error.exit_code
+        elif isinstance(error, (StorageError, FileNotFoundError, FileExistsError, SubmitError)):
+            message, code = f"raylm: error: {error}", 2
+        elif isinstance(error, RunInterrupted):
+            message, code = f"raylm: {error}", error.exit_code
+        elif isinstance(error, KeyboardInterrupt):  # a command with no resume of its own to name: no traceback
+            message, code = "raylm: interrupted", 130
+        else:
+            raise
+        print(message, file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -162,6 +162,12 @@ def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
         if document is not None and not isinstance(document, str):
             raise InputError(f"input {uri} line {number}: 'text' is a {type(document).__name__}, "
                              f"expected a string")
+        if document and not document.isascii():
+            try:
+                document.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's \ud800 escapes decode to lone surrogates
+                raise InputError(f"input {uri} line {number}: 'text' holds {document[e.start]!r} at character "
+                                 f"{e.start}, half of a UTF-16 surrogate pair: not text") from None
         if document:
             yield document
 

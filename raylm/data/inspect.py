@@ -40,9 +40,12 @@ def inspect_dataset(uri: str, storage: Optional[StorageConfig] = None) -> str:
         f"split rule   {manifest.split_rule}, val_fraction {manifest.val_fraction}",
     ]
     for name, split in manifest.splits.items():
-        per_document = f"{split.tokens / split.documents:,.1f}" if split.documents else "-"
-        lines.append(f"{name:<12} {split.tokens:,} tokens, {split.rows:,} rows, "
-                     f"{split.documents:,} documents ({per_document} tokens each), "
+        if manifest.split_rule == "position":  # one document cut in two: `documents` counts end-of-text tokens
+            documents = "part of the one document"
+        else:
+            per_document = f"{split.tokens / split.documents:,.1f}" if split.documents else "-"
+            documents = f"{split.documents:,} documents ({per_document} tokens each)"
+        lines.append(f"{name:<12} {split.tokens:,} tokens, {split.rows:,} rows, {documents}, "
                      f"{len(split.shards)} shards"
                      + (f"; {split.duplicate_documents:,} documents repeat an earlier one exactly "
                         f"({split.duplicate_tokens:,} tokens): {split.unique_tokens:,} unique tokens"

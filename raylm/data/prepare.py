@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 from functools import lru_cache
 from itertools import chain
@@ -38,7 +39,7 @@ from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sourc
                                iter_documents)
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, DatasetError, Manifest, ShardInfo, SplitInfo,
                                  TokenizerInfo, shard_bytes)
-from raylm.data.storage import exists, join, write_bytes, writing_over
+from raylm.data.storage import claim_output, join, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.ray_runtime import start_ray
 
@@ -72,13 +73,14 @@ def prepare_dataset(
     lines_as_documents: each line of a .txt file is a document (else the whole file is one).
     max_documents: keep only the first documents of the corpus (for tests and quick runs).
     shard_rows: rows per shard file (the last shard of a split may hold fewer).
-    overwrite: replace a prepared dataset already at `output` (else that is an error).
+    overwrite: replace a prepared dataset already at `output`, or what an interrupted prepare
+        left there (else that is an error); a directory holding other files is always refused.
     ray_address: the cluster to join (`raylm.ray_runtime.start_ray`'s rule when None).
 
     Uses the connected Ray cluster, or joins or starts one (and afterwards leaves it); every check
     that needs no cluster (arguments, the tokenizer, the inputs' first bytes) runs before.
     An overwrite writes the new dataset beside the old one and replaces it only once it is
-    whole: a failed one leaves the old dataset as it was.
+    whole: a failed one leaves the old dataset as it was; a failed fresh one leaves nothing.
     """
     for name, value, least in (("seq_len", seq_len, 1), ("shard_rows", shard_rows, 1),
                                ("max_documents", max_documents or 1, 1)):
@@ -87,10 +89,7 @@ def prepare_dataset(
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, storage)
-    replacing = exists(join(output, MANIFEST_FILE), storage)
-    if replacing and not overwrite:
-        raise FileExistsError(f"{output} already holds a prepared dataset; pass overwrite=True "
-                              f"(--overwrite) to replace it")
+    replacing = claim_output(output, "a prepared dataset", _dataset_file, overwrite, storage)
     if inputs:
         sources, source_names = find_sources(inputs, lines_as_documents, storage), list(inputs)
         check_sources(sources, storage)
@@ -99,6 +98,14 @@ def prepare_dataset(
     with writing_over(output, storage, replacing, commit=MANIFEST_FILE) as target:
         return _prepare(sources, source_names, tok, target, seq_len, val_fraction, storage, max_documents,
                         shard_rows, ray_address)
+
+
+_SHARD_NAME = re.compile(r"(train|val)-\d{5}\.parquet")
+
+
+def _dataset_file(name: str) -> bool:
+    """Whether `name` is one a prepare writes at the top of its output."""
+    return name in (MANIFEST_FILE, TOKENIZER_FILE) or _SHARD_NAME.fullmatch(name) is not None
 
 
 def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, output: str, seq_len: int,

@@ -592,15 +592,63 @@ def replace_dir(staged: str, target: str, storage: Optional[StorageConfig] = Non
     delete_dir(staged, storage)
 
 
+def claim_output(target: str, what: str, own: Callable[[str], bool], overwrite: bool,
+                 storage: Optional[StorageConfig] = None) -> bool:
+    """Check, before any work, that a tool may write its `what` (a prepared dataset, a model) at
+    `target`; returns whether that replaces an earlier one (the argument `writing_over` takes).
+
+    Missing or empty: written fresh. Holding only names that are `own` (the tool's own files, from
+    an earlier or an interrupted write): replaced whole with `overwrite`, else refused. Holding any
+    other name: refused, `overwrite` or not, naming it: another tool's output (a dataset and a model
+    both hold a tokenizer.json) or a user's files are never written over or deleted. A local
+    `target` that is a file, or that cannot be created or written, is refused here too."""
+    if not is_s3(target):
+        check_local_output(target)
+    names = list_dir(target, storage)
+    foreign = [n for n in names if not own(n)]
+    if foreign:
+        raise FileExistsError(f"{target} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which "
+                              f"is not part of {what}: choose a new or empty directory (nothing there is written over)")
+    if names and not overwrite:
+        raise FileExistsError(f"{target} already holds {what} ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})"
+                              "; pass --overwrite to replace it")
+    return bool(names)
+
+
+def check_local_output(target: str) -> None:
+    """Refuse a local directory to write into that is a file, lies under a file, or cannot be
+    created or written (by its nearest existing ancestor)."""
+    path = os.path.abspath(target)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise StorageError(f"{target}: is a file, not a directory to write into")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise StorageError(f"{target}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise StorageAccessError(f"{target}: permission denied: {existing} is not writable")
+
+
 @contextlib.contextmanager
 def writing_over(target: str, storage: Optional[StorageConfig] = None, replace: bool = True,
                  commit: Optional[str] = None) -> Iterator[str]:
-    """The directory to write a tree into that is to stand at `target`: `target` itself when
-    there is nothing to `replace`; else a staging sibling that takes target's place once the
-    block ends (`replace_dir`, with `commit`), and is deleted if the block raises, leaving the
-    old tree at `target` as it was."""
+    """The directory to write a tree into that is to stand at `target` (`claim_output` says
+    whether it `replace`s one): `target` itself when there is nothing to replace, emptied again
+    if the block raises (an interrupted write leaves no partial tree); else a staging sibling that
+    takes target's place once the block ends (`replace_dir`, with `commit`), and is deleted if the
+    block raises, leaving the old tree at `target` as it was."""
     if not replace:
-        yield target
+        existed = exists(target, storage)
+        try:
+            yield target
+        except BaseException:
+            if existed:
+                for name in list_dir(target, storage):
+                    _delete_entry(join(target, name), storage)
+            else:
+                delete_dir(target, storage)
+            raise
         return
     staged = staging_dir(target)
     try:
@@ -609,6 +657,16 @@ def writing_over(target: str, storage: Optional[StorageConfig] = None, replace: 
         delete_dir(staged, storage)
         raise
     replace_dir(staged, target, storage, commit)
+
+
+def _delete_entry(uri: str, storage: Optional[StorageConfig]) -> None:
+    def op(fs: pafs.FileSystem, path: str) -> None:
+        kind = fs.get_file_info(path).type
+        if kind == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        elif kind == pafs.FileType.File:
+            fs.delete_file(path)
+    _retrying(uri, storage, "delete", op)
 
 
 def free_bytes(uri: str) -> Optional[int]:

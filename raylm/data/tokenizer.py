@@ -34,6 +34,10 @@ BYTE_FORMAT = "raylm.byte/1"
 TOKENIZER_FILE = "tokenizer.json"
 
 
+class TokenizerError(ConfigError):
+    """A tokenizer file that cannot be used; the message names it."""
+
+
 class Tokenizer(ABC):
     kind: str
     """"byte" or "hf"."""
@@ -115,14 +119,14 @@ class HFTokenizer(Tokenizer):
         try:
             self._tokenizer = tokenizers.Tokenizer.from_str(json_text)
         except Exception as e:
-            raise ValueError(f"tokenizer {name}: not a valid Hugging Face tokenizer.json ({e})") from None
+            raise TokenizerError(f"tokenizer {name}: not a valid Hugging Face tokenizer.json ({e})") from None
         # A document that contains "</s>" or "<|endoftext|>" as text must not end early.
         self._tokenizer.encode_special_tokens = True
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         found = [token for token in EOT_CANDIDATES if token in vocab]
         if not found:
-            raise ValueError(f"tokenizer {name} has no end-of-text token: none of "
+            raise TokenizerError(f"tokenizer {name} has no end-of-text token: none of "
                              f"{', '.join(EOT_CANDIDATES)} is in its vocabulary; add one as a "
                              f"special token")
         self.eot_token = found[0]
@@ -147,7 +151,7 @@ def tokenizer_from_json(json_text: str, name: str = "tokenizer") -> Tokenizer:
     try:
         spec = json.loads(json_text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"tokenizer {name}: not valid JSON ({e})") from None
+        raise TokenizerError(f"tokenizer {name}: not valid JSON ({e})") from None
     if isinstance(spec, dict) and spec.get("format") == BYTE_FORMAT:
         return ByteTokenizer()
     return HFTokenizer(json_text, name=name)

@@ -27,10 +27,10 @@ from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
 from raylm.config import Config, ConfigError, StorageConfig, config_to_yaml, saved_config
 from raylm.data import storage
 from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
-from raylm.export.hf_tokenizer import read_hf_tokenizer, write_tokenizer_files
+from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, read_hf_tokenizer, write_tokenizer_files
 from raylm.export.reader import CheckpointTensors
-from raylm.export.safetensors_io import HFTensors, Planned, write_sharded
-from raylm.inference.load import local_checkpoint, read_checkpoint_tokenizer, resolve_checkpoint
+from raylm.export.safetensors_io import INDEX_FILE, HFTensors, Planned, write_sharded
+from raylm.inference.load import read_checkpoint_tokenizer, resolve_checkpoint, sound_checkpoint
 from raylm.model.transformer import Transformer
 from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.train.checkpoint import format as checkpoint
@@ -48,13 +48,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _holds(output: str, names: tuple[str, ...], overwrite: bool, storage_cfg: Optional[StorageConfig]) -> bool:
-    """Whether `output` already holds files of these names (or prefixes): refused unless `overwrite`,
-    and then replaced whole (`storage.writing_over`): no file of the old model stays beside the new."""
-    present = [n for n in storage.list_dir(output, storage_cfg) if n in names or n.startswith(names)]
-    if present and not overwrite:
-        raise FileExistsError(f"{output} already holds {', '.join(present[:3])}; pass --overwrite to replace it")
-    return bool(present)
+def _hf_model_file(name: str) -> bool:
+    """Whether `name` is one `export_hf` writes."""
+    return name in (CONFIG_FILE, INDEX_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE) or \
+        (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _imported_run_file(name: str) -> bool:
+    """Whether `name` is one `import_hf` writes: a run that has trained since holds more (its
+    metrics, events, later checkpoints' neighbours), and is not written over."""
+    return name == RAYLM_CONFIG_FILE or name == checkpoint.dir_name(0)
 
 
 def _check_tensors(have: set[str], rules: list[Rule], ignored: set[str], what: str, error: type[Exception]) -> None:
@@ -74,14 +77,14 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     directory `output` (local or s3://); returns a summary."""
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    uri = resolve_checkpoint(source, storage_cfg)
-    m = saved_config(read_saved_config(uri, storage_cfg)).model
-    adapter = adapter_for(m)  # before any download: an unexportable model fails at once
-    replace = _holds(output, (CONFIG_FILE, "model.safetensors", "model-"), overwrite, storage_cfg)
-    with local_checkpoint(uri, storage_cfg) as directory, \
+    newest = resolve_checkpoint(source, storage_cfg, announce=False)  # sound_checkpoint names what it passes over
+    adapter_for(saved_config(read_saved_config(newest, storage_cfg)).model)  # before any download: fails at once
+    replace = storage.claim_output(output, "a Hugging Face model", _hf_model_file, overwrite, storage_cfg)
+    # Every file against the manifest before any is parsed.
+    with sound_checkpoint(source, storage_cfg) as (uri, directory), \
             storage.writing_over(output, storage_cfg, replace, commit=CONFIG_FILE) as written:
-        # Every file against the manifest before any is parsed.
-        checkpoint.check_sound(directory, uri, require_manifest=True)
+        m = saved_config(read_saved_config(directory)).model  # an older checkpoint's, if the newest was damaged
+        adapter = adapter_for(m)
         tokenizer = read_checkpoint_tokenizer(directory, uri)
         tensors = CheckpointTensors(directory)
         rules = adapter.rules(m)
@@ -189,9 +192,19 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE})")
     with open(config_path) as f:
-        hf_config = json.load(f)
+        try:
+            hf_config = json.load(f)
+        except ValueError as e:
+            raise ConfigError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
     adapter = adapter_for_hf(hf_config, config_path)
-    model_cfg, inexact = adapter.model_config(hf_config)
+    try:
+        model_cfg, inexact = adapter.model_config(hf_config)
+    except KeyError as e:
+        raise ConfigError(f"{config_path}: no {e.args[0]!r}, which a {adapter.architecture} config holds") from None
+    except (TypeError, ArithmeticError) as e:  # a field of the wrong type, e.g. "hidden_size": "x"
+        raise ConfigError(f"{config_path}: {adapter.architecture} fields of the wrong type or value ({e})") from None
     tokenizer_path = os.path.join(hf_dir, TOKENIZER_FILE)
     if not os.path.exists(tokenizer_path):
         raise FileNotFoundError(f"{hf_dir}: no {TOKENIZER_FILE}; raylm needs the fast tokenizer file to tokenize "
@@ -204,7 +217,7 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
     seq_len = seq_len or min(model_cfg.max_seq_len, DEFAULT_SEQ_LEN)
     if not 0 < seq_len <= model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} must be in [1, {model_cfg.max_seq_len}] (the model's context)")
-    replace = _holds(output, (checkpoint.PREFIX,), overwrite, storage_cfg)
+    replace = storage.claim_output(output, "an imported run", _imported_run_file, overwrite, storage_cfg)
 
     absolute = output if storage.is_s3(output) else os.path.abspath(output)
     parent, name = absolute.rstrip("/").rsplit("/", 1)

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from raylm.config import StorageConfig
+from raylm.errors import DeterministicError
 from raylm.data import storage
 
 SINGLE_FILE = "model.safetensors"
@@ -92,31 +93,53 @@ def write_sharded(directory: str, tensors: list[Planned], max_shard_bytes: int,
     return names
 
 
+class ModelFileError(DeterministicError):
+    """A Hugging Face model file that cannot be read (cut short, not safetensors, a broken index);
+    the message names it."""
+
+    exit_code = 2
+
+
 class HFTensors:
     """The tensors of a local Hugging Face model directory (model.safetensors or an index of
     shards), by name, read lazily one at a time."""
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
         index = os.path.join(directory, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    weight_map = dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ModelFileError(f"{index}: not a safetensors index with a weight_map ({e!r})") from None
         elif os.path.exists(os.path.join(directory, SINGLE_FILE)):
-            with safe_open(os.path.join(directory, SINGLE_FILE), framework="pt") as f:
-                weight_map = {name: SINGLE_FILE for name in f.keys()}
+            weight_map = {name: SINGLE_FILE for name in _open(os.path.join(directory, SINGLE_FILE)).keys()}
         else:
             others = sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth")))
             hint = (f" (found {', '.join(others)}: re-save it with transformers' save_pretrained, which writes "
                     "safetensors)") if others else ""
             raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
         self.weight_map: dict[str, str] = weight_map
-        self._files = {file: safe_open(os.path.join(directory, file), framework="pt")
-                       for file in sorted(set(weight_map.values()))}
+        self._paths = {file: os.path.join(directory, file) for file in sorted(set(weight_map.values()))}
+        self._files = {file: _open(path) for file, path in self._paths.items()}
 
     def names(self) -> list[str]:
         return list(self.weight_map)
 
     def read(self, name: str) -> torch.Tensor:
-        return self._files[self.weight_map[name]].get_tensor(name)
+        file = self.weight_map[name]
+        try:
+            return self._files[file].get_tensor(name)
+        except Exception as e:  # safetensors raises its own error type for a file cut short
+            raise ModelFileError(f"{self._paths[file]}: cannot read tensor {name} ({e})") from None
+
+
+def _open(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # a file cut short or not safetensors: the library's own error type
+        raise ModelFileError(f"{path}: not a readable safetensors file ({e})") from None

@@ -23,23 +23,58 @@ from raylm.train.checkpoint.resume import read_saved_config
 from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
 
 
-def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> str:
-    """A checkpoint directory, or the newest usable one inside a run directory (local or s3://)."""
+def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None, announce: bool = True) -> str:
+    """A checkpoint directory, or the newest complete one inside a run directory (local or s3://),
+    by its manifest and files' sizes; `sound_checkpoint` checks every file's content too."""
+    return next(_candidates(uri, storage_cfg, announce))
+
+
+def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool = True) -> Iterator[str]:
+    """`uri` if it is a checkpoint; else the complete checkpoints of the run directory `uri`,
+    newest first, each finished one passed over named with its reason (if `announce`). Raises
+    when there is none."""
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     if checkpoint.is_checkpoint_name(name) or storage.exists(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg):
-        return uri  # a checkpoint, whole or not: check_sound says what is wrong with it
-    latest, unusable = checkpoint.scan(uri, storage_cfg)
-    if latest is None:
-        unfinished = [(u, f"no {checkpoint.MANIFEST} (the save did not finish)") for u in checkpoint.checkpoint_uris(
-            uri, storage_cfg) if not storage.exists(storage.join(u, checkpoint.MANIFEST), storage_cfg)]
-        why = "".join(f"\n  {name}: {problem}" for name, problem in unusable + unfinished)
+        yield uri  # a checkpoint, whole or not: check_sound says what is wrong with it
+        return
+    problems, found = [], False
+    for candidate in checkpoint.checkpoint_uris(uri, storage_cfg):
+        if not storage.exists(storage.join(candidate, checkpoint.MANIFEST), storage_cfg):
+            problems.append((candidate, f"no {checkpoint.MANIFEST} (the save did not finish)"))
+            continue  # an unfinished save never claimed to be whole: passed over silently
+        problem = checkpoint.incomplete_reason(candidate, storage_cfg)
+        if problem is None:
+            found = True
+            yield candidate
+        else:
+            problems.append((candidate, problem))
+            if announce:
+                print(f"raylm: passing over {candidate}: {problem}", file=sys.stderr, flush=True)
+    if not found:
+        why = "".join(f"\n  {name}: {problem}" for name, problem in problems)
         raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one" +
                                 (f"; its checkpoints cannot be used:{why}" if why else ""))
-    if unusable:  # a damaged newer checkpoint must not pass unnoticed
-        for newer, problem in unusable:
-            print(f"raylm: passing over {newer}: {problem}", file=sys.stderr, flush=True)
-        print(f"raylm: using checkpoint {latest}", file=sys.stderr, flush=True)
-    return latest
+
+
+@contextlib.contextmanager
+def sound_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Iterator[tuple[str, str]]:
+    """The checkpoint `uri`, or the newest one of the run directory `uri` whose every file matches
+    its manifest's checksum, as (its uri, a local directory holding it); in a run directory a
+    damaged newer one is passed over, named with the reason, and the one used is named."""
+    is_run = False
+    for candidate in _candidates(uri, storage_cfg):
+        is_run = candidate != uri
+        with local_checkpoint(candidate, storage_cfg) as directory:
+            if not is_run:
+                checkpoint.check_sound(directory, candidate, require_manifest=True)
+            elif problem := checkpoint.local_problem(directory):  # a run's candidates have their manifest
+                print(f"raylm: passing over {candidate}: {problem}", file=sys.stderr, flush=True)
+                continue
+            if is_run:
+                print(f"raylm: using checkpoint {candidate}", file=sys.stderr, flush=True)
+            yield candidate, directory
+            return
+    raise FileNotFoundError(f"{uri}: no checkpoint of this run can be used (each one passed over above)")
 
 
 @contextlib.contextmanager
@@ -57,10 +92,7 @@ def local_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> I
 def load_for_inference(uri: str, storage_cfg: Optional[StorageConfig] = None) -> tuple[Transformer, Tokenizer, Config]:
     # One process is the point here; DCP warns that it assumes so.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    resolved = resolve_checkpoint(uri, storage_cfg)
-    with local_checkpoint(resolved, storage_cfg) as directory:
-        # Every checksum, before any file is parsed.
-        checkpoint.check_sound(directory, resolved, require_manifest=True)
+    with sound_checkpoint(uri, storage_cfg) as (resolved, directory):
         try:
             cfg = saved_config(read_saved_config(directory))
         except ConfigError as e:

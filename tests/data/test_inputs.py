@@ -22,6 +22,7 @@ def inputs(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     (tmp_path / "no-text.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
     (tmp_path / "bad-line.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    (tmp_path / "surrogate.jsonl").write_text(json.dumps({"text": "fine"}) + '\n{"text": "half a pair \\ud800"}\n')
     (tmp_path / "nothing").mkdir()
     (tmp_path / "nothing" / "notes.md").write_text("# not an input kind\n")
     (tmp_path / "hidden-only").mkdir()
@@ -36,6 +37,7 @@ def inputs(tmp_path):
     ("latin1.txt", ["latin1.txt", "not UTF-8"]),
     ("no-text.jsonl", ["no-text.jsonl line 2"]),
     ("bad-line.jsonl", ["bad-line.jsonl line 2"]),
+    ("surrogate.jsonl", ["surrogate.jsonl line 2", "surrogate"]),
     ("nothing", ["notes.md: unknown extension"]),
     ("hidden-only", ["no input files in"]),
     ("missing.txt", ["missing.txt does not exist"]),
@@ -83,3 +85,26 @@ def test_prepare_shows_one_progress_line_not_ray_datas_blocks(tmp_path):
     # Nor its execution plans, which importing Ray Data once let through by resetting their level.
     assert "Starting execution of Dataset" not in console and "execution finished" not in console, console[-3000:]
     assert "train:" in out.stdout and "wrote" in out.stdout
+
+
+@pytest.mark.parametrize("content, names", [(b"garbage\n", ["not valid JSON"]),
+                                            (b'{"a": 1}', ["not a valid Hugging Face tokenizer.json"])])
+def test_a_tokenizer_file_that_is_not_one_is_refused_by_name(tmp_path, content, names):
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "tok.json").write_bytes(content)
+    outcome = run_main("prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "out"),
+                       "--tokenizer", str(tmp_path / "tok.json"))
+    assert_clean_refusal(outcome, str(tmp_path / "tok.json"))
+    assert outcome.status == 2 and all(n in outcome.stderr for n in names), outcome.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_cannot_be_a_directory_is_refused_before_ray_starts(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n")
+    (tmp_path / "afile").write_text("x\n")
+    for output in (tmp_path / "afile", tmp_path / "afile" / "below"):
+        outcome = run_main("prepare", "--input", str(tmp_path / "a.txt"), "--output", str(output))
+        assert_clean_refusal(outcome, str(output))
+        assert outcome.status == 2 and "is a file" in outcome.stderr, outcome.stderr
+        assert "Ray instance" not in outcome.stdout + outcome.stderr
+    assert (tmp_path / "afile").read_text() == "x\n"

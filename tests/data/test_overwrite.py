@@ -51,6 +51,12 @@ def test_a_failed_overwrite_leaves_the_old_dataset_and_a_whole_one_replaces_it(t
     parent = output.rsplit("/", 1)[0]
     assert [n for n in storage.list_dir(parent, storage_cfg) if ".staging-" in n] == []  # nothing left beside
 
+    # The same bad byte in a fresh prepare: nothing is left where it was to be written.
+    fresh = f"{parent}/fresh"
+    with pytest.raises(InputError, match=r"bad\.txt: not UTF-8 text"):
+        prepare_dataset([first, str(tmp_path / "bad.txt")], fresh, seq_len=32, storage=storage_cfg)
+    assert storage.list_files(fresh, storage_cfg) == [] and not storage.exists(fresh, storage_cfg)
+
     second = write_corpus(tmp_path / "second", documents=80, seed=2)
     prepare_dataset([second], output, seq_len=32, storage=storage_cfg, overwrite=True)
     manifest = load_manifest(output, storage_cfg)
@@ -70,3 +76,41 @@ def test_the_cli_refuses_an_overwrite_with_a_missing_input_and_keeps_the_dataset
     assert_clean_refusal(outcome, "corpsu")
     assert dataset_files(output) == before
     assert [n for n in os.listdir(tmp_path) if ".staging-" in n] == []
+
+
+def test_a_directory_holding_other_files_is_never_written_over_and_an_interrupted_prepare_is_replaced(tmp_path):
+    """A dataset and a Hugging Face model both hold a tokenizer.json: `prepare --output` on an
+    export's directory once replaced its tokenizer (exit 0). Another tool's output, or a dataset
+    beside files of the user's, is refused with or without --overwrite, naming a file, and left
+    as it was; the shards an interrupted prepare left (no manifest) are replaced with --overwrite."""
+    corpus = write_corpus(tmp_path / "corpus", documents=30)
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (model / name).write_text('{"from": "raylm export"}')
+    for extra in ([], ["--overwrite"]):
+        outcome = run_main("prepare", "--input", corpus, "--output", str(model), "--seq-len", "32", *extra)
+        assert_clean_refusal(outcome, "config.json")
+        assert "Ray instance" not in outcome.stdout + outcome.stderr
+    assert sorted(os.listdir(model)) == ["config.json", "tokenizer.json"]
+    assert (model / "tokenizer.json").read_text() == '{"from": "raylm export"}'
+
+    output = str(tmp_path / "data")
+    assert run_main("prepare", "--input", corpus, "--output", output, "--seq-len", "32").status == 0
+    (tmp_path / "data" / "NOTES.md").write_text("mine\n")
+    before = dataset_files(output)
+    assert_clean_refusal(run_main("prepare", "--input", corpus, "--output", output, "--overwrite"), "NOTES.md")
+    assert dataset_files(output) == before
+
+    # What a prepare killed mid-write leaves: shards, no manifest.
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / "train-00000.parquet").write_bytes(b"cut short")
+    (left / "train-00001.parquet").write_bytes(b"cut short")
+    outcome = run_main("prepare", "--input", corpus, "--output", str(left), "--seq-len", "32")
+    assert_clean_refusal(outcome, "--overwrite")
+    assert run_main("prepare", "--input", corpus, "--output", str(left), "--seq-len", "32", "--overwrite").status == 0
+    manifest = load_manifest(str(left))
+    listed = {s.file for split in manifest.splits.values() for s in split.shards}
+    assert set(os.listdir(left)) == listed | {"manifest.json", "tokenizer.json"}
+    assert verify_dataset(str(left)) == []

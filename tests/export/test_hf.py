@@ -21,7 +21,7 @@ from raylm.data.tokenizer import ByteTokenizer
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
-from tests.support.cli import run_main
+from tests.support.cli import assert_clean_refusal, run_main
 from tests.train.test_loop import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -232,3 +232,62 @@ def test_an_overwrite_leaves_exactly_one_model_and_a_refused_one_leaves_the_old(
 
 def main_status(argv: list[str]) -> int:
     return run_main(*argv).status
+
+
+@pytest.mark.slow
+def test_export_writes_over_no_dataset_and_passes_over_a_damaged_newest_checkpoint(trained, tiny_dataset, tmp_path):
+    """A prepared dataset holds a tokenizer.json as a model does: `export --output` on one once
+    replaced it (exit 0). And a run whose newest checkpoint has a file that fails its checksum
+    (its size intact, so only reading it tells) is exported from the checkpoint before, named."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    before = {name: (data / name).read_bytes() for name in os.listdir(data)}
+    for extra in ([], ["--overwrite"]):
+        outcome = run_main("export", trained["llama"], "--output", str(data), *extra)
+        assert_clean_refusal(outcome, "manifest.json")
+    assert {name: (data / name).read_bytes() for name in os.listdir(data)} == before
+
+    damaged = tmp_path / "run"
+    shutil.copytree(trained["llama"], damaged)
+    newest = damaged / "checkpoint_00000006"
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    flipped = bytearray(shard.read_bytes())
+    flipped[len(flipped) // 2] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    outcome = run_main("export", str(damaged), "--output", str(tmp_path / "hf"))
+    assert outcome.status == 0, outcome.stderr
+    assert f"raylm: passing over {newest}: {shard.name}" in outcome.stderr
+    assert f"raylm: using checkpoint {damaged / 'checkpoint_00000003'}" in outcome.stderr
+    assert run_main("export", os.path.join(trained["llama"], "checkpoint_00000003"),
+                    "--output", str(tmp_path / "hf3")).status == 0
+    exported, expected = _hf_tensors(str(tmp_path / "hf")), _hf_tensors(str(tmp_path / "hf3"))
+    assert sorted(exported) == sorted(expected)
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
+
+
+def test_import_refuses_a_broken_model_by_file_and_never_writes_over_a_trained_run(tmp_path):
+    source, run = tmp_path / "hf", tmp_path / "run"
+    _tiny_hf("llama", str(source))
+    assert run_main("import", str(source), "--output", str(run)).status == 0
+    # The run trains on from its import: it holds more than an import writes.
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    outcome = run_main("import", str(source), "--output", str(run), "--overwrite")
+    assert_clean_refusal(outcome, "metrics.jsonl")
+    assert (run / "metrics.jsonl").exists() and checkpoint.latest_complete(str(run))
+
+    config = json.loads((source / "config.json").read_text())
+    del config["hidden_size"]
+    (source / "config.json").write_text(json.dumps(config))
+    outcome = run_main("import", str(source), "--output", str(tmp_path / "a"))
+    assert_clean_refusal(outcome, "hidden_size")
+    assert outcome.status == 2 and str(source / "config.json") in outcome.stderr
+    (source / "config.json").write_text("{not json")
+    assert_clean_refusal(run_main("import", str(source), "--output", str(tmp_path / "a")), "not valid JSON")
+
+    shutil.rmtree(source)
+    _tiny_hf("llama", str(source))
+    shard = sorted(source.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:300])
+    outcome = run_main("import", str(source), "--output", str(tmp_path / "a"))
+    assert_clean_refusal(outcome, shard.name)
+    assert outcome.status == 2 and not (tmp_path / "a").exists()

@@ -19,18 +19,26 @@ def run(tiny_dataset, tmp_path_factory) -> str:
     return run_dir
 
 
-def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path):
+@pytest.mark.parametrize("damage", ["size", "content"])
+def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path, damage):
     import shutil
 
     damaged = str(tmp_path / "run")
     shutil.copytree(run, damaged)
     newest = os.path.join(damaged, "checkpoint_00000004")
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
-    with open(os.path.join(newest, shard), "ab") as f:
-        f.write(b"extra")  # its size no longer matches the manifest
+    with open(os.path.join(newest, shard), "r+b") as f:
+        if damage == "size":
+            f.seek(0, os.SEEK_END)
+            f.write(b"extra")  # its size no longer matches the manifest
+        else:  # the same size: only its checksum, read from the whole file, tells
+            f.seek(os.path.getsize(f.name) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
     outcome = run_main("generate", "--checkpoint", damaged, "--prompt", "The", "--max-new-tokens", "5", "--seed", "0")
     assert outcome.status == 0, outcome.stderr
-    assert f"raylm: passing over {newest}: {shard} is" in outcome.stderr
+    assert f"raylm: passing over {newest}: {shard} " in outcome.stderr  # "is N bytes" or "has sha256"
     assert f"raylm: using checkpoint {os.path.join(damaged, 'checkpoint_00000002')}" in outcome.stderr
     assert outcome.stdout.startswith("The")
 
