@@ -26,7 +26,10 @@ from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
 def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None, announce: bool = True) -> str:
     """A checkpoint directory, or the newest complete one inside a run directory (local or s3://),
     by its manifest and files' sizes; `sound_checkpoint` checks every file's content too."""
-    return next(_candidates(uri, storage_cfg, announce))
+    resolved = next(_candidates(uri, storage_cfg, announce))
+    if announce and resolved != uri:
+        print(f"raylm: using checkpoint {resolved}", file=sys.stderr, flush=True)
+    return resolved
 
 
 def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool = True) -> Iterator[str]:
@@ -61,7 +64,6 @@ def sound_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> I
     """The checkpoint `uri`, or the newest one of the run directory `uri` whose every file matches
     its manifest's checksum, as (its uri, a local directory holding it); in a run directory a
     damaged newer one is passed over, named with the reason, and the one used is named."""
-    is_run = False
     for candidate in _candidates(uri, storage_cfg):
         is_run = candidate != uri
         with local_checkpoint(candidate, storage_cfg) as directory:

@@ -101,7 +101,9 @@ def test_dataset_of_another_tokenizer_is_refused(ray_session, trained_run, tmp_p
         main(["eval", trained_run, "--data", other, "--output", str(tmp_path / "r.json")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("raylm: error:") and "tokenizer" in err and "prepare the data with the checkpoint's" in err
+    named, error = err.strip().splitlines()  # the checkpoint it resolved the run to, then the error
+    assert named.startswith(f"raylm: using checkpoint {trained_run}/checkpoint_")
+    assert error.startswith("raylm: error:") and "tokenizer" in error and "prepare the data with the checkpoint's" in error
     assert not os.path.exists(tmp_path / "r.json")
 
 

@@ -56,13 +56,15 @@ def test_corrupted_checkpoint_on_s3_fails_cleanly(s3_server, s3_run):
     assert f"FAIL {run}/checkpoint_00000004: __0_0.distcp has sha256" in verified.stdout
     assert f"OK   {run}/checkpoint_00000002: whole (6 files)" in verified.stdout
 
-    generated = run_cli("generate", "--checkpoint", run, *endpoint, env=s3_server.env)
+    # Named, the damaged checkpoint fails; the run passes over it to the one before, as training does.
+    generated = run_cli("generate", "--checkpoint", f"{run}/checkpoint_00000004", *endpoint, env=s3_server.env)
     assert generated.returncode == 1
     assert generated.stderr.startswith(f"raylm: error: checkpoint {run}/checkpoint_00000004 cannot be used: "
                                        "__0_0.distcp has sha256")
-    from_older = run_cli("generate", "--checkpoint", f"{run}/checkpoint_00000002", "--max-new-tokens", "3",
-                         *endpoint, env=s3_server.env)
+    from_older = run_cli("generate", "--checkpoint", run, "--max-new-tokens", "3", *endpoint, env=s3_server.env)
     assert from_older.returncode == 0, from_older.stderr
+    assert f"raylm: passing over {run}/checkpoint_00000004: __0_0.distcp has sha256" in from_older.stderr
+    assert f"raylm: using checkpoint {run}/checkpoint_00000002" in from_older.stderr
 
     for args in (("generate", "--checkpoint", "s3://no-such-bucket-raylm/runs/x"),
                  ("checkpoint", "verify", "s3://no-such-bucket-raylm/runs/x")):
