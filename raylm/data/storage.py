@@ -621,9 +621,7 @@ def check_local_output(target: str) -> None:
     path = os.path.abspath(target)
     if os.path.exists(path) and not os.path.isdir(path):
         raise StorageError(f"{target}: is a file, not a directory to write into")
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)
     if not os.path.isdir(existing):
         raise StorageError(f"{target}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -673,10 +671,16 @@ def free_bytes(uri: str) -> Optional[int]:
     """Free space on the disk of local `uri` (or of its nearest existing parent); None for S3."""
     if is_s3(uri):
         return None
-    path = os.path.abspath(uri)
+    return shutil.disk_usage(nearest_existing(uri)).free
+
+
+def nearest_existing(path: str) -> str:
+    """Local `path` (made absolute) if it exists, else its nearest ancestor that does: what a
+    write that creates the missing directories would meet first."""
+    path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
+    return path
 
 
 def ensure_bucket(uri: str, storage: Optional[StorageConfig] = None) -> None:

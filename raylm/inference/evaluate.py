@@ -152,9 +152,7 @@ def check_output(output: str) -> None:
         raise ConfigError(f"--output {output} is a directory: give the path of the JSON file to write")
     if os.path.exists(parts_dir(path)) and not os.path.isdir(parts_dir(path)):
         raise ConfigError(f"--output {output}: {parts_dir(output)}, where its pieces go, is a file")
-    existing = os.path.dirname(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = storage.nearest_existing(os.path.dirname(path))
     if not os.path.isdir(existing):
         raise ConfigError(f"--output {output} is under {existing}, which is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
