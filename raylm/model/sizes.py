@@ -34,9 +34,16 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
     for name, valid in choices.items():
         if getattr(cfg, name) not in valid:
             raise ConfigError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")
-    for name in ("d_model", "n_layers", "n_heads", "max_seq_len"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"model.{name} must be positive, got {getattr(cfg, name)}")
+    # Each of these reached the workers, where torch failed on every rank, and each of Ray's
+    # restarts failed the same way (a negative init_std), or trained on NaNs (a negative rope_theta).
+    # Zero stays allowed where a model trains with it: norm_eps, and ffn_hidden (attention only).
+    positive = ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_multiple", "ffn_multiple", "n_kv_heads",
+                "init_std", *(("rope_theta",) if cfg.pos_embedding == "rope" else ()))
+    for name in positive + ("ffn_hidden", "norm_eps"):
+        value = getattr(cfg, name)
+        if value is not None and not (value > 0 if name in positive else value >= 0):
+            rule = "positive" if name in positive else "at least 0"
+            raise ConfigError(f"model.{name} must be {rule}, got {value}")
     if cfg.d_model % cfg.n_heads:
         raise ConfigError(f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads})")
     n_kv = cfg.n_kv_heads or cfg.n_heads

@@ -87,6 +87,24 @@ def test_unknown_size_lists_the_valid_ones():
         preset("huge")
 
 
+@pytest.mark.parametrize("key, value", [("init_std", -1.0), ("init_std", 0.0), ("rope_theta", -5.0), ("norm_eps", -1.0),
+                                        ("n_kv_heads", -2), ("n_kv_heads", 0), ("ffn_hidden", -1), ("ffn_multiple", 0),
+                                        ("vocab_multiple", 0), ("dropout", 1.5)])
+def test_a_model_value_no_rank_could_train_with_is_refused_naming_its_key(key, value):
+    # Each reached the workers, which failed on every rank and each of Ray's restarts (init_std -1:
+    # "normal expects std >= 0.0"), divided by it, or trained on NaNs (rope_theta -5).
+    with pytest.raises(ConfigError, match=rf"^model\.{key} must be"):
+        check_config(config_from_dict({"model": {key: value}}))
+
+
+def test_values_a_model_trains_with_pass():
+    # Zero where a model trains with it, as checkpoints of earlier versions were: an RMSNorm without
+    # epsilon, an attention-only model; rope_theta unused without RoPE; null optionals.
+    check_config(config_from_dict({"model": {"norm_eps": 0.0, "ffn_hidden": 0}}))
+    check_config(config_from_dict({"model": {"pos_embedding": "learned", "rope_theta": -5.0}}))
+    check_config(config_from_dict({"model": {"n_kv_heads": None, "ffn_hidden": None}}))
+
+
 def test_size_values_are_defaults_under_explicit_keys():
     cfg = config_from_dict({"model": {"size": "tiny", "n_layers": 3}}).model
     assert (cfg.d_model, cfg.n_layers) == (64, 3)
