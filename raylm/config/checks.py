@@ -97,22 +97,34 @@ def validate(cfg: Config) -> None:
 def _check_ranges(cfg: Config) -> None:
     """Single fields whose type admits values no run can use: refused here, before Ray starts,
     rather than met by every rank (and each of Ray's restarts) or only at the first save."""
-    t, o, c = cfg.train, cfg.optim, cfg.checkpoint
+    t, o, c, p, r = cfg.train, cfg.optim, cfg.checkpoint, cfg.parallel, cfg.run
     at_least = {"train.log_every": (t.log_every, 1), "data.prefetch_chunks": (cfg.data.prefetch_chunks, 1),
                 "checkpoint.write_attempts": (c.write_attempts, 1), "checkpoint.every_steps": (c.every_steps, 0),
                 "checkpoint.keep_last": (c.keep_last, 1), "checkpoint.keep_every": (c.keep_every, 1),
                 "optim.weight_decay": (o.weight_decay, 0), "optim.grad_clip": (o.grad_clip, 0),
-                "train.report_every_s": (t.report_every_s, 0)}
+                "train.report_every_s": (t.report_every_s, 0), "schedule.min_lr": (cfg.schedule.min_lr, 0),
+                "train.stop_at_step": (t.stop_at_step, 1),
+                "train.loss_scale_growth_interval": (t.loss_scale_growth_interval, 1),
+                "parallel.min_workers": (p.min_workers, 1), "run.ray_num_cpus": (r.ray_num_cpus, 1),
+                "run.max_failures": (r.max_failures, -1), "run.max_preemptions": (r.max_preemptions, -1)}
     for key, (value, least) in at_least.items():
         if value is not None and not value >= least:
             raise ConfigError(f"{key} must be at least {least}, got {value}")
-    above_zero = {"checkpoint.every_minutes": c.every_minutes, "optim.eps": o.eps}
+    above_zero = {"checkpoint.every_minutes": c.every_minutes, "optim.eps": o.eps,
+                  "train.loss_scale_initial": t.loss_scale_initial, "train.loss_scale_min": t.loss_scale_min,
+                  "train.peak_tflops": t.peak_tflops, "parallel.resize_check_s": p.resize_check_s}
     for key, value in above_zero.items():
         if value is not None and not value > 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    if not 0.0 <= cfg.schedule.final_lr_fraction <= 1.0:
+        raise ConfigError(f"schedule.final_lr_fraction must be in [0, 1], got {cfg.schedule.final_lr_fraction}")
+    if p.min_workers is not None and p.min_workers > p.num_workers:
+        # Ray Train's ScalingConfig refused it with a traceback once Ray had started.
+        raise ConfigError(f"parallel.min_workers ({p.min_workers}) must be at most parallel.num_workers "
+                          f"({p.num_workers})")
     for i, component in enumerate(cfg.data.mixture):
         if not 0.0 < component.weight < float("inf"):
             raise ConfigError(f"data.mixture[{i}].weight must be positive, got {component.weight}")

@@ -151,6 +151,18 @@ def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(overri
     ("train.report_every_s=-5", "train.report_every_s must be at least 0"),
     ("data.prefetch_chunks=0", "data.prefetch_chunks must be at least 1"),
     ("data.mixture=[{path: a, weight: 1}, {path: b, weight: 0}]", "data.mixture[1].weight must be positive"),
+    # once a traceback from Ray Train's ScalingConfig, after Ray had started
+    ("parallel.min_workers=5", "parallel.min_workers (5) must be at most parallel.num_workers (2)"),
+    ("parallel.min_workers=0", "parallel.min_workers must be at least 1"),  # once read as "not elastic"
+    ("schedule.min_lr=-1e-4", "schedule.min_lr must be at least 0"),  # the schedule's end ascended the loss
+    ("schedule.final_lr_fraction=2", "schedule.final_lr_fraction must be in [0, 1]"),
+    ("train.stop_at_step=0", "train.stop_at_step must be at least 1"),
+    ("train.loss_scale_initial=0", "train.loss_scale_initial must be positive"),
+    ("train.loss_scale_growth_interval=0", "train.loss_scale_growth_interval must be at least 1"),
+    ("train.peak_tflops=0", "train.peak_tflops must be positive"),
+    ("parallel.resize_check_s=0", "parallel.resize_check_s must be positive"),
+    ("run.ray_num_cpus=-1", "run.ray_num_cpus must be at least 1"),
+    ("run.max_failures=-2", "run.max_failures must be at least -1"),
 ])
 def test_a_value_no_run_can_use_is_refused_by_its_key_when_the_config_loads(override, named):
     extra = ["data.path="] if override.startswith("data.mixture") else []
