@@ -161,10 +161,11 @@ def check_output(output: str) -> None:
 
 def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
                     storage_cfg: Optional[StorageConfig]) -> tuple[str, dict, Manifest]:
-    """The checkpoint (or the run's newest), its train state and the dataset's manifest, after
-    the checks that need no worker: a usable checkpoint, the split, the same tokenizer, rows
+    """The checkpoint (or the run's newest sound one), its train state and the dataset's manifest,
+    after the checks that need no worker: a usable checkpoint, the split, the same tokenizer, rows
     the model can take."""
-    uri = resolve_checkpoint(checkpoint_uri, storage_cfg)
+    # Checked here, every byte: the workers load exactly this one, and would fail on a damaged one.
+    uri = resolve_checkpoint(checkpoint_uri, storage_cfg, checksums=True)
     problem = checkpoint.incomplete_reason(uri, storage_cfg)
     if problem:
         raise FileNotFoundError(f"checkpoint {uri} cannot be evaluated: {problem}")

@@ -23,13 +23,42 @@ from raylm.train.checkpoint.resume import read_saved_config
 from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
 
 
-def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None, announce: bool = True) -> str:
+def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None, announce: bool = True,
+                       checksums: bool = False) -> str:
     """A checkpoint directory, or the newest complete one inside a run directory (local or s3://),
-    by its manifest and files' sizes; `sound_checkpoint` checks every file's content too."""
-    resolved = next(_candidates(uri, storage_cfg, announce))
-    if announce and resolved != uri:
-        print(f"raylm: using checkpoint {resolved}", file=sys.stderr, flush=True)
-    return resolved
+    by its manifest and files' sizes; with `checksums`, also by every file's sha256, read where it
+    lies: for a driver that picks the checkpoint its workers load (`sound_checkpoint` checks the
+    copy it loads). A checkpoint named directly that fails its checksum raises CheckpointError."""
+    for resolved in _candidates(uri, storage_cfg, announce):
+        problem = _checksum_problem(resolved, storage_cfg) if checksums else None
+        if problem and resolved == uri:
+            raise checkpoint.CheckpointError(f"checkpoint {uri} cannot be used: {problem}")
+        if problem:
+            if announce:
+                _pass_over(resolved, problem)
+            continue
+        if announce and resolved != uri:
+            print(f"raylm: using checkpoint {resolved}", file=sys.stderr, flush=True)
+        return resolved
+    raise _none_usable(uri)
+
+
+def _checksum_problem(uri: str, storage_cfg: Optional[StorageConfig]) -> Optional[str]:
+    """The first file of the checkpoint at `uri` that does not match its manifest's size and sha256."""
+    try:
+        manifest = checkpoint.read_manifest(uri, storage_cfg)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return next(filter(None, (checkpoint.file_problem(uri, name, entry, storage_cfg)
+                              for name, entry in manifest.items())), None)
+
+
+def _pass_over(candidate: str, problem: str) -> None:
+    print(f"raylm: passing over {candidate}: {problem}", file=sys.stderr, flush=True)
+
+
+def _none_usable(run_uri: str) -> FileNotFoundError:
+    return FileNotFoundError(f"{run_uri}: no checkpoint of this run can be used (each one passed over above)")
 
 
 def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool = True) -> Iterator[str]:
@@ -52,7 +81,7 @@ def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool =
         else:
             problems.append((candidate, problem))
             if announce:
-                print(f"raylm: passing over {candidate}: {problem}", file=sys.stderr, flush=True)
+                _pass_over(candidate, problem)
     if not found:
         why = "".join(f"\n  {name}: {problem}" for name, problem in problems)
         raise FileNotFoundError(f"{uri} is neither a checkpoint nor a run directory holding a complete one" +
@@ -70,13 +99,13 @@ def sound_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> I
             if not is_run:
                 checkpoint.check_sound(directory, candidate, require_manifest=True)
             elif problem := checkpoint.local_problem(directory):  # a run's candidates have their manifest
-                print(f"raylm: passing over {candidate}: {problem}", file=sys.stderr, flush=True)
+                _pass_over(candidate, problem)
                 continue
             if is_run:
                 print(f"raylm: using checkpoint {candidate}", file=sys.stderr, flush=True)
             yield candidate, directory
             return
-    raise FileNotFoundError(f"{uri}: no checkpoint of this run can be used (each one passed over above)")
+    raise _none_usable(uri)
 
 
 @contextlib.contextmanager

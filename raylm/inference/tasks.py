@@ -101,7 +101,8 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     start = time.monotonic()
     check_output(output)
     manager = task_manager(tasks, include_path)
-    uri = resolve_checkpoint(checkpoint_uri, storage_cfg)
+    # Checked here, every byte: the workers load exactly this one, and would fail on a damaged one.
+    uri = resolve_checkpoint(checkpoint_uri, storage_cfg, checksums=True)
     problem = checkpoint.incomplete_reason(uri, storage_cfg)
     if problem:
         raise FileNotFoundError(f"checkpoint {uri} cannot be evaluated: {problem}")

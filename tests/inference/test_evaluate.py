@@ -1,5 +1,6 @@
 """`raylm eval`: bits-per-byte accounting, the whole split on 1 and 2 Ray workers, resuming from
-the parts already written, and a dataset of another tokenizer refused."""
+the parts already written, a damaged newest checkpoint passed over, and a dataset of another
+tokenizer refused."""
 
 import json
 import math
@@ -20,6 +21,7 @@ from raylm.inference.load import load_for_inference
 from raylm.data.tokenizer import ByteTokenizer, train_bpe
 from raylm.train.loop import train_local
 from tests.support.cli import assert_clean_refusal, run_main
+from tests.inference.test_generate import damage_newest
 from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
 
@@ -44,7 +46,7 @@ def test_token_bytes_count_every_utf8_byte_once(tmp_path):
 @pytest.fixture(scope="module")
 def trained_run(tiny_dataset, tmp_path_factory) -> str:
     run = str(tmp_path_factory.mktemp("eval") / "run")
-    train_local(tiny_config(tiny_dataset, "train.steps=4", "checkpoint.every_steps=4", "train.eval_every=0"), run)
+    train_local(tiny_config(tiny_dataset, "train.steps=4", "checkpoint.every_steps=2", "train.eval_every=0"), run)
     return run
 
 
@@ -89,6 +91,28 @@ def test_whole_split_gives_the_same_result_on_1_and_2_workers_and_resumes(
     again = evaluate(trained_run, tiny_dataset, output=str(tmp_path / "two.json"), workers=2, rows_per_part=16)
     assert again["parts_reused"] == two["parts"] - 1 and again["workers"] == 1
     assert {k: again[k] for k in ("loss", "bits_per_byte")} == {k: two[k] for k in ("loss", "bits_per_byte")}
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_failing_its_checksum_is_passed_over_named(ray_session, trained_run, tiny_dataset,
+                                                                      tmp_path):
+    """A file of the newest checkpoint with its size intact but a byte flipped: the run is evaluated
+    from the checkpoint before, both named, as generate and export do; the damaged checkpoint
+    named directly fails with its checksum error (it used to fail on the workers, run or not)."""
+    damaged, newest, shard = damage_newest(trained_run, tmp_path, "content")
+    output = str(tmp_path / "r.json")
+    outcome = run_main("eval", damaged, "--data", tiny_dataset, "--output", output, "--workers", "1")
+    assert outcome.status == 0, outcome.stderr[-3000:]
+    assert f"raylm: passing over {newest}: {shard} has sha256" in outcome.stderr
+    older = os.path.join(damaged, "checkpoint_00000002")
+    assert f"raylm: using checkpoint {older}" in outcome.stderr
+    with open(output) as f:
+        assert json.load(f)["checkpoint"] == older
+
+    named = run_main("eval", newest, "--data", tiny_dataset, "--output", str(tmp_path / "n.json"), "--workers", "1")
+    assert_clean_refusal(named, shard)
+    assert named.status == 1
+    assert named.stderr.startswith(f"raylm: error: checkpoint {newest} cannot be used: {shard} has sha256")
 
 
 @pytest.mark.slow

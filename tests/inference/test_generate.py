@@ -19,13 +19,14 @@ def run(tiny_dataset, tmp_path_factory) -> str:
     return run_dir
 
 
-@pytest.mark.parametrize("damage", ["size", "content"])
-def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path, damage):
+def damage_newest(run: str, tmp_path, damage: str) -> tuple[str, str, str]:
+    """A copy of `run` whose newest checkpoint has a .distcp file damaged: grown ("size"), or one
+    byte flipped ("content", which only its checksum tells); (the copy, that checkpoint, the file)."""
     import shutil
 
     damaged = str(tmp_path / "run")
     shutil.copytree(run, damaged)
-    newest = os.path.join(damaged, "checkpoint_00000004")
+    newest = os.path.join(damaged, max(n for n in os.listdir(damaged) if n.startswith("checkpoint_")))
     shard = next(n for n in os.listdir(newest) if n.endswith(".distcp"))
     with open(os.path.join(newest, shard), "r+b") as f:
         if damage == "size":
@@ -36,6 +37,12 @@ def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path, d
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
+    return damaged, newest, shard
+
+
+@pytest.mark.parametrize("damage", ["size", "content"])
+def test_a_damaged_newest_checkpoint_is_named_with_the_one_used(run, tmp_path, damage):
+    damaged, newest, shard = damage_newest(run, tmp_path, damage)
     outcome = run_main("generate", "--checkpoint", damaged, "--prompt", "The", "--max-new-tokens", "5", "--seed", "0")
     assert outcome.status == 0, outcome.stderr
     assert f"raylm: passing over {newest}: {shard} " in outcome.stderr  # "is N bytes" or "has sha256"
