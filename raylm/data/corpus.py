@@ -7,8 +7,9 @@ A `Source` is one input file and the rule that cuts it into documents:
     jsonl    one JSON object per line, the document in its "text" field (.jsonl)
     parquet  one document per row of the "text" column (.parquet)
 
-Empty (and null) documents are skipped everywhere, so no reader can produce two end-of-text
-tokens in a row downstream.
+Empty documents are skipped everywhere, so no reader can produce two end-of-text tokens in a
+row downstream; a null "text" is refused, as any other value that is not a string (it is more
+likely a broken export than an empty document). Empty files are skipped, named in one notice.
 
 The built-in corpus is the Python source of the running interpreter's standard library: it is on
 every machine that runs raylm, it is real text, and it makes a dataset with no download.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -35,6 +37,7 @@ KINDS_BY_SUFFIX = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 BUILTIN_CORPUS = f"builtin:python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
 _BUILTIN_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 _PARQUET_BATCH_ROWS = 1024
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
 
 
 _SNIFF_BYTES = 1 << 16  # what `check_sources` reads of each text input before any work starts
@@ -92,19 +95,21 @@ def find_sources(inputs: list[str], lines_as_documents: bool = False,
     return sources
 
 
-def check_sources(sources: list[Source], storage: Optional[StorageConfig] = None) -> None:
-    """Refuse inputs that cannot be read as documents before any work starts: inputs that hold
+def check_sources(sources: list[Source], storage: Optional[StorageConfig] = None) -> list[Source]:
+    """The sources to read: those that hold bytes (the empty ones named on stderr, on one line).
+    Refuses inputs that cannot be read as documents before any work starts: inputs that hold
     no bytes at all, and (from the first 64 KiB of each text file) a binary or non-UTF-8 file, or
     a .jsonl line that is not an object with a "text" string; a .parquet file's schema. Problems
     further into a file are found, by the same rules and named the same way, while reading it."""
-    total = 0
+    readable, empty = [], []
     for source in sources:
         fs, path = filesystem_for(source.uri, storage)
-        size = fs.get_file_info(path).size or 0
-        total += size
+        if not fs.get_file_info(path).size:
+            empty.append(source)
+            continue
+        readable.append(source)
         if source.kind == "parquet":
-            if size:
-                _parquet_text_column(source, storage)
+            _parquet_text_column(source, storage)
             continue
         with fs.open_input_stream(path) as f:
             head = f.read(_SNIFF_BYTES)
@@ -116,9 +121,14 @@ def check_sources(sources: list[Source], storage: Optional[StorageConfig] = None
             complete = text if len(head) < _SNIFF_BYTES else text[:text.rfind("\n") + 1]
             for _ in _jsonl_documents(complete, source.uri):
                 pass
-    if total == 0:
+    if not readable:
         raise InputError(f"the inputs hold no text: {', '.join(s.uri for s in sources[:3])}"
                          f"{' ...' if len(sources) > 3 else ''} {'is' if len(sources) == 1 else 'are'} empty")
+    if empty:
+        # Not an error (a directory's placeholder, a shard an export left empty), but not silent.
+        print(f"raylm: skipping {len(empty)} empty input file(s): {', '.join(s.uri for s in empty[:10])}"
+              f"{' ...' if len(empty) > 10 else ''}", file=sys.stderr, flush=True)
+    return readable
 
 
 def builtin_sources(max_documents: Optional[int] = None) -> list[Source]:
@@ -159,9 +169,9 @@ def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
             raise InputError(f"input {uri} line {number}: expected an object with a 'text' "
                              f"field, got {line[:80]!r}")
         document = record["text"]
-        if document is not None and not isinstance(document, str):
-            raise InputError(f"input {uri} line {number}: 'text' is a {type(document).__name__}, "
-                             f"expected a string")
+        if not isinstance(document, str):
+            found = "null" if document is None else _JSON_TYPES[type(document)]
+            raise InputError(f"input {uri} line {number}: 'text' is {found}, expected a string")
         if document and not document.isascii():
             try:
                 document.encode("utf-8")
@@ -173,18 +183,35 @@ def _jsonl_documents(text: str, uri: str) -> Iterator[str]:
 
 
 def _parquet_text_column(source: Source, storage: Optional[StorageConfig]) -> None:
-    """Refuse a .parquet input without a string column `text`."""
+    """Refuse a .parquet input without a string column `text`, or with a null in it that the
+    footer's statistics count (a file written without them is checked as it is read)."""
     fs, path = filesystem_for(source.uri, storage)
     with fs.open_input_file(path) as f:
         try:
-            schema = pq.ParquetFile(f).schema_arrow
+            parquet = pq.ParquetFile(f)
         except pa.ArrowException as e:
             raise InputError(f"input {source.uri}: not a Parquet file ({e})") from None
-    if "text" not in schema.names:
-        raise InputError(f"input {source.uri}: no 'text' column (columns: {', '.join(schema.names)})")
-    column_type = schema.field("text").type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise InputError(f"input {source.uri}: column 'text' is {column_type}, expected string")
+        schema = parquet.schema_arrow
+        if "text" not in schema.names:
+            raise InputError(f"input {source.uri}: no 'text' column (columns: {', '.join(schema.names)})")
+        column_type = schema.field("text").type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise InputError(f"input {source.uri}: column 'text' is {column_type}, expected string")
+        metadata = parquet.metadata
+        leaf = next(i for i in range(metadata.num_columns) if metadata.schema.column(i).path == "text")
+        first_row = 0
+        for group in range(metadata.num_row_groups):
+            stats = metadata.row_group(group).column(leaf).statistics
+            if stats is not None and stats.has_null_count and stats.null_count:
+                _refuse_nulls(source, parquet.read_row_group(group, columns=["text"]).column(0), first_row)
+            first_row += metadata.row_group(group).num_rows
+
+
+def _refuse_nulls(source: Source, texts: pa.Array | pa.ChunkedArray, first_row: int) -> None:
+    """Refuse a null among `texts`, rows `first_row`... of the .parquet `source`, naming the first."""
+    if texts.null_count:
+        row = first_row + pc.index(texts.is_null(), True).as_py()
+        raise InputError(f"input {source.uri} row {row} (from 0): 'text' is null, expected a string")
 
 
 def _parquet_documents(source: Source, storage: Optional[StorageConfig]) -> Iterator[str]:
@@ -192,8 +219,11 @@ def _parquet_documents(source: Source, storage: Optional[StorageConfig]) -> Iter
     fs, path = filesystem_for(source.uri, storage)
     with fs.open_input_file(path) as f:
         parquet = pq.ParquetFile(f)
+        row = 0
         for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=["text"]):
+            _refuse_nulls(source, batch.column(0), row)
             yield from (document for document in batch.column(0).to_pylist() if document)
+            row += batch.num_rows
 
 
 def iter_documents(source: Source, storage: Optional[StorageConfig] = None) -> Iterator[str]:

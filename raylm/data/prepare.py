@@ -91,8 +91,8 @@ def prepare_dataset(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, storage)
     replacing = claim_output(output, "a prepared dataset", _dataset_file, overwrite, storage)
     if inputs:
-        sources, source_names = find_sources(inputs, lines_as_documents, storage), list(inputs)
-        check_sources(sources, storage)
+        sources = check_sources(find_sources(inputs, lines_as_documents, storage), storage)
+        source_names = list(inputs)
     else:
         sources, source_names = builtin_sources(max_documents), [BUILTIN_CORPUS]
     with writing_over(output, storage, replacing, commit=MANIFEST_FILE) as target:

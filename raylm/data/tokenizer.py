@@ -182,8 +182,7 @@ def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
         raise ConfigError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
                           f"use the 'byte' tokenizer for a byte vocabulary")
     if input_uris:
-        sources = find_sources(input_uris, lines_as_documents, storage)
-        check_sources(sources, storage)
+        sources = check_sources(find_sources(input_uris, lines_as_documents, storage), storage)
     else:
         sources = builtin_sources(max_documents)
     documents = islice(chain.from_iterable(iter_documents(s, storage) for s in sources), max_documents)

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.support.cli import assert_clean_refusal, run_main
@@ -23,6 +25,8 @@ def inputs(tmp_path):
     (tmp_path / "no-text.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")
     (tmp_path / "bad-line.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
     (tmp_path / "surrogate.jsonl").write_text(json.dumps({"text": "fine"}) + '\n{"text": "half a pair \\ud800"}\n')
+    (tmp_path / "null.jsonl").write_text(json.dumps({"text": "fine"}) + '\n{"text": null}\n')
+    (tmp_path / "number.jsonl").write_text(json.dumps({"text": "fine"}) + '\n{"text": 7}\n')
     (tmp_path / "nothing").mkdir()
     (tmp_path / "nothing" / "notes.md").write_text("# not an input kind\n")
     (tmp_path / "hidden-only").mkdir()
@@ -38,6 +42,8 @@ def inputs(tmp_path):
     ("no-text.jsonl", ["no-text.jsonl line 2"]),
     ("bad-line.jsonl", ["bad-line.jsonl line 2"]),
     ("surrogate.jsonl", ["surrogate.jsonl line 2", "surrogate"]),
+    ("null.jsonl", ["null.jsonl line 2: 'text' is null, expected a string"]),
+    ("number.jsonl", ["number.jsonl line 2: 'text' is a number, expected a string"]),
     ("nothing", ["notes.md: unknown extension"]),
     ("hidden-only", ["no input files in"]),
     ("missing.txt", ["missing.txt does not exist"]),
@@ -54,6 +60,50 @@ def test_an_unusable_input_is_refused_by_name_before_ray_starts(inputs, tmp_path
     assert outcome.status == 2 and all(n in outcome.stderr for n in names), outcome.stderr
     assert "Ray instance" not in outcome.stdout + outcome.stderr  # no cluster was started for it
     assert not (tmp_path / "out").exists() and not (tmp_path / "tok.json").exists()
+
+
+@pytest.mark.parametrize("command, statistics", [("tokenizer", True), ("prepare", True), ("tokenizer", False),
+                                                 pytest.param("prepare", False, marks=pytest.mark.slow)])
+def test_a_null_text_deep_in_a_parquet_file_is_refused_by_row(tmp_path, command, statistics):
+    """Found from the footer's null counts before any work starts, or, in a file written without
+    statistics, while reading it (past the first record batch: rows counted across batches).
+    Nulls used to be skipped as empty documents, while a .jsonl 'text' of another type was refused."""
+    texts = [f"document {i}" for i in range(1500)]
+    texts[1300] = None
+    given = str(tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"id": list(range(1500)), "text": texts}), given, row_group_size=1000,
+                   write_statistics=statistics)
+    if command == "prepare":
+        outcome = run_main("prepare", "--input", given, "--output", str(tmp_path / "out"))
+    else:
+        outcome = run_main("tokenizer", "train", "--input", given, "--vocab-size", "300", "--output",
+                           str(tmp_path / "tok.json"))
+    assert_clean_refusal(outcome, given)
+    assert outcome.status == 2
+    assert f"raylm: error: input {given} row 1300 (from 0): 'text' is null, expected a string" in outcome.stderr
+    if statistics:
+        assert "Ray instance" not in outcome.stdout + outcome.stderr  # no cluster was started for it
+    assert not (tmp_path / "out").exists() and not (tmp_path / "tok.json").exists()
+
+
+@pytest.mark.parametrize("command", ["tokenizer", pytest.param("prepare", marks=pytest.mark.slow)])
+def test_empty_files_in_a_directory_are_skipped_with_one_notice(tmp_path, command):
+    """Skipped, not refused (an empty lone input is), but named on one line of stderr; an empty
+    .parquet, which is no Parquet file, is skipped as well instead of failing the read."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("some text, enough of it to make a document or two\n" * 20)
+    for name in ("empty.txt", "sub/empty.jsonl", "empty.parquet"):
+        (corpus / name).write_bytes(b"")
+    if command == "prepare":
+        outcome = run_main("prepare", "--input", str(corpus), "--output", str(tmp_path / "out"), "--seq-len", "16")
+    else:
+        outcome = run_main("tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--output",
+                           str(tmp_path / "tok.json"))
+    assert outcome.status == 0, outcome.stderr
+    empties = ", ".join(str(corpus / name) for name in ("empty.parquet", "empty.txt", "sub/empty.jsonl"))
+    notices = [line for line in outcome.stderr.splitlines() if "empty" in line]
+    assert notices == [f"raylm: skipping 3 empty input file(s): {empties}"], outcome.stderr
 
 
 @pytest.mark.parametrize("argv, names", [

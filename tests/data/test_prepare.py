@@ -31,7 +31,7 @@ def write_mixed_corpus(root) -> list[str]:
     non-empty documents in corpus order: files by sorted path, then records in file order."""
     docs = [f"doc {i}: " + t for i, t in enumerate(random_texts(60, seed=5))]
     os.makedirs(root / "sub")
-    records = [{"text": d} for d in docs[:25]] + [{"text": ""}, {"text": None}]
+    records = [{"text": d} for d in docs[:25]] + [{"text": ""}]
     (root / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
     pq.write_table(pa.table({"text": docs[25:59] + [""], "id": list(range(35))}), root / "b.parquet")
     (root / "sub" / "c.txt").write_text(docs[59])
