@@ -20,6 +20,7 @@ from typing import Literal, Optional
 from raylm.config import Config, build_dataclass, load_config, merge_trees, parse_overrides
 from raylm.config.load import read_yaml_mapping
 from raylm.errors import ConfigError
+from raylm.parallel.planner.plan import check_whole_nodes
 
 SWEEP_PREFIX = "sweep."
 
@@ -217,6 +218,8 @@ def check_sweep(sweep: SweepConfig) -> None:
         raise ConfigError(f"trial needs cpus > 0, gpus >= 0, evals > 0, max_failures >= 0; got {t}")
     if sweep.target.flops is not None and sweep.target.params is not None:
         raise ConfigError("give at most one of target.flops and target.params")
+    if sweep.target.gpus:  # the recommendation is `raylm plan`'s layout: the same cluster it accepts
+        check_whole_nodes(sweep.target.gpus, sweep.target.gpus_per_node, "target.gpus", "target.gpus_per_node")
     if sweep.fit.bootstrap < 0 or not 0 < sweep.fit.confidence < 1:
         raise ConfigError("fit needs bootstrap >= 0 and 0 < confidence < 1")
     if sweep.fit.local_sizes == 1 or sweep.fit.local_sizes < 0:

@@ -12,6 +12,7 @@ the layout, and the model and the layout know nothing of the data.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -136,13 +137,18 @@ def resolve_layouts(cfg: Config, seq_len: int, sizes: Optional[range] = None) ->
     layouts = {n: resolve_layout(cfg.parallel, cfg.model, n, seq_len) for n in sizes}
     micro = cfg.train.micro_batch_size
     for global_batch in batch_schedule(cfg, seq_len).sizes():
-        bad = [n for n, dims in layouts.items() if global_batch % (dims.dp * micro)]
+        bad = [str(n) for n, dims in layouts.items() if global_batch % (dims.dp * micro)]
         if bad:
             parallel = cfg.parallel
-            raise ConfigError(f"global batch {global_batch} cannot be split over {bad} workers (tp={parallel.tp}, "
-                              f"pp={parallel.pp}, train.micro_batch_size={micro}); choose a global batch (and "
-                              f"batch_rampup sizes) that every size in [{sizes.start}, {sizes.stop - 1}] divides, "
-                              "or narrow the range")
+            # The least batch that splits at every size: the data-parallel ranks times the micro-batch.
+            multiple = math.lcm(*(dims.dp * micro for dims in layouts.values()))
+            where = ("" if len(layouts) == 1 else f", which splits over every size from {min(layouts)} to "
+                     f"{max(layouts)} workers (parallel.min_workers to parallel.num_workers), or narrow that range")
+            workers = bad[0] if len(bad) == 1 else f"{', '.join(bad[:-1])} or {bad[-1]}"
+            raise ConfigError(f"global batch {global_batch} cannot be split over {workers} workers "
+                              f"(parallel.tp={parallel.tp}, parallel.pp={parallel.pp}, "
+                              f"train.micro_batch_size={micro}) into whole micro-batches: choose a global batch "
+                              f"(and batch_rampup sizes) that is a multiple of {multiple}{where}")
     return layouts
 
 

@@ -49,6 +49,8 @@ def test_the_tiny_sweep_resolves_into_rungs_and_trial_configs(tiny_dataset, tmp_
     ("sweep.ladder.tokens_per_param=[0.01,4]", "ladder.tokens_per_param"),  # less than one batch
     ("sweep.lr.grid=[0.01,-1]", "lr.grid"),
     ("sweep.ladder.d_model=[16,24,24,48]", "ladder.d_model[2]"),  # not larger than the one before
+    # As `raylm plan --gpus 12` refuses it; the recommendation would lay a model over 1.5 nodes.
+    ("sweep.target.gpus=12", "target.gpus 12 is not a whole number of nodes of target.gpus_per_node 8"),
 ])
 def test_bad_input_is_refused_naming_the_field(tiny_dataset, tmp_path, override, field):
     with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):

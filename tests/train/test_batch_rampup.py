@@ -12,7 +12,7 @@ from raylm.config import ConfigError
 from raylm.data.stream import BatchSchedule
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
-from raylm.train.spec import resolve_run
+from raylm.train.spec import resolve_layouts, resolve_run
 from tests.support.distributed import run_distributed
 from tests.train.test_loop import tiny_config
 
@@ -31,8 +31,27 @@ def test_the_schedule_grows_in_equal_shares_of_the_ramp_samples():
 def test_a_ramp_that_does_not_reach_the_batch_in_whole_increments_is_refused(tiny_dataset):
     with pytest.raises(ConfigError, match=r"train.batch_rampup: start 8 .* increments of 5"):
         resolve_run(tiny_config(tiny_dataset, "train.global_batch_size=16", "train.batch_rampup={start: 8, increment: 5, samples: 48}"))
-    with pytest.raises(ConfigError, match=r"global batch 12 cannot be split over \[2\] workers"):
+    with pytest.raises(ConfigError, match=r"global batch 12 cannot be split over 2 workers .* a multiple of 8$"):
         resolve_run(tiny_config(tiny_dataset, *RAMP[:3], "train.micro_batch_size=4", "parallel.num_workers=2"))
+
+
+def test_a_global_batch_that_does_not_split_names_the_multiple_that_does():
+    """One world size reads as one, an elastic range as a range, and both name the multiple that
+    splits (it read "every size in [2, 2] divides", though what must divide the batch is the
+    data-parallel ranks times the micro-batch, not the world size)."""
+    def refusal(*extra: str) -> str:
+        with pytest.raises(ConfigError) as raised:
+            resolve_layouts(tiny_config("unread", "model.vocab_size=256", *RAMP[:3], *extra), 32)
+        return str(raised.value)
+
+    keys = "(parallel.tp=1, parallel.pp=1, train.micro_batch_size={}) into whole micro-batches"
+    assert refusal("train.micro_batch_size=4", "parallel.num_workers=2") == (
+        f"global batch 12 cannot be split over 2 workers {keys.format(4)}: choose a global batch (and "
+        "batch_rampup sizes) that is a multiple of 8")
+    assert refusal("parallel.num_workers=5", "parallel.min_workers=2") == (
+        f"global batch 8 cannot be split over 3 or 5 workers {keys.format(2)}: choose a global batch (and "
+        "batch_rampup sizes) that is a multiple of 120, which splits over every size from 2 to 5 workers "
+        "(parallel.min_workers to parallel.num_workers), or narrow that range")
 
 
 def _rows(run_dir: str) -> dict[int, dict]:

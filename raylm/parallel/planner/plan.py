@@ -299,6 +299,18 @@ def model_from_arg(model: str, vocab_size: Optional[int] = None) -> tuple[ModelC
     return cfg, seq_len, notes
 
 
+def check_whole_nodes(gpus: int, gpus_per_node: int, gpus_key: str = "--gpus",
+                      per_node_key: str = "--gpus-per-node") -> None:
+    """Refuse a GPU count that is not whole nodes, naming it by `gpus_key` and `per_node_key` (the
+    options of `raylm plan`, or a sweep's target keys). A cluster is whole nodes; fewer GPUs than
+    one node holds is one partly used node."""
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        whole = gpus - gpus % gpus_per_node
+        raise ConfigError(f"{gpus_key} {gpus} is not a whole number of nodes of {per_node_key} {gpus_per_node}: "
+                          f"give a multiple of it (e.g. {whole} or {whole + gpus_per_node}), or fewer GPUs than "
+                          "one node holds")
+
+
 def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len: Optional[int] = None,
              global_batch_tokens: Optional[int] = None, precision: str = "mixed", micro_batch_size: int = 1,
              output: Optional[str] = None, activation_checkpointing: str = "none",
@@ -308,11 +320,7 @@ def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len
     if output is not None and (Path(output).is_dir() or not Path(output).parent.is_dir()):
         problem = "is a directory" if Path(output).is_dir() else "is in a directory that does not exist"
         raise ConfigError(f"--output {output} {problem}: give the path of the YAML file to write")
-    # A cluster is whole nodes; fewer GPUs than one node hold is one partly used node.
-    if gpus > gpus_per_node and gpus % gpus_per_node:
-        raise ConfigError(f"--gpus {gpus} is not a whole number of nodes of --gpus-per-node {gpus_per_node}: "
-                          f"give a multiple of it (e.g. {gpus - gpus % gpus_per_node} or "
-                          f"{gpus - gpus % gpus_per_node + gpus_per_node}), or fewer GPUs than one node holds")
+    check_whole_nodes(gpus, gpus_per_node)
     memory = parse_memory(gpu_memory, "--gpu-memory")
     if memory <= 0:
         raise ConfigError(f"--gpu-memory {gpu_memory} is no memory: give each GPU's memory, e.g. 80GB")
