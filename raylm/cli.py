@@ -30,8 +30,13 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     import ray.data  # noqa: F401 - importing it sets its loggers up, resetting a level set before
     from raylm.data.prepare import prepare_dataset
 
-    # Ray Data's execution plans and progress blocks: its bookkeeping, shown with --verbose.
-    for name, quiet in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR)):
+    # Ray Data's execution plans and progress blocks: its bookkeeping, shown with --verbose. And the
+    # error of a failed task, logged twice with its traceback (~120 lines, "please open an issue on
+    # the Ray project" for a bad input line) before the command reports it in one line, or re-raises
+    # it whole when it is no error of the input.
+    for name, quiet in (("ray.data", logging.WARNING), ("ray.data._internal.progress", logging.ERROR),
+                        ("ray.data._internal.execution.streaming_executor_state", logging.CRITICAL),
+                        ("ray.data.exceptions", logging.CRITICAL)):
         logging.getLogger(name).setLevel(logging.INFO if args.verbose else quiet)
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,

@@ -28,6 +28,16 @@ class DeterministicError(Exception):
 
     exit_code = 1
 
+    def __init__(self, *args: object):
+        super().__init__(*args)
+        # Its message as raised. Ray Data appends retry advice to the message of an error raised in
+        # its task ("... configure DataContext ... if you believe this to be transient"): wrong for
+        # an error no retry cures. Kept through pickling, in the instance's state.
+        self._message = str(args[0]) if len(args) == 1 else super().__str__()
+
+    def __str__(self) -> str:
+        return self._message
+
 
 class ConfigError(DeterministicError, ValueError):
     """A configuration value or key that cannot be used; the message names it."""

@@ -158,3 +158,22 @@ def test_an_output_that_cannot_be_a_directory_is_refused_before_ray_starts(tmp_p
         assert outcome.status == 2 and "is a file" in outcome.stderr, outcome.stderr
         assert "Ray instance" not in outcome.stdout + outcome.stderr
     assert (tmp_path / "afile").read_text() == "x\n"
+
+
+@pytest.mark.slow
+def test_a_bad_line_deep_in_a_file_is_one_line_on_a_users_console(tmp_path):
+    """Past the 64 KiB read before Ray starts, a Ray Data task finds it. The real command's stderr,
+    not an in-process capture (Ray Data's log handlers hold the process's own): Ray Data logged
+    the error twice with its traceback, as "internal code" to report to the Ray project, and
+    appended its advice for transient errors to raylm's message."""
+    given = tmp_path / "deep.jsonl"
+    with open(given, "w") as f:
+        f.writelines(json.dumps({"text": f"line {i} of a document"}) + "\n" for i in range(4000))
+        f.write('{"text": null}\n')
+    assert given.stat().st_size > 64 * 1024
+    outcome = subprocess.run([sys.executable, "-m", "raylm.cli", "prepare", "--input", str(given), "--output",
+                              str(tmp_path / "out"), "--seq-len", "16"], capture_output=True, text=True, timeout=300)
+    assert_clean_refusal(outcome, str(given))
+    said = [line for line in outcome.stderr.splitlines() if "INFO worker.py" not in line]  # Ray's start line
+    assert said == [f"raylm: error: input {given} line 4001: 'text' is null, expected a string"], outcome.stderr
+    assert outcome.returncode == 2 and not (tmp_path / "out").exists()
