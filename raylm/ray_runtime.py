@@ -19,8 +19,10 @@ import contextlib
 import math
 import os
 import secrets
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -152,7 +154,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         # Ray; beside another (a sweep and a run on one laptop) it found two and died.
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
-    with _daemons_in_a_process_group_of_their_own():
+    with _daemons_in_a_process_group_of_their_own(), _sigterm_once_started():
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
                  runtime_env={"env_vars": env_vars}, **dashboard_options)
     # Once per process, however many Rays it starts; runs before Ray's own hook, registered at import.
@@ -188,6 +190,42 @@ def _daemons_in_a_process_group_of_their_own() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = popen
+
+
+@contextlib.contextmanager
+def _sigterm_once_started() -> Iterator[None]:
+    """Hold a SIGTERM that comes while `ray.init` starts a local Ray until the start is done, then
+    hand it to the handler `ray.init` sets (an exit, on which Ray's exit hook stops the daemons).
+    Handled at once, it cut the start short: Ray's hook then had no node to stop, and the raylet's
+    agents lived on after the driver; or the exit landed in a callback of one of the start's
+    forks, where Python drops it, and the run trained on. Only the main thread sets handlers;
+    on a Ray that sets its handler otherwise, the SIGTERM is Ray's at once, as before."""
+    import ray._private.utils as ray_utils
+
+    set_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    if threading.current_thread() is not threading.main_thread() or set_handler is None:
+        yield
+        return
+    received = False
+    handler_after = signal.getsignal(signal.SIGTERM)  # the caller's, unless `ray.init` sets its own
+
+    def hold(signum: int, frame: object) -> None:
+        nonlocal received
+        received = True
+
+    def set_after(handler: Callable) -> None:
+        nonlocal handler_after
+        handler_after = handler
+
+    ray_utils.set_sigterm_handler = set_after
+    signal.signal(signal.SIGTERM, hold)
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = set_handler
+        signal.signal(signal.SIGTERM, handler_after)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def _stop_autoscaler_monitor() -> None:

@@ -10,21 +10,25 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
-from raylm.config import CONFIG_FILE, Config, ConfigError, config_to_yaml
+from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
 from raylm.data import storage
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
-from raylm.train.checkpoint.format import latest_complete
+from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
+
+if TYPE_CHECKING:
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 RAY_CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in the run directory
 
@@ -41,8 +45,12 @@ def with_machine_defaults(cfg: Config) -> Config:
     parallel.cpus_per_worker and data.loader (see their help)."""
     parallel, data = cfg.parallel, cfg.data
     joined = joins_cluster(cfg.run.ray_address)
+    cores = os.cpu_count() or 1
+    if not joined and parallel.num_workers > cores:
+        # Allowed (a test of a layout, a deliberate oversubscription), but no speed-up to expect.
+        print(f"raylm: warning: parallel.num_workers={parallel.num_workers} is more than this machine's {cores} "
+              "cores: the workers of the local Ray share them", file=sys.stderr, flush=True)
     if parallel.cpus_per_worker == "auto":
-        cores = os.cpu_count() or 1
         if joined:
             cpus, why = 1, "on a joined cluster"
         else:
@@ -58,26 +66,72 @@ def with_machine_defaults(cfg: Config) -> Config:
 
 
 def launch(cfg: Config) -> dict:
-    """Run the training job described by `cfg` on Ray; returns the last step's metrics."""
-    spec = resolve_run(with_machine_defaults(cfg), announce=True)
-    cfg = spec.config
+    """Run the training job described by `cfg` on Ray; returns the last step's metrics ({} when the
+    run had finished already: nothing trained)."""
     uri = run_uri(cfg)
-    if not storage.is_s3(uri):
-        try:
-            storage.check_local_output(uri)
-        except storage.StorageError as e:
-            raise ConfigError(f"run.storage_path and run.name give {e}") from None
-    with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
-        # Before Ray starts, so that a refusal is one clear error and no worker's work.
-        if restore := preflight(spec, uri):
-            # The workers check its files' checksums as they load it (a damaged one is passed over, named).
-            print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
-        _fit(spec, uri)
+    terminated, training = threading.Event(), False
+    try:
+        # From the start, not only in `fit`: a SIGTERM while the run is checked or Ray starts ends
+        # it as one during training does (by Python's default the driver died without a word, its
+        # lease left to go stale).
+        with _sigterm_as_ctrl_c(terminated):
+            spec = resolve_run(with_machine_defaults(cfg), announce=True)
+            cfg = spec.config
+            if not storage.is_s3(uri):
+                try:
+                    storage.check_local_output(uri)
+                except storage.StorageError as e:
+                    raise ConfigError(f"run.storage_path and run.name give {e}") from None
+            with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
+                # Before Ray starts, so that a refusal is one clear error and no worker's work.
+                if restore := preflight(spec, uri):
+                    if finished := _finished(restore, cfg):
+                        print(finished, flush=True)
+                        return {}
+                    # The workers check its files' checksums as they load it (a damaged one is passed over, named).
+                    print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
+                trainer = _trainer(spec, uri)
+                training = True
+                _fit(trainer, cfg, terminated)
+    except (SystemExit, KeyboardInterrupt) as stop:
+        # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
+        # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler).
+        # `ray.init` sets a SIGTERM handler of its own, an exit with status SIGTERM: a SIGTERM from
+        # the start of Ray (held until it has started, `raylm.ray_runtime`) to `fit` ends as that.
+        # Say what is left and how to go on.
+        sigterm = terminated.is_set() or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
+        raise _interruption(uri, cfg.storage, sigterm, training) from None
     return last_metrics(local_run_dir(cfg))
 
 
-def _fit(spec: RunSpec, uri: str) -> None:
-    """Ray (started or joined), and Ray Train's trainer running every worker to the run's end."""
+def _finished(restore: str, cfg: Config) -> Optional[str]:
+    """The line that says the command has nothing left to train, when the checkpoint it would resume
+    from (`restore`) is at or past train.steps (or train.stop_at_step) and each of its files passes
+    its checksum; else None. A damaged one is no end: the workers pass over it to an older one and
+    train on."""
+    step, t = step_of(os.path.basename(restore)), cfg.train
+    end, key = (t.stop_at_step, "train.stop_at_step") if t.stop_at_step and t.stop_at_step < t.steps else \
+        (t.steps, "train.steps")
+    if step < end or not all(ok for ok, _ in verify(restore, cfg.storage)):
+        return None
+    at = f"step {step} of" if step == end else f"step {step}, past"
+    done = "already finished" if key == "train.steps" else "already stopped where asked"
+    return f"raylm: run {cfg.run.name} {done}: {restore} is at {at} {key}={end}; nothing to train"
+
+
+def _interruption(uri: str, storage_cfg: Optional[StorageConfig], sigterm: bool, training: bool) -> RunInterrupted:
+    """What a run stopped by Ctrl-C or a SIGTERM says: when it stopped, its last checkpoint, how to go on."""
+    last = latest_complete(uri, storage_cfg)
+    stopped = ("stopped by SIGTERM" if sigterm else "interrupted") + ("" if training else " before training started")
+    if last:
+        where = f"; the last checkpoint is {last}: the same command resumes from it"
+    else:
+        where = (f" before a checkpoint of {uri}" if training else ":") + " the same command starts it again"
+    return RunInterrupted(stopped + where, 128 + signal.SIGTERM if sigterm else 130)
+
+
+def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
+    """Ray (started or joined), and Ray Train's trainer of the run, ready to run every worker."""
     import ray.train
 
     cfg = spec.config
@@ -99,7 +153,7 @@ def _fit(spec: RunSpec, uri: str) -> None:
     storage.delete_file(storage.join(uri, RAY_CHECKPOINT_SNAPSHOT), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)
-    trainer = _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(
+    return _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
         backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
@@ -119,22 +173,18 @@ def _fit(spec: RunSpec, uri: str) -> None:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
-    terminated = threading.Event()
+
+
+def _fit(trainer: "DataParallelTrainer", cfg: Config, terminated: threading.Event) -> None:
+    """Ray Train's `trainer` running every worker to the run's end."""
+    import ray.train
+
     try:
+        # `ray.init` replaced raylm's SIGTERM handler with its own: the run's is raylm's again.
         with _sigterm_as_ctrl_c(terminated):
             trainer.fit()
     except ray.train.WorkerGroupError as e:
         raise run_error(e.worker_failures, cfg.run.max_failures, cfg.run.max_preemptions) from None
-    except (SystemExit, KeyboardInterrupt):
-        # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
-        # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler): say
-        # what is left and how to go on.
-        last = latest_complete(uri, cfg.storage)
-        where = f"; the last checkpoint is {last}: the same command resumes from it" if last else \
-            f" before a checkpoint of {uri}: the same command starts it again"
-        if terminated.is_set():
-            raise RunInterrupted(f"stopped by SIGTERM{where}", 128 + signal.SIGTERM) from None
-        raise RunInterrupted(f"interrupted{where}") from None
 
 
 @contextlib.contextmanager

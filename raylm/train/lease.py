@@ -36,6 +36,7 @@ from raylm.errors import DeterministicError
 from raylm.train.observe.records import EVENTS_FILE, append_event
 
 LEASE_FILE = "run.lease"
+LOCK_FILE = f"{LEASE_FILE}.lock"  # beside a local lease: the file lock of `storage.write_if`
 
 
 class LeaseHeldError(DeterministicError):
@@ -58,12 +59,20 @@ class RunLease:
             run_uri) else None
         self.token = uuid.uuid4().hex
         self.tag: Optional[str] = None
+        # Locally: what taking the lease found of its directory (its nearest existing ancestor) and
+        # whether it made the lock file, so that a run that wrote nothing leaves nothing (`_tidy`).
+        self._existing: Optional[str] = None
+        self._made_lock = False
         self.lost: Optional[str] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "RunLease":
-        self.acquire()
+        try:
+            self.acquire()
+        except BaseException:  # a Ctrl-C or SIGTERM once the lease was written: not left to go stale
+            self.release()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -84,6 +93,10 @@ class RunLease:
                 raise LeaseHeldError(f"{self.uri}: the run directory is in use by {_describe(holder)}; two runs "
                                      "in one directory would resume from each other's checkpoints. Wait for it to "
                                      "end, stop it, or choose another run.name")
+        if not storage.is_s3(self.uri):
+            directory = os.path.dirname(os.path.abspath(self.uri))
+            self._existing = storage.nearest_existing(directory)
+            self._made_lock = not os.path.exists(os.path.join(directory, LOCK_FILE))
         try:
             self.tag = storage.write_if(self.uri, self._record(), tag, self.storage_cfg)
         except ConditionFailedError:
@@ -96,18 +109,39 @@ class RunLease:
         self._thread.start()
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lease, if this run still holds it."""
+        """Stop the heartbeat and remove the lease, if this run still holds it (`_tidy`: and what
+        taking it created, if the run wrote nothing)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        if self.lost is None and self.tag is not None:
+        if self.lost is None:
             try:
-                _, tag = storage.read_tagged(self.uri, self.storage_cfg)
-                if tag == self.tag:
+                # By the token, not the version: `acquire` may have been interrupted before it
+                # learned the version it wrote.
+                data, _ = storage.read_tagged(self.uri, self.storage_cfg)
+                if _parse(data).get("token") == self.token:
                     storage.delete_file(self.uri, self.storage_cfg)
             except StorageNotFoundError:
                 pass
+            self._tidy()
         self.tag = None
+
+    def _tidy(self) -> None:
+        """A run refused at its checks or stopped before it wrote anything (`--resume` with no
+        checkpoint, a SIGTERM while Ray starts) leaves no trace of itself: the lock file and the
+        directories that taking the lease created go again while they hold nothing else."""
+        if not self._made_lock:
+            return
+        directory = os.path.dirname(os.path.abspath(self.uri))
+        try:
+            if os.listdir(directory) != [LOCK_FILE]:
+                return
+            os.unlink(os.path.join(directory, LOCK_FILE))
+            while directory != self._existing:
+                os.rmdir(directory)
+                directory = os.path.dirname(directory)
+        except OSError:  # another process writes there now: what is left is its
+            pass
 
     def _why_stale(self, holder: dict) -> Optional[str]:
         """Why `holder`'s lease may be taken over, or None while it holds."""

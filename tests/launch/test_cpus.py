@@ -17,8 +17,11 @@ def test_auto_gives_a_local_run_every_core_and_the_in_process_loader(capsys, mon
     out = capsys.readouterr().out
     assert f"parallel.cpus_per_worker=auto → {cores} ({cores} cores ÷ 1 workers)" in out
     assert "data.loader=auto → local (one machine)" in out
+    assert "warning" not in capsys.readouterr().err
     many = with_machine_defaults(load_config(None, [f"parallel.num_workers={cores * 2}"]))
     assert many.parallel.cpus_per_worker == 1  # never below one
+    assert (f"raylm: warning: parallel.num_workers={cores * 2} is more than this machine's {cores} cores"
+            in capsys.readouterr().err)  # allowed: a user may oversubscribe on purpose
 
 
 def test_an_explicit_value_wins_and_a_joined_cluster_gets_one_cpu_and_ray_data(capsys, monkeypatch):
@@ -32,5 +35,7 @@ def test_an_explicit_value_wins_and_a_joined_cluster_gets_one_cpu_and_ray_data(c
     assert "cpus_per_worker=auto → 1 (on a joined cluster)" in out and "data.loader=auto → ray (on a joined cluster)" in out
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # inside `ray job submit`
     assert with_machine_defaults(load_config(None, [])).data.loader == "ray"
+    with_machine_defaults(load_config(None, [f"parallel.num_workers={os.cpu_count() * 2}"]))
+    assert "warning" not in capsys.readouterr().err  # a joined cluster's cores are its nodes'
     with pytest.raises(ConfigError, match="parallel.cpus_per_worker must be positive or auto"):
         load_config(None, ["parallel.cpus_per_worker=0"])

@@ -133,3 +133,53 @@ def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_c
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"raylm: resuming from {named.group(1)} if its files pass their checksums" in again.stdout
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
+
+
+def session_processes(sid: int) -> list[tuple[int, str, int]]:
+    """(pid, name, parent pid) of every live process in session `sid`: what a command started with
+    `start_new_session` left running, its Ray daemons and their agents included."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except (OSError, ValueError):  # not a process, or one that just ended
+            continue
+        fields = tail.split()
+        if int(fields[3]) == sid and fields[0] != "Z":  # a zombie runs nothing; its parent reaps it
+            found.append((int(entry), head.split("(", 1)[1], int(fields[1])))
+    return found
+
+
+@pytest.mark.parametrize("when", ["the run's lease is taken", "its local Ray starts"])
+def test_a_sigterm_before_training_starts_ends_the_run_as_one_during_training(tiny_dataset, tmp_path, when):
+    """A job cancelled in its first seconds: exit 143 with the line that says so, the lease
+    released, the run directory that the command created gone, and no Ray process left. Before,
+    Python's default killed the driver without a word, its lease left to go stale; while
+    `ray.init` ran, Ray's own handler made it exit 15, and the agents of the half-started raylet
+    lived on."""
+    command = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+               "run.name=early", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+               "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
+               "parallel.num_workers=1"]
+    run = tmp_path / "early"
+    with subprocess.Popen(command, cwd=REPO, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while not ((run / "run.lease").exists() if when == "the run's lease is taken" else
+                       any(name == "raylet" for _, name, _ in session_processes(proc.pid))):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+            deadline = time.monotonic() + 10
+            while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            for pid, _, _ in session_processes(proc.pid):  # a failed run's leftovers, this test's own
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, out[-3000:] + err[-3000:]
+    assert "raylm: stopped by SIGTERM before training started: the same command starts it again" in err
+    assert not left, left
+    assert not run.exists(), os.listdir(run)  # the lease released, and nothing else was written

@@ -13,6 +13,7 @@ import pytest
 from raylm.data import storage
 from raylm.train.lease import LEASE_FILE
 from raylm.train.observe.records import read_jsonl
+from tests.support.cli import assert_clean_refusal
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +72,20 @@ def test_a_deterministic_error_in_a_worker_ends_the_run_at_once(tiny_dataset, tm
     assert len(failures) == 1 and failures[0]["deterministic"] is True, events
     assert not [e for e in events if e["event"] == "resumed"]  # no second attempt
     print(f"ended {time.monotonic() - started:.1f} s after the command")
+
+
+def test_a_refused_start_leaves_nothing_it_created(tiny_dataset, tmp_path):
+    """`--resume` on a run that has no checkpoint is refused before Ray starts; the run directory
+    (and the missing directories above it) that taking the lease created go again, its lock file
+    with them. A directory that was there stays, as it was."""
+    def resume(storage_path: str) -> None:
+        out = subprocess.run([*train_args(tiny_dataset, storage_path), "--resume"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+        assert_clean_refusal(out, "checkpoint.resume=required")
+        assert out.returncode == 2 and "Ray instance" not in out.stdout + out.stderr
+
+    resume(str(tmp_path / "new" / "runs"))
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "runs" / "shared").mkdir(parents=True)
+    resume(str(tmp_path / "runs"))
+    assert os.listdir(tmp_path / "runs" / "shared") == []
