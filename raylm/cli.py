@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Optional
 
 from raylm.config import ConfigError, StorageConfig, config_to_yaml, load_config
@@ -13,7 +15,7 @@ from raylm.config.describe import describe_fields
 from raylm.data.storage import StorageError
 from raylm.errors import DeterministicError, RunInterrupted
 from raylm.launch.submit import SubmitError, check_job_config
-from raylm.ray_runtime import in_ray_job
+from raylm.ray_runtime import in_ray_job, sigterm_as_ctrl_c
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -478,16 +480,26 @@ def _cause(error: BaseException) -> BaseException:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    terminated = threading.Event()
     try:
-        args.fn(args)
+        # Every command, as `raylm train`: a SIGTERM (`timeout`, Slurm, Kubernetes) stops it as
+        # Ctrl-C does, its partial output removed or kept for the same command to resume. By
+        # default, or by the handler `ray.init` sets, it exited 15 or -15 without a word.
+        with sigterm_as_ctrl_c(terminated):
+            args.fn(args)
     except BaseException as raised:
         error = _cause(raised)
+        sigterm = terminated.is_set() or isinstance(error, SystemExit) and error.code == signal.SIGTERM  # Ray's
         if isinstance(error, DeterministicError):  # what the user gave (exit 2), or a run that cannot go on (1)
             message, code = f"raylm: error: {error}", error.exit_code
         elif isinstance(error, (StorageError, FileNotFoundError, FileExistsError, SubmitError)):
             message, code = f"raylm: error: {error}", 2
+        elif isinstance(error, RunInterrupted) and sigterm and error.exit_code == 130:  # a sweep's, by Tune
+            message, code = f"raylm: stopped by SIGTERM: {error}", 128 + signal.SIGTERM
         elif isinstance(error, RunInterrupted):
             message, code = f"raylm: {error}", error.exit_code
+        elif sigterm and isinstance(error, (KeyboardInterrupt, SystemExit)):
+            message, code = "raylm: stopped by SIGTERM", 128 + signal.SIGTERM
         elif isinstance(error, KeyboardInterrupt):  # a command with no resume of its own to name: no traceback
             message, code = "raylm: interrupted", 130
         else:

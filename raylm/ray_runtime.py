@@ -142,7 +142,8 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         return False
     ensure_auth_token()
     if joins_cluster(address):
-        ray.init(address=address)  # None: Ray reads RAY_ADDRESS
+        with _sigterm_once_started():
+            ray.init(address=address)  # None: Ray reads RAY_ADDRESS
         return False
     use_loopback()
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(worker_threads))}
@@ -193,13 +194,43 @@ def _daemons_in_a_process_group_of_their_own() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
+    """A SIGTERM handled as Ctrl-C, `received` set. `ray job stop`, Kubernetes and Slurm end a
+    driver with SIGTERM; by Python's default it died on the spot, its output half written and its
+    Ray workers, aborted only once Ray noticed, stepping and writing checkpoints for seconds after
+    the job read STOPPED. As Ctrl-C, Ray Train aborts the worker group and Tune ends a sweep's
+    trials keeping its state before the driver exits, and a command cleans up as for Ctrl-C. They
+    register their SIGINT handlers as they run, so the handler is looked up when the signal comes;
+    only the main thread can set one (a trial under Tune runs elsewhere and is stopped by Tune)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def as_ctrl_c(signum: int, frame: object) -> None:
+        received.set()
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:  # SIGINT ignored: stop as Python's default SIGTERM would, with the message
+            raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def _sigterm_once_started() -> Iterator[None]:
-    """Hold a SIGTERM that comes while `ray.init` starts a local Ray until the start is done, then
-    hand it to the handler `ray.init` sets (an exit, on which Ray's exit hook stops the daemons).
-    Handled at once, it cut the start short: Ray's hook then had no node to stop, and the raylet's
-    agents lived on after the driver; or the exit landed in a callback of one of the start's
-    forks, where Python drops it, and the run trained on. Only the main thread sets handlers;
-    on a Ray that sets its handler otherwise, the SIGTERM is Ray's at once, as before."""
+    """Hold a SIGTERM that comes while `ray.init` starts or joins a Ray until it is done, then hand
+    it to the caller's handler (`sigterm_as_ctrl_c`), or, when the caller has none, to the one
+    `ray.init` sets (an exit, on which Ray's exit hook stops the daemons). Handled at once, it cut
+    the start short: Ray's hook then had no node to stop, and the raylet's agents lived on after
+    the driver; or the exit landed in a callback of one of the start's forks, where Python drops
+    it, and the run trained on. Ray's handler replaced the caller's, and Ray's C++ handler printed
+    a stack dump on the way to an exit with status 15. Only the main thread sets handlers; on a
+    Ray that sets its handler otherwise, the SIGTERM is Ray's at once, as before."""
     import ray._private.utils as ray_utils
 
     set_handler = getattr(ray_utils, "set_sigterm_handler", None)
@@ -207,7 +238,8 @@ def _sigterm_once_started() -> Iterator[None]:
         yield
         return
     received = False
-    handler_after = signal.getsignal(signal.SIGTERM)  # the caller's, unless `ray.init` sets its own
+    handler_after = signal.getsignal(signal.SIGTERM)
+    callers_own = callable(handler_after)
 
     def hold(signum: int, frame: object) -> None:
         nonlocal received
@@ -215,7 +247,8 @@ def _sigterm_once_started() -> Iterator[None]:
 
     def set_after(handler: Callable) -> None:
         nonlocal handler_after
-        handler_after = handler
+        if not callers_own:
+            handler_after = handler
 
     ray_utils.set_sigterm_handler = set_after
     signal.signal(signal.SIGTERM, hold)
@@ -223,7 +256,7 @@ def _sigterm_once_started() -> Iterator[None]:
         yield
     finally:
         ray_utils.set_sigterm_handler = set_handler
-        signal.signal(signal.SIGTERM, handler_after)
+        signal.signal(signal.SIGTERM, handler_after)  # also in place of the C++ handler Ray's start set
         if received:
             signal.raise_signal(signal.SIGTERM)
 

@@ -6,13 +6,12 @@ hands it, need none, and on a small machine each import of it is seconds before 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Optional
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
 from raylm.data import storage
@@ -20,7 +19,7 @@ from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
-from raylm.ray_runtime import joins_cluster, local_num_cpus, start_ray
+from raylm.ray_runtime import joins_cluster, local_num_cpus, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
@@ -74,7 +73,7 @@ def launch(cfg: Config) -> dict:
         # From the start, not only in `fit`: a SIGTERM while the run is checked or Ray starts ends
         # it as one during training does (by Python's default the driver died without a word, its
         # lease left to go stale).
-        with _sigterm_as_ctrl_c(terminated):
+        with sigterm_as_ctrl_c(terminated):
             spec = resolve_run(with_machine_defaults(cfg), announce=True)
             cfg = spec.config
             if not storage.is_s3(uri):
@@ -92,7 +91,7 @@ def launch(cfg: Config) -> dict:
                     print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
                 trainer = _trainer(spec, uri)
                 training = True
-                _fit(trainer, cfg, terminated)
+                _fit(trainer, cfg)
     except (SystemExit, KeyboardInterrupt) as stop:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
         # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler).
@@ -175,43 +174,14 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
     )
 
 
-def _fit(trainer: "DataParallelTrainer", cfg: Config, terminated: threading.Event) -> None:
+def _fit(trainer: "DataParallelTrainer", cfg: Config) -> None:
     """Ray Train's `trainer` running every worker to the run's end."""
     import ray.train
 
     try:
-        # `ray.init` replaced raylm's SIGTERM handler with its own: the run's is raylm's again.
-        with _sigterm_as_ctrl_c(terminated):
-            trainer.fit()
+        trainer.fit()
     except ray.train.WorkerGroupError as e:
         raise run_error(e.worker_failures, cfg.run.max_failures, cfg.run.max_preemptions) from None
-
-
-@contextlib.contextmanager
-def _sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
-    """`ray job stop`, Kubernetes and Slurm end a driver with SIGTERM. By Python's default the
-    driver died on the spot and its workers, aborted only once Ray noticed, went on stepping and
-    writing checkpoints for seconds after the job read STOPPED. Handled as Ctrl-C, Ray Train
-    aborts the worker group before the driver exits. Ray Train registers its SIGINT handler inside
-    `fit`, so the handler is looked up when the signal comes; only the main thread can set one
-    (a trial under Tune runs elsewhere and is stopped by Tune)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def as_ctrl_c(signum: int, frame: object) -> None:
-        received.set()
-        handler = signal.getsignal(signal.SIGINT)
-        if callable(handler):
-            handler(signal.SIGINT, frame)
-        else:  # SIGINT ignored: stop as Python's default SIGTERM would, with the message
-            raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, as_ctrl_c)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) -> Exception:

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -14,6 +18,7 @@ from raylm.data.manifest import load_manifest
 from raylm.data.prepare import prepare_dataset
 from tests.support.cli import assert_clean_refusal, run_main
 from tests.support.fixtures import write_corpus
+from tests.support.processes import session_processes
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -114,3 +119,40 @@ def test_a_directory_holding_other_files_is_never_written_over_and_an_interrupte
     listed = {s.file for split in manifest.splits.values() for s in split.shards}
     assert set(os.listdir(left)) == listed | {"manifest.json", "tokenizer.json"}
     assert verify_dataset(str(left)) == []
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_an_overwriting_prepare_leaves_the_old_dataset_whole(tmp_path):
+    """`timeout`, Slurm or Kubernetes end a prepare with SIGTERM to its process group: it stops as
+    for Ctrl-C, exit 143 with one line, the dataset it was replacing byte for byte as it was, its
+    staging directory gone and no Ray process left. It exited 15 (Ray's handler) or -15 without a
+    word, after a stack dump of Ray's."""
+    output = str(tmp_path / "data")
+    assert run_main("prepare", "--input", write_corpus(tmp_path / "small", documents=30), "--output", output,
+                    "--seq-len", "32").status == 0
+    before = {name: (tmp_path / "data" / name).read_bytes() for name in os.listdir(output)}
+    big = tmp_path / "big.txt"
+    words = ("the king", "a castle", "of the realm", "and then", "in the night")
+    big.write_text("\n".join(" ".join(words[(i * j) % 5] for j in range(12)) for i in range(400_000)))
+    command = [sys.executable, "-m", "raylm.cli", "prepare", "--input", str(big), "--output", output,
+               "--seq-len", "32", "--overwrite"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            deadline = time.monotonic() + 120
+            while not any(".staging-" in name for name in os.listdir(tmp_path)):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+            deadline = time.monotonic() + 10
+            while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            for pid, _, _ in session_processes(proc.pid):  # a failed command's leftovers, this test's own
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143 and err.splitlines()[-1] == "raylm: stopped by SIGTERM", out[-2000:] + err[-2000:]
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    assert {name: (tmp_path / "data" / name).read_bytes() for name in os.listdir(output)} == before
+    assert [n for n in os.listdir(tmp_path) if ".staging-" in n] == []
+    assert not left, left

@@ -13,6 +13,7 @@ import pytest
 
 from raylm.config import ConfigError, load_config
 from raylm.launch.driver import launch
+from tests.support.processes import session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -133,22 +134,6 @@ def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_c
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"raylm: resuming from {named.group(1)} if its files pass their checksums" in again.stdout
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
-
-
-def session_processes(sid: int) -> list[tuple[int, str, int]]:
-    """(pid, name, parent pid) of every live process in session `sid`: what a command started with
-    `start_new_session` left running, its Ray daemons and their agents included."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-        except (OSError, ValueError):  # not a process, or one that just ended
-            continue
-        fields = tail.split()
-        if int(fields[3]) == sid and fields[0] != "Z":  # a zombie runs nothing; its parent reaps it
-            found.append((int(entry), head.split("(", 1)[1], int(fields[1])))
-    return found
 
 
 @pytest.mark.parametrize("when", ["the run's lease is taken", "its local Ray starts"])

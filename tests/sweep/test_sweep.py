@@ -78,6 +78,12 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     assert first.returncode == 130, said[-4000:]
     assert "raylm: the sweep was interrupted" in said and "run the same command again to resume it" in said
     assert "Tuner.restore(" not in said  # Tune's own hint, for its Python API, would contradict it
+    # A SIGTERM (`timeout`, Slurm, Kubernetes) stops it the same way, with a shell's status for it:
+    # it exited 15 without a word, after a stack dump of Ray's.
+    term = interrupt("term", 2, signal.SIGTERM)
+    said = (tmp_path / "term.log").read_text(errors="replace")
+    assert term.returncode == 143, said[-4000:]
+    assert "raylm: stopped by SIGTERM: the sweep was interrupted" in said and "SIGTERM received" not in said
     # Resumed, then its driver (and the Ray it started, in its process group) dies once more
     # trials have finished.
     interrupt("second", 3, signal.SIGKILL)
