@@ -1,4 +1,4 @@
-"""`raylm` subcommands: prepare, tokenizer train, train, sweep, submit, generate, data inspect|verify, plan, report, export, import, eval."""
+"""`raylm` subcommands: prepare, tokenizer train, train, sweep, submit, generate, checkpoint verify, data inspect|verify, plan, report, export, import, eval."""
 
 from __future__ import annotations
 
