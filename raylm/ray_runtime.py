@@ -142,7 +142,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         return False
     ensure_auth_token()
     if joins_cluster(address):
-        with _sigterm_once_started():
+        with _signals_held_while_starting():
             ray.init(address=address)  # None: Ray reads RAY_ADDRESS
         return False
     use_loopback()
@@ -155,7 +155,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         # Ray; beside another (a sweep and a run on one laptop) it found two and died.
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
-    with _daemons_in_a_process_group_of_their_own(), _sigterm_once_started():
+    with _daemons_in_a_process_group_of_their_own(), _signals_held_while_starting():
         ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
                  runtime_env={"env_vars": env_vars}, **dashboard_options)
     # Once per process, however many Rays it starts; runs before Ray's own hook, registered at import.
@@ -222,43 +222,47 @@ def sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigterm_once_started() -> Iterator[None]:
-    """Hold a SIGTERM that comes while `ray.init` starts or joins a Ray until it is done, then hand
-    it to the caller's handler (`sigterm_as_ctrl_c`), or, when the caller has none, to the one
-    `ray.init` sets (an exit, on which Ray's exit hook stops the daemons). Handled at once, it cut
-    the start short: Ray's hook then had no node to stop, and the raylet's agents lived on after
-    the driver; or the exit landed in a callback of one of the start's forks, where Python drops
-    it, and the run trained on. Ray's handler replaced the caller's, and Ray's C++ handler printed
-    a stack dump on the way to an exit with status 15. Only the main thread sets handlers; on a
-    Ray that sets its handler otherwise, the SIGTERM is Ray's at once, as before."""
+def _signals_held_while_starting() -> Iterator[None]:
+    """Hold a SIGTERM, or a first Ctrl-C, that comes while `ray.init` starts or joins a Ray until it
+    is done, then deliver it: a SIGTERM to the caller's handler (`sigterm_as_ctrl_c`), or, when the
+    caller has none, to the one `ray.init` sets (an exit, on which Ray's exit hook stops the
+    daemons). Handled at once, either cut the start short: Ray's hook then had no node to stop,
+    and the raylet's dashboard and runtime-env agents lived on after the driver; or the exit
+    landed in a callback of one of the start's forks, where Python drops it, and the run trained
+    on. Ray's SIGTERM handler replaced the caller's, and Ray's C++ handler printed a stack dump on
+    the way to an exit with status 15. A second Ctrl-C acts at once, for a start that hangs. Only
+    the main thread sets handlers; on a Ray that sets its handler otherwise, signals act at once."""
     import ray._private.utils as ray_utils
 
     set_handler = getattr(ray_utils, "set_sigterm_handler", None)
     if threading.current_thread() is not threading.main_thread() or set_handler is None:
         yield
         return
-    received = False
-    handler_after = signal.getsignal(signal.SIGTERM)
-    callers_own = callable(handler_after)
+    held: list[int] = []
+    sigterm_after, sigint_after = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    callers_own = callable(sigterm_after)
 
     def hold(signum: int, frame: object) -> None:
-        nonlocal received
-        received = True
+        if signum == signal.SIGINT and signum in held:
+            raise KeyboardInterrupt
+        held.append(signum)
 
     def set_after(handler: Callable) -> None:
-        nonlocal handler_after
+        nonlocal sigterm_after
         if not callers_own:
-            handler_after = handler
+            sigterm_after = handler
 
     ray_utils.set_sigterm_handler = set_after
     signal.signal(signal.SIGTERM, hold)
+    signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
         ray_utils.set_sigterm_handler = set_handler
-        signal.signal(signal.SIGTERM, handler_after)  # also in place of the C++ handler Ray's start set
-        if received:
-            signal.raise_signal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, sigterm_after)  # also in place of the C++ handler Ray's start set
+        signal.signal(signal.SIGINT, sigint_after)
+        for signum in dict.fromkeys(held):  # each once, in the order they came
+            signal.raise_signal(signum)
 
 
 def _stop_autoscaler_monitor() -> None:

@@ -94,10 +94,10 @@ def launch(cfg: Config) -> dict:
                 _fit(trainer, cfg)
     except (SystemExit, KeyboardInterrupt) as stop:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
-        # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler).
-        # `ray.init` sets a SIGTERM handler of its own, an exit with status SIGTERM: a SIGTERM from
-        # the start of Ray (held until it has started, `raylm.ray_runtime`) to `fit` ends as that.
-        # Say what is left and how to go on.
+        # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler). A
+        # SIGTERM is a Ctrl-C here from the start (held while Ray starts, `raylm.ray_runtime`); an
+        # exit with status SIGTERM is Ray's own handler, on a Ray that sets it where raylm cannot
+        # keep its own. Say what is left and how to go on.
         sigterm = terminated.is_set() or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
         raise _interruption(uri, cfg.storage, sigterm, training) from None
     return last_metrics(local_run_dir(cfg))

@@ -136,13 +136,15 @@ def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_c
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
 
 
-@pytest.mark.parametrize("when", ["the run's lease is taken", "its local Ray starts"])
-def test_a_sigterm_before_training_starts_ends_the_run_as_one_during_training(tiny_dataset, tmp_path, when):
+@pytest.mark.parametrize("when, sig", [("the run's lease is taken", signal.SIGTERM),
+                                       ("its local Ray starts", signal.SIGTERM),
+                                       ("its local Ray starts", signal.SIGINT)])
+def test_a_sigterm_or_ctrl_c_before_training_starts_ends_the_run_as_one_during_training(tiny_dataset, tmp_path, when, sig):
     """A job cancelled in its first seconds: exit 143 with the line that says so, the lease
     released, the run directory that the command created gone, and no Ray process left. Before,
     Python's default killed the driver without a word, its lease left to go stale; while
     `ray.init` ran, Ray's own handler made it exit 15, and the agents of the half-started raylet
-    lived on."""
+    lived on. A Ctrl-C (to the group, as a terminal sends it) then left those agents too."""
     command = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
                "run.name=early", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
                "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
@@ -156,7 +158,7 @@ def test_a_sigterm_before_training_starts_ends_the_run_as_one_during_training(ti
                        any(name == "raylet" for _, name, _ in session_processes(proc.pid))):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
                 time.sleep(0.02)
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, sig)
             out, err = proc.communicate(timeout=60)
             deadline = time.monotonic() + 10
             while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
@@ -164,7 +166,8 @@ def test_a_sigterm_before_training_starts_ends_the_run_as_one_during_training(ti
         finally:
             for pid, _, _ in session_processes(proc.pid):  # a failed run's leftovers, this test's own
                 os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 143, out[-3000:] + err[-3000:]
-    assert "raylm: stopped by SIGTERM before training started: the same command starts it again" in err
+    stopped = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
+    assert proc.returncode == 128 + sig, out[-3000:] + err[-3000:]
+    assert f"raylm: {stopped} before training started: the same command starts it again" in err
     assert not left, left
     assert not run.exists(), os.listdir(run)  # the lease released, and nothing else was written
