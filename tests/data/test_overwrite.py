@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,7 +16,7 @@ from raylm.data.manifest import load_manifest
 from raylm.data.prepare import prepare_dataset
 from tests.support.cli import assert_clean_refusal, run_main
 from tests.support.fixtures import write_corpus
-from tests.support.processes import session_processes
+from tests.support.processes import signal_when
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -136,22 +134,9 @@ def test_a_sigterm_to_an_overwriting_prepare_leaves_the_old_dataset_whole(tmp_pa
     big.write_text("\n".join(" ".join(words[(i * j) % 5] for j in range(12)) for i in range(400_000)))
     command = [sys.executable, "-m", "raylm.cli", "prepare", "--input", str(big), "--output", output,
                "--seq-len", "32", "--overwrite"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            deadline = time.monotonic() + 120
-            while not any(".staging-" in name for name in os.listdir(tmp_path)):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-                time.sleep(0.05)
-            os.killpg(proc.pid, signal.SIGTERM)
-            out, err = proc.communicate(timeout=60)
-            deadline = time.monotonic() + 10
-            while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        finally:
-            for pid, _, _ in session_processes(proc.pid):  # a failed command's leftovers, this test's own
-                os.kill(pid, signal.SIGKILL)
-    assert proc.returncode == 143 and err.splitlines()[-1] == "raylm: stopped by SIGTERM", out[-2000:] + err[-2000:]
+    status, out, err, left = signal_when(
+        command, lambda pid: any(".staging-" in name for name in os.listdir(tmp_path)), signal.SIGTERM)
+    assert status == 143 and err.splitlines()[-1] == "raylm: stopped by SIGTERM", out[-2000:] + err[-2000:]
     assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
     assert {name: (tmp_path / "data" / name).read_bytes() for name in os.listdir(output)} == before
     assert [n for n in os.listdir(tmp_path) if ".staging-" in n] == []

@@ -13,7 +13,7 @@ import pytest
 
 from raylm.config import ConfigError, load_config
 from raylm.launch.driver import launch
-from tests.support.processes import session_processes
+from tests.support.processes import session_processes, signal_when
 
 pytestmark = pytest.mark.slow
 
@@ -150,24 +150,12 @@ def test_a_sigterm_or_ctrl_c_before_training_starts_ends_the_run_as_one_during_t
                "train.steps=400", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
                "parallel.num_workers=1"]
     run = tmp_path / "early"
-    with subprocess.Popen(command, cwd=REPO, env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        try:
-            deadline = time.monotonic() + 120
-            while not ((run / "run.lease").exists() if when == "the run's lease is taken" else
-                       any(name == "raylet" for _, name, _ in session_processes(proc.pid))):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-                time.sleep(0.02)
-            os.killpg(proc.pid, sig)
-            out, err = proc.communicate(timeout=60)
-            deadline = time.monotonic() + 10
-            while (left := session_processes(proc.pid)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-        finally:
-            for pid, _, _ in session_processes(proc.pid):  # a failed run's leftovers, this test's own
-                os.kill(pid, signal.SIGKILL)
+    status, out, err, left = signal_when(
+        command, lambda pid: (run / "run.lease").exists() if when == "the run's lease is taken" else
+        any(name == "raylet" for _, name, _ in session_processes(pid)), sig, cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": ""})
     stopped = "stopped by SIGTERM" if sig == signal.SIGTERM else "interrupted"
-    assert proc.returncode == 128 + sig, out[-3000:] + err[-3000:]
+    assert status == 128 + sig, out[-3000:] + err[-3000:]
     assert f"raylm: {stopped} before training started: the same command starts it again" in err
     assert not left, left
     assert not run.exists(), os.listdir(run)  # the lease released, and nothing else was written
