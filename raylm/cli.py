@@ -58,7 +58,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from raylm.data.tokenizer import train_bpe
 
-    tok = train_bpe(args.input, args.vocab_size, args.output, storage=_storage(args))
+    tok = train_bpe(args.input, args.vocab_size, args.output, storage=_storage(args), overwrite=args.overwrite)
     print(f"wrote {args.output}: BPE with {tok.vocab_size} tokens")
 
 
@@ -221,7 +221,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           gpu_memory=args.gpu_memory, seq_len=args.seq_len,
                           global_batch_tokens=args.global_batch_tokens, precision=args.precision,
                           micro_batch_size=args.micro_batch_size, output=args.output,
-                          activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size)
+                          activation_checkpointing=args.activation_checkpointing, vocab_size=args.vocab_size,
+                          overwrite=args.overwrite)
     print(text)
     if args.failures_per_day is not None:
         from raylm.model.sizes import count_params
@@ -323,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--input", nargs="+", required=True)
     t.add_argument("--vocab-size", type=_positive_int, required=True)
     t.add_argument("--output", required=True, help="tokenizer.json path or s3:// URI")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")
     _add_storage_args(t)
     t.set_defaults(fn=cmd_tokenizer_train)
 
@@ -402,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the least recomputation that fits")
     p.add_argument("--vocab-size", type=_positive_int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")
     p.add_argument("--failures-per-day", type=_positive_float,
                    help="the whole cluster's failures a day (OPT-175B's: ~0.6): also print the checkpoint "
                    "interval that maximises goodput (Young–Daly) and that goodput")

@@ -262,8 +262,8 @@ def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
 def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction: float) -> pa.Table:
     try:
         encoded = tok.encode_batch(texts)
-    except Exception as e:
-        raise ValueError(f"input {source.uri}: cannot tokenize ({e})") from e
+    except Exception as e:  # the tokenizer's own limits (no unknown token): no restart or retry cures them
+        raise InputError(f"input {source.uri}: the tokenizer cannot tokenize it ({e})") from e
     # A text of only characters the tokenizer drops encodes to nothing; skipping it keeps one
     # end-of-text token between documents.
     kept = [(text, ids + [tok.eot_id]) for text, ids in zip(texts, encoded) if ids]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from abc import ABC, abstractmethod
 from functools import cached_property
 from itertools import chain, islice
@@ -25,7 +26,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from raylm.config import ConfigError, StorageConfig
 from raylm.data.corpus import builtin_sources, check_sources, find_sources, iter_documents
-from raylm.data.storage import StorageError, filesystem_for, join, read_bytes, write_bytes
+from raylm.data.storage import StorageError, exists, filesystem_for, is_s3, join, read_bytes, write_bytes
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -172,15 +173,27 @@ def load_tokenizer(spec: str, storage: Optional[StorageConfig] = None) -> Tokeni
     return tokenizer_from_json(data.decode("utf-8"), name=uri)
 
 
+# Past the largest vocabularies in use (256k); the trainer allocates for the size asked before it
+# reads a byte, and a mistyped 10^10 aborted the process in Rust.
+MAX_VOCAB_SIZE = 1 << 20
+
+
 def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
               storage: Optional[StorageConfig] = None, lines_as_documents: bool = False,
-              max_documents: Optional[int] = None) -> Tokenizer:
+              max_documents: Optional[int] = None, overwrite: bool = False) -> Tokenizer:
     """Train a byte-level BPE tokenizer (GPT-2 style pre-tokenization, <|endoftext|> special)
     on the documents of `input_uris` (the built-in corpus when empty), write its tokenizer.json
-    to `output_uri` and return it. `vocab_size` counts the 256 bytes and <|endoftext|>."""
+    to `output_uri` and return it. `vocab_size` counts the 256 bytes and <|endoftext|>. An
+    existing `output_uri` is refused unless `overwrite`, before any training."""
     if vocab_size <= 257:
         raise ConfigError(f"vocab_size must exceed 257 (256 bytes + {EOT_TOKEN}), got {vocab_size}; "
                           f"use the 'byte' tokenizer for a byte vocabulary")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ConfigError(f"vocab_size must be at most {MAX_VOCAB_SIZE:,}, got {vocab_size:,}")
+    if not is_s3(output_uri) and os.path.isdir(output_uri):
+        raise ConfigError(f"{output_uri} is a directory: give the path of the tokenizer.json to write")
+    if not overwrite and exists(output_uri, storage):
+        raise FileExistsError(f"{output_uri} already exists; pass --overwrite to replace it")
     if input_uris:
         sources = check_sources(find_sources(input_uris, lines_as_documents, storage), storage)
     else:

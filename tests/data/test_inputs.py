@@ -118,10 +118,54 @@ def test_prepare_arguments_out_of_range_are_refused(tmp_path, argv, names):
     assert "Traceback" not in outcome.stderr and len(outcome.stderr.strip().splitlines()) == 1
 
 
-def test_a_tokenizer_smaller_than_the_byte_alphabet_is_refused(tmp_path):
+@pytest.mark.parametrize("size, says", [("100", "vocab_size must exceed 257"),
+                                        # The trainer allocated for it before reading a byte: a Rust abort, exit 134.
+                                        ("10000000000", "vocab_size must be at most 1,048,576")])
+def test_a_tokenizer_vocabulary_out_of_range_is_refused(tmp_path, size, says):
     (tmp_path / "a.txt").write_text("some text\n")
-    assert_clean_refusal(run_main("tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", "100",
-                                  "--output", str(tmp_path / "t.json")), "vocab_size must exceed 257")
+    outcome = run_main("tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", size,
+                       "--output", str(tmp_path / "t.json"))
+    assert_clean_refusal(outcome, says)
+    assert outcome.status == 2 and not (tmp_path / "t.json").exists()
+
+
+def test_tokenizer_train_replaces_an_existing_output_only_when_told(tmp_path):
+    """It wrote over whatever --output named: a user's file, or an exported model's tokenizer.json."""
+    (tmp_path / "a.txt").write_text("some text, and some more text\n")
+    train = ("tokenizer", "train", "--input", str(tmp_path / "a.txt"), "--vocab-size", "300", "--output")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("important notes\n")
+    outcome = run_main(*train, str(notes))
+    assert_clean_refusal(outcome, str(notes))
+    assert outcome.status == 2 and "pass --overwrite to replace it" in outcome.stderr
+    assert notes.read_text() == "important notes\n"
+    outcome = run_main(*train, str(tmp_path))
+    assert_clean_refusal(outcome, str(tmp_path))
+    assert "is a directory" in outcome.stderr and sorted(os.listdir(tmp_path)) == ["a.txt", "notes.txt"]
+    assert run_main(*train, str(notes), "--overwrite").status == 0
+    assert json.loads(notes.read_text())["model"]["type"] == "BPE"
+
+
+@pytest.mark.slow
+def test_a_tokenizer_that_cannot_encode_the_text_is_one_line_on_a_users_console(tmp_path):
+    """A tokenizer without an unknown token meets a word outside its vocabulary in a Ray Data task:
+    a ValueError under Ray's wrappers, shown as 65 lines of traceback with exit 1."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel(vocab={"hello": 0, "world": 1, "</s>": 2}))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.add_special_tokens([AddedToken("</s>", special=True)])
+    words.save(str(tmp_path / "words.json"))
+    given = tmp_path / "hw.txt"
+    given.write_text("hello world\nhello there world\n")
+    outcome = subprocess.run([sys.executable, "-m", "raylm.cli", "prepare", "--input", str(given), "--output",
+                              str(tmp_path / "out"), "--seq-len", "2", "--tokenizer", str(tmp_path / "words.json")],
+                             capture_output=True, text=True, timeout=300)
+    assert_clean_refusal(outcome, str(given))
+    said = [line for line in outcome.stderr.splitlines() if "INFO worker.py" not in line]
+    assert len(said) == 1 and said[0].startswith(f"raylm: error: input {given}: the tokenizer cannot tokenize it ("), \
+        outcome.stderr
+    assert outcome.returncode == 2 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

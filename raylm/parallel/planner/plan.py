@@ -314,12 +314,14 @@ def check_whole_nodes(gpus: int, gpus_per_node: int, gpus_key: str = "--gpus",
 def run_plan(model: str, gpus: int, gpus_per_node: int, gpu_memory: str, seq_len: Optional[int] = None,
              global_batch_tokens: Optional[int] = None, precision: str = "mixed", micro_batch_size: int = 1,
              output: Optional[str] = None, activation_checkpointing: str = "none",
-             vocab_size: Optional[int] = None, top: int = 10) -> tuple[str, bool]:
+             vocab_size: Optional[int] = None, top: int = 10, overwrite: bool = False) -> tuple[str, bool]:
     """`raylm plan`: the ranked table and recommended block as text, and whether any layout fits;
-    the block also goes to `output` (a YAML file)."""
+    the block also goes to `output` (a YAML file; an existing one only with `overwrite`)."""
     if output is not None and (Path(output).is_dir() or not Path(output).parent.is_dir()):
         problem = "is a directory" if Path(output).is_dir() else "is in a directory that does not exist"
         raise ConfigError(f"--output {output} {problem}: give the path of the YAML file to write")
+    if output is not None and Path(output).exists() and not overwrite:
+        raise FileExistsError(f"--output {output} already exists; pass --overwrite to replace it")
     check_whole_nodes(gpus, gpus_per_node)
     memory = parse_memory(gpu_memory, "--gpu-memory")
     if memory <= 0:

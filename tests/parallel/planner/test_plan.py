@@ -386,6 +386,14 @@ def test_the_cli_exits_non_zero_when_no_layout_fits_and_refuses_bad_arguments(tm
         assert outcome.status == 2 and name in outcome.stderr and len(outcome.stderr.splitlines()) == 1
     outcome = run_main("plan", "--model", "tiny", "--gpus", "2", "--output", str(tmp_path))
     assert_clean_refusal(outcome, f"--output {tmp_path} is a directory")
+    # An existing file (a user's hand-written block) is replaced only when told.
+    block = tmp_path / "parallel.yaml"
+    block.write_text("parallel:\n  tp: 8  # mine\n")
+    outcome = run_main("plan", "--model", "tiny", "--gpus", "2", "--output", str(block))
+    assert_clean_refusal(outcome, f"--output {block} already exists; pass --overwrite to replace it")
+    assert block.read_text() == "parallel:\n  tp: 8  # mine\n"
+    assert run_main("plan", "--model", "tiny", "--gpus", "2", "--output", str(block), "--overwrite").status == 0
+    assert "# mine" not in block.read_text() and "\nparallel:\n  num_workers: 2\n" in block.read_text()
 
 
 def test_the_cli_refuses_part_of_a_node_beyond_the_first_and_names_gpu_memory():
