@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
+import json
 import math
+import re
 import reprlib
 import types
 import typing
@@ -52,7 +55,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for arm, e in errors:
             if isinstance(value, dict) and dataclasses.is_dataclass(arm):
                 raise e
-        raise ConfigError(f"{key}: {QUOTE.repr(value)} is not {type_name(tp)}")
+        raise ConfigError(f"{key}: {QUOTE.repr(value)} is not {type_name(tp)}{_hint(value, tp)}")
     if tp is type(None):
         if value is None:
             return None
@@ -86,7 +89,26 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is not float and isinstance(value, tp):
         return value
-    raise ConfigError(f"{key}: expected {type_name(tp)}, got {QUOTE.repr(value)}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {QUOTE.repr(value)}{_hint(value, tp)}")
+
+
+def _hint(value: Any, tp: Any) -> str:
+    """How to write `value` so that it reads as the type `tp` allows, where YAML's reading of what
+    the user typed is the likely cause: `run.name=on` is a boolean, `train.steps=3e4` a string."""
+    arms = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else (tp,)
+    if str in arms and isinstance(value, bool):
+        return ("; YAML reads an unquoted true/false, yes/no or on/off as a boolean: "
+                "quote the value to keep it as text")
+    if str in arms and isinstance(value, (int, float)):
+        return "; YAML reads the unquoted value as a number: quote it to keep it as text"
+    if int in arms and isinstance(value, (float, str)):
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            return ""
+        if math.isfinite(number) and number.is_integer():
+            return f"; write the whole number out: {QUOTE.repr(int(number))}"
+    return ""
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -137,12 +159,26 @@ def parse_overrides(overrides: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except (yaml.YAMLError, ValueError, RecursionError) as e:
-            raise ConfigError(f"override {key}: the value {raw!r} is not valid YAML ({e})") from None
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key.strip(), _override_value(key.strip(), raw) if raw != "" else "")
     return tree
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value as config YAML reads it. A value that YAML would cut at a comment is
+    refused: with `run.name=x #y` the run would silently be named 'x'."""
+    try:
+        tokens = list(yaml.scan(raw, Loader=ConfigLoader))
+        value = yaml.load(raw, Loader=ConfigLoader)
+    except ConfigError as e:  # a key given twice in a mapping
+        raise ConfigError(f"override {key}: {e}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        raise ConfigError(f"override {key}: the value {raw!r} is not valid YAML ({e})") from None
+    # Tokens cover every scalar, quoted or plain, whole: a '#' between two of them starts a comment.
+    if any("#" in raw[a.end_mark.index:b.start_mark.index] for a, b in itertools.pairwise(tokens)):
+        raise ConfigError(f"override {key}: the value {raw!r} holds a comment: YAML reads ' #' (and a leading "
+                          f"'#') as the start of a comment and drops the rest; quote the value to keep it: "
+                          f"{key}={json.dumps(raw, ensure_ascii=False)}")
+    return value
 
 
 def merge_trees(base: dict, extra: dict) -> dict:
@@ -155,10 +191,30 @@ def merge_trees(base: dict, extra: dict) -> dict:
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping: YAML requires keys to be
-    unique, and PyYAML would let the later one silently win (a second `train:` section would
-    replace the first, whole)."""
+_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG = (f"tag:yaml.org,2002:{t}" for t in ("int", "float", "timestamp"))
+# YAML 1.2's integers (with Python's underscores between digits, as in 1_000_000). PyYAML reads
+# YAML 1.1, where a leading zero means octal (`steps: 050` is 40), digits with colons are base 60
+# (`run.name=12:30` is 750), and so are floats (`1:30.5`).
+_INT = re.compile(r"^[-+]?(?:0x(?:_?[0-9a-fA-F])+|0o(?:_?[0-7])+|0b(?:_?[01])+|[0-9](?:_?[0-9])*)$")
+_FLOAT = re.compile(r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?
+                       |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+                       |[-+]?\.(?:inf|Inf|INF)
+                       |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """The loader for YAML that users write (config files, overrides): YAML 1.1 as PyYAML reads
+    it, with YAML 1.2's integers and without timestamps (`run.name=2024-01-01` is text). It
+    refuses a key given twice in one mapping: YAML requires keys to be unique, and PyYAML would
+    let the later one silently win (a second `train:` section would replace the first, whole)."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG, _TIMESTAMP_TAG)]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node)
+        return int(text, 0 if text.lstrip("+-")[:2] in ("0x", "0o", "0b") else 10)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
@@ -176,11 +232,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+ConfigLoader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+ConfigLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
+ConfigLoader.add_constructor(_INT_TAG, ConfigLoader.construct_yaml_int)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """Writes a string in quotes wherever a reader would take it for something else: saved
+    configs are read both by yaml.safe_load (YAML 1.1, which quotes '050' already) and as
+    user YAML (which reads an unquoted 09 or 0o17 as an int)."""
+
+
+_ConfigDumper.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+
+
 def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict:
     """The mapping a YAML file holds (empty for an empty file); every problem a ConfigError
     naming the file."""
     try:
-        loaded = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        loaded = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
     except OSError as e:  # a directory, no permission
@@ -270,4 +340,4 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, list]:
 
 
 def config_to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    return yaml.dump(config_to_dict(cfg), Dumper=_ConfigDumper, sort_keys=False)

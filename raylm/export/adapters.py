@@ -134,10 +134,14 @@ class LlamaAdapter(Adapter):
 
     def model_config(self, hf: dict) -> tuple[ModelConfig, list[str]]:
         problems = []
+        # transformers applies a scaling from either key (it merges a legacy rope_scaling into
+        # rope_parameters), so a default in one does not make the other's scaling harmless.
+        for name in ("rope_parameters", "rope_scaling"):
+            scaling = hf.get(name) or {}
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            if rope_type != "default":
+                problems.append(f"rope scaling {rope_type!r} in {name} (raylm's RoPE has no scaling)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            problems.append(f"rope scaling {rope_type!r} (raylm's RoPE has no scaling)")
         if hf.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={hf['hidden_act']!r} (raylm's SwiGLU uses silu)")
         if hf.get("attention_bias", False) != hf.get("mlp_bias", False):

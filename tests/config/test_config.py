@@ -6,7 +6,8 @@ import time
 import pytest
 import yaml
 
-from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, flat_keys, load_config, saved_config
+from raylm.config import (Config, ConfigError, config_from_dict, config_to_dict, config_to_yaml, flat_keys, load_config,
+                          saved_config)
 from raylm.config.describe import describe_fields
 from raylm.train.spec import check_config
 from tests.support.cli import assert_clean_refusal, run_main
@@ -99,6 +100,80 @@ def test_example_configs_load_check_and_keep_every_value():
             assert key in loaded, f"{path}: {key} missing from the loaded config"
             expected = float(value) if isinstance(loaded[key], float) and isinstance(value, (int, str)) else value
             assert loaded[key] == expected, f"{path}: {key} is {loaded[key]!r}, the file says {value!r}"
+
+
+# ----------------------------------------------------------------------------- YAML as users write it
+
+@pytest.mark.parametrize("value, expected", [
+    ("010", 10), ("0500", 500), ("-07", -7), ("09", 9),  # YAML 1.1 read the first three as octal: 8, 320, -7
+    ("1_000", 1000), ("0x1F", 31), ("0o17", 15), ("0b101", 5),
+])
+def test_integers_read_as_yaml_1_2_reads_them(value, expected, tmp_path):
+    assert load_config(None, [f"train.seed={value}"]).train.seed == expected
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  seed: {value}\n  steps: 0500\n")
+    cfg = load_config(path)
+    assert (cfg.train.seed, cfg.train.steps) == (expected, 500)
+
+
+@pytest.mark.parametrize("name", ["12:30", "1:30.5", "2024-01-01", "2024-01-01 12:30:00"])
+def test_run_names_that_yaml_1_1_reads_as_times_or_dates_stay_text(name, tmp_path):
+    # YAML 1.1 read them as 750, 90.5, datetime.date(2024, 1, 1) and a datetime.
+    assert load_config(None, [f"run.name={name}"]).run.name == name
+    path = tmp_path / "run.yaml"
+    path.write_text(f"run:\n  name: {name}\n")
+    assert load_config(path).run.name == name
+
+
+def test_booleans_and_floats_read_as_before():
+    cfg = load_config(None, ["run.dashboard=on", "data.verify=no", "optim.lr=3e-4", "optim.weight_decay=.5"])
+    assert (cfg.run.dashboard, cfg.data.verify, cfg.optim.lr, cfg.optim.weight_decay) == (True, False, 3e-4, 0.5)
+
+
+@pytest.mark.parametrize("name", ["2024-01-01", "12:30", "050", "09", "0o17", "0x1F", "1_0", "on", "3e-4"])
+def test_a_saved_config_reads_back_with_the_same_values(name, tmp_path):
+    cfg = load_config(None, [f'run.name="{name}"', "train.steps=0500"])
+    text = config_to_yaml(cfg)
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert load_config(path) == cfg  # as `raylm train runs/x/config.yaml` reads it
+    assert yaml.safe_load(text)["run"]["name"] == name  # as a resume reads it (YAML 1.1)
+
+
+@pytest.mark.parametrize("override", ["data.path=/data/x #old", "run.name=x #y", "run.name=#x",
+                                      "run.name=[a, b] # c"])
+def test_an_override_holding_a_comment_is_refused_naming_key_and_value(override):
+    key, _, raw = override.partition("=")
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [override])
+    assert str(refused.value) == (
+        f"override {key}: the value {raw!r} holds a comment: YAML reads ' #' (and a leading '#') as the start of "
+        f'a comment and drops the rest; quote the value to keep it: {key}="{raw}"')
+
+
+def test_a_quoted_override_keeps_its_hash():
+    assert load_config(None, ['run.name="x #y"']).run.name == "x #y"
+    assert load_config(None, ["run.name='#x'"]).run.name == "#x"
+    assert load_config(None, ["run.name=x#y"]).run.name == "x#y"  # no space before it: no comment
+    assert load_config(None, ["data.mixture=[{path: 'a #1', weight: 1}]", "data.path="]).data.mixture[0].path == "a #1"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.name=on", "run.name: expected str, got True; YAML reads an unquoted true/false, yes/no or on/off as a "
+                    "boolean: quote the value to keep it as text"),
+    ("run.name=050", "run.name: expected str, got 50; YAML reads the unquoted value as a number: quote it to keep it "
+                     "as text"),
+    ("run.ray_address=1.5", "run.ray_address: 1.5 is not str | null; YAML reads the unquoted value as a number: "
+                            "quote it to keep it as text"),
+    ("train.steps=3e4", "train.steps: expected int, got '3e4'; write the whole number out: 30000"),
+    ("train.steps=30000.0", "train.steps: expected int, got 30000.0; write the whole number out: 30000"),
+    ("train.stop_at_step=1e3", "train.stop_at_step: '1e3' is not int | null; write the whole number out: 1000"),
+    ("train.steps=1.5", "train.steps: expected int, got 1.5"),  # no whole number to suggest
+])
+def test_a_value_yaml_reads_as_another_type_is_refused_saying_how_to_write_it(override, message):
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [override])
+    assert str(refused.value) == message
 
 
 # ----------------------------------------------------------------------------- refused before any work

@@ -195,7 +195,7 @@ def test_cli_errors_for_unexportable_model_missing_checkpoint_and_unimportable_m
     source = str(tmp_path / "rope-scaled")
     _tiny_hf("llama", source, rope_scaling={"rope_type": "linear", "factor": 2.0})
     err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
-    assert "rope scaling 'linear'" in err
+    assert "rope scaling 'linear' in rope_parameters" in err
 
     with open(os.path.join(source, "config.json")) as f:
         config = json.load(f)
@@ -204,6 +204,22 @@ def test_cli_errors_for_unexportable_model_missing_checkpoint_and_unimportable_m
         json.dump(config, f)
     err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
     assert "model_type 'mistral' cannot be imported" in err
+
+
+def test_import_refuses_a_legacy_rope_scaling_beside_default_rope_parameters(tmp_path, capsys):
+    # transformers merges the legacy key into rope_parameters and scales: the logits would differ.
+    source = str(tmp_path / "legacy-scaled")
+    _tiny_hf("llama", source)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    assert config["rope_parameters"]["rope_type"] == "default"
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    with open(os.path.join(source, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert transformers.AutoConfig.from_pretrained(source).rope_parameters["rope_type"] == "linear"
+    err = _cli_error(["import", source, "--output", str(tmp_path / "imported")], capsys)
+    assert "rope scaling 'linear' in rope_scaling (raylm's RoPE has no scaling)" in err
+    assert not os.path.exists(tmp_path / "imported")
 
 
 @pytest.mark.slow

@@ -18,6 +18,8 @@ import yaml
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
+from raylm.config import ConfigError
+from raylm.config.load import ConfigLoader
 from tests.fuzz.conftest import examples, time_limit
 from tests.fuzz.strategies import FIELDS, JUNK, MARKER, SECTIONS, TAGGED, config_texts
 from tests.support.cli import Outcome, assert_clean_refusal, run_main
@@ -52,14 +54,20 @@ def agrees(given_value: typing.Any, loaded: typing.Any) -> bool:
 _UNREADABLE = object()
 
 
+def read_as_written(text: str | bytes) -> typing.Any:
+    """YAML in the dialect raylm reads a user's config in (YAML 1.2's integers, no base 60, no
+    timestamps: tests/config pins it), not yaml.safe_load's YAML 1.1, where `steps: 010` is 8."""
+    return yaml.load(text, Loader=ConfigLoader)
+
+
 def check(text: str | bytes, directory: Path) -> Outcome:
     path = directory / "config.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     outcome = run_main("train", str(path), "--print-config")
     assert not MARKER.exists(), "a YAML tag ran code"
     try:
-        given_tree = yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, RecursionError):
+        given_tree = read_as_written(text)
+    except (yaml.YAMLError, ValueError, RecursionError, ConfigError):  # ConfigError: a key given twice
         given_tree = _UNREADABLE  # not YAML raylm could read: it must be refused
     if outcome.status == 0:
         assert given_tree is None or isinstance(given_tree, dict), text  # None: an empty document
@@ -129,8 +137,8 @@ def expected_tree(overrides: list[str]) -> typing.Optional[dict]:
             if not isinstance(node, dict):
                 return None
         try:
-            node[leaf] = yaml.safe_load(raw) if raw else ""
-        except (yaml.YAMLError, ValueError, RecursionError):
+            node[leaf] = read_as_written(raw) if raw else ""
+        except (yaml.YAMLError, ValueError, RecursionError, ConfigError):
             return None
     return tree
 
@@ -140,6 +148,7 @@ def expected_tree(overrides: list[str]) -> typing.Optional[dict]:
 @example(pairs=[("model.d_model", f'!!python/object/apply:os.system ["touch {MARKER}"]')])
 @example(pairs=[("optim.lr", "[")])
 @example(pairs=[("model.d_model", "3"), ("model.d_model.x", "4")])
+@example(pairs=[("train.seed", "010"), ("run.name", "12:30")])  # YAML 1.1: 8 and 750
 def test_fuzzed_overrides_load_as_written_or_are_refused_by_name(pairs):
     overrides = [f"{key}={value}" for key, value in pairs]
     outcome = run_main("train", *overrides, "--print-config")
