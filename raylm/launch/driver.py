@@ -146,9 +146,10 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
     if not fixed_on_own_ray:
         start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
-    # Ray Train's record of the checkpoints an earlier invocation reported. raylm resumes from its
-    # own (open_latest) and prunes them itself (keep_last, keep_every); Ray, finding a pruned one
-    # missing, would refuse to start the run again: a resubmitted job would fail every time.
+    # Ray Train's record of the checkpoints an invocation of an earlier raylm reported (this one
+    # reports none to Ray). raylm resumes from its own (open_latest) and prunes them itself; Ray,
+    # finding a pruned one missing, would refuse to start the run again: a resubmitted job would
+    # fail every time.
     storage.delete_file(storage.join(uri, RAY_CHECKPOINT_SNAPSHOT), cfg.storage)
 
     root_fs, root_path = storage.filesystem_for(storage_root(cfg), cfg.storage)

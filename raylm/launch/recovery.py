@@ -71,6 +71,13 @@ class RecoveryLog(UserCallback):
         self.run_dir, self.run_uri, self.storage_cfg = run_dir, run_uri, storage_cfg
         self.preempted_at: Optional[int] = None  # the step of the preemption last recorded
 
+    def _restart_from(self) -> Optional[str]:
+        """The checkpoint the restarted workers will find, as far as storage says now."""
+        try:
+            return latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
+        except OSError as e:  # storage out of reach, which may be the failure itself: the workers look again
+            return f"the newest checkpoint once {self.run_uri} can be read ({redact(str(e))[:200]})"
+
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         cause = {str(rank): redact(f"{type(e).__name__}: {e}")[:1000] for rank, e in worker_exceptions.items()}
         if (notice := preemption(worker_exceptions)) and RaylmFailurePolicy is not None:
@@ -79,7 +86,7 @@ class RecoveryLog(UserCallback):
             if notice.step == self.preempted_at:
                 return
             self.preempted_at = notice.step
-            restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
+            restart_from = self._restart_from()
             event = {"event": "preempted", "time": time.time(), "nodes": sorted(notice.node_ranks),
                      "ranks": sorted(r for ranks in notice.node_ranks.values() for r in ranks),
                      "deadline": notice.deadline, "step": notice.step, "saved": notice.saved,
@@ -93,7 +100,7 @@ class RecoveryLog(UserCallback):
         else:
             # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
             # checkpoint on storage, which can be newer than the last one Ray's controller polled.
-            restart_from = latest_usable(self.run_uri, self.storage_cfg, allow_none_usable=True)
+            restart_from = self._restart_from()
             event = {"event": "failure", "time": time.time(), "cause": cause, "restart_from": restart_from}
             print(f"raylm: worker failure, restarting from {restart_from}: {cause}", flush=True)
         append_event(os.path.join(self.run_dir, EVENTS_FILE), event)

@@ -59,7 +59,7 @@ def remove_orphaned_staging(parent: str) -> None:
 
 class RayTrainEnv:
     """Each rank copies its part of a checkpoint to the run directory; once rank 0 has written
-    the manifest, every rank reports it with `ray.train.report` (no upload of Ray's own). Every
+    the manifest, every rank reports the step's metrics with `ray.train.report`. Every
     start of the worker group, the first and each restart after a failure or resize, resumes
     from the newest complete checkpoint in the run directory. Not `ray.train.get_checkpoint()`:
     Ray learns of a reported checkpoint only at its controller's next poll, so a worker killed
@@ -84,10 +84,30 @@ class RayTrainEnv:
             return ray.train.Checkpoint(path, filesystem=fs).as_directory()
 
         world = World.current(self.device())
+        if world.rank == 0 and storage.is_s3(self.checkpoint_root):
+            self._take_records_from_storage()
         events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
         with open_latest(self.checkpoint_root, self.cfg.storage, fetch, lambda ok: world.agree(ok, "all"),
                          allow_none_usable, events) as directory:
             yield directory
+
+    def _take_records_from_storage(self) -> None:
+        """A run on S3 keeps its records in a local mirror, uploaded whole with each checkpoint.
+        Rank 0 restarted on another node (a lost node, a resize) found none there, and its next
+        upload replaced the run's metrics and events on S3 with the rows since the restart. A
+        mirror that does not continue the run's records on S3 is replaced by them."""
+        for name in (METRICS_FILE, EVENTS_FILE):
+            local = os.path.join(self.run_dir, name)
+            try:
+                kept = storage.read_bytes(storage.join(self.checkpoint_root, name), self.cfg.storage)
+            except storage.StorageNotFoundError:
+                continue
+            mine = b""
+            if os.path.exists(local):
+                with open(local, "rb") as f:
+                    mine = f.read()
+            if not mine.startswith(kept):
+                storage.write_bytes(local, kept)
 
     def staging_dir(self, step: int) -> ContextManager[str]:
         return local_staging_dir()
@@ -109,12 +129,11 @@ class RayTrainEnv:
     def announce(self, step: int, metrics: dict) -> None:
         import ray.train
 
-        run_storage = ray.train.get_context().get_storage()
-        name = checkpoint.dir_name(step)
-        published = ray.train.Checkpoint(f"{run_storage.experiment_fs_path}/{name}",
-                                         filesystem=run_storage.storage_filesystem)
-        ray.train.report(metrics, checkpoint=published, checkpoint_dir_name=name,
-                         checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
+        # The metrics, not the checkpoint: Ray Train's controller records each reported checkpoint
+        # in a snapshot on the run's storage, and a write of it that storage failed for a moment
+        # ended the run in the controller, outside every restart. raylm resumes from and prunes
+        # its own checkpoints; Ray's record of them was never read.
+        ray.train.report(metrics)
 
     def report(self, metrics: dict) -> None:
         import ray.train

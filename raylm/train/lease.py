@@ -123,6 +123,9 @@ class RunLease:
                     storage.delete_file(self.uri, self.storage_cfg)
             except StorageNotFoundError:
                 pass
+            except OSError as e:  # storage out of reach: the run's own outcome is what the user must see
+                print(f"raylm: warning: the lease {self.uri} could not be removed ({e}); the next run of "
+                      "this directory takes it over as stale", file=sys.stderr, flush=True)
             self._tidy()
         self.tag = None
 

@@ -1,16 +1,18 @@
 """Prepare to S3, train from S3 with the run on S3, resume from S3 (real SeaweedFS, real Ray)."""
 
 import json
+import shutil
 
 import pytest
 
-from raylm.config import load_config
+from raylm.config import StorageConfig, load_config
 from raylm.data import storage
 from raylm.data.manifest import DatasetError
 from raylm.data.storage import StorageError
 from raylm.data.prepare import prepare_dataset
 from raylm.launch.driver import launch
 from raylm.train.checkpoint import format as checkpoint
+from raylm.train.spec import local_run_dir
 from tests.support.fixtures import write_corpus
 from tests.support.order import locate
 
@@ -45,10 +47,18 @@ def test_train_from_s3_with_run_on_s3_then_resume(s3_server, s3_bucket, s3_datas
                      "train.stop_at_step=3"))
     run = f"{runs}/r"
     assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000003"
-    launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=3"))
+    # Resumed where rank 0 has no local mirror of the run's records (another node): its upload
+    # replaced the run's metrics on S3 with the steps since the restart.
+    shutil.rmtree(local_run_dir(s3_config(s3_server, s3_dataset, runs, "run.name=r")))
+    # Resumed with a checkpoint each step, two kept: SeaweedFS lists a deleted checkpoint's empty
+    # directories on, and the next prune's delete of it failed the run (at step 6 here).
+    launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=1",
+                     "checkpoint.keep_last=2"))
     rows = [json.loads(line) for line in storage.read_bytes(f"{run}/metrics.jsonl", s3_server.storage).splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000006"
+    assert [n for n in storage.list_dir(run, s3_server.storage) if checkpoint.is_checkpoint_name(n)] == \
+        ["checkpoint_00000005", "checkpoint_00000006"]
     saved = storage.read_bytes(f"{run}/config.yaml", s3_server.storage).decode()
     assert s3_server.server.secret_key not in saved and s3_server.server.access_key not in saved
 
@@ -87,3 +97,54 @@ def test_stream_from_s3_covers_the_epoch_once_at_any_world_size(s3_server, s3_da
     assert per_size[1] == per_size[2] == per_size[3]
     located = [locate(source.order, g) for step in per_size[1] for g in step]
     assert len(located) == len(set(located)) == steps * 6
+
+
+def test_a_storage_outage_mid_run_is_outlasted_by_a_restart(ray_session, s3_server, tiny_dataset, tmp_path):
+    """The S3 server stops for 10 s while the run checkpoints to it, then comes back. A checkpoint
+    that cannot reach storage ended the run for good (exit 2, as a full disk does, naming the
+    lease); it is a failure a restart can cure: the workers restart from the last checkpoint and
+    the run trains to its end, each step once."""
+    import threading
+    import time
+
+    from cluster.seaweedfs import SeaweedFS
+    from raylm.ports import free_ports
+    from raylm.train.observe.records import read_jsonl
+
+    # Its own server, with the session's keys (the local Ray's workers have them) and a fixed
+    # port and directory, so that the restarted server is the same endpoint with the same objects.
+    server = SeaweedFS(data_dir=str(tmp_path / "s3"), s3_port=free_ports(1)[0],
+                       access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
+    try:
+        endpoint = f"storage.endpoint_url={server.endpoint_url}"
+        storage_cfg = StorageConfig(endpoint_url=server.endpoint_url)
+        storage.ensure_bucket("s3://outage", storage_cfg)
+        run, steps = f"s3://outage/runs/{tmp_path.name}", 150  # a name no other run's local mirror has
+
+        def outage() -> None:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and checkpoint.latest_complete(run, storage_cfg) is None:
+                time.sleep(0.2)
+            server._kill()
+            time.sleep(10)
+            server.start()
+
+        stopper = threading.Thread(target=outage, daemon=True)
+        stopper.start()
+        metrics = launch(load_config(None, [
+            f"data.path={tiny_dataset}", "run.storage_path=s3://outage/runs", f"run.name={tmp_path.name}", endpoint,
+            "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", f"train.steps={steps}",
+            "checkpoint.every_steps=5", "parallel.num_workers=1", "run.max_failures=3", "train.tensorboard=false"]))
+        stopper.join(timeout=60)
+        assert metrics["step"] == steps
+        events = read_jsonl(f"{run}/events.jsonl", storage_cfg)
+        failures = [e for e in events if e["event"] == "failure"]
+        assert failures and not any(e.get("deterministic") for e in failures)
+        assert "CheckpointStorageUnreachable" in failures[0]["cause"]["0"], failures[0]
+        # A restart while storage is still out fails again before it resumes: at most one resume a failure.
+        resumed = [e for e in events if e["event"] == "resumed"]
+        assert 1 <= len(resumed) <= len(failures) and {e["world_size"] for e in resumed} == {1}
+        assert [r["step"] for r in read_jsonl(f"{run}/metrics.jsonl", storage_cfg)] == list(range(1, steps + 1))
+    finally:
+        server.stop()

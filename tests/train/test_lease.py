@@ -107,3 +107,25 @@ def test_a_holder_whose_lease_was_taken_stops(run_dir, tmp_path):
                 time.sleep(0.1)
     assert lease_of(uri, storage_cfg)["host"] == "another-host"  # the new holder's lease is left alone
     assert [e["event"] for e in read_jsonl(str(tmp_path / "events.jsonl"))] == ["lease_lost"]
+
+
+def test_a_lease_that_storage_cannot_remove_at_the_end_leaves_the_runs_outcome_alone(s3_server, tmp_path, capsys):
+    """Storage out of reach when the run ends: the lease is left with a warning (the next run takes
+    it over as stale). The failed read raised, and its error replaced the run's own: the last line
+    of a run that a storage outage stopped named the lease, not the checkpoint."""
+    from cluster.seaweedfs import SeaweedFS
+    from raylm.config import StorageConfig
+
+    server = SeaweedFS(access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
+    try:
+        storage_cfg = StorageConfig(endpoint_url=server.endpoint_url)
+        storage.ensure_bucket("s3://lease-outage", storage_cfg)
+        with pytest.raises(KeyError, match="the run's own error"):
+            with RunLease("s3://lease-outage/run", storage_cfg, timeout_s=60, events_dir=str(tmp_path)):
+                server._kill()
+                raise KeyError("the run's own error")
+    finally:
+        server.stop()
+    said = capsys.readouterr().err
+    assert "raylm: warning: the lease s3://lease-outage/run/run.lease could not be removed" in said, said
+    assert "takes it over as stale" in said

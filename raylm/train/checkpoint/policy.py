@@ -55,6 +55,30 @@ def _check_space(uri: str, needed: int) -> None:
                           f"about {needed / 1e6:.1f} MB needed")
 
 
+class CheckpointStorageUnreachable(RuntimeError):
+    """No checkpoint could be written because storage could not be reached: not deterministic,
+    so Ray Train restarts the workers (within run.max_failures) from the last checkpoint."""
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether `error` (or what it wraps: DCP's per-rank failures, a chain of causes) is storage
+    that did not answer."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        pending += [e.__cause__, e.__context__]
+    return False
+
+
 def _backoff(attempt: int) -> None:
     time.sleep(min(30.0, 2.0 ** attempt))
 
@@ -200,10 +224,18 @@ class Checkpointer:
             self._failed(pending.step, error)
 
     def _failed(self, step: int, error: Optional[BaseException]) -> None:
+        """Every rank, together: the save failed on at least one."""
         reason = error or "another rank could not write its part"
+        # Storage out of reach (an outage, a network partition) is what a restart from the last
+        # checkpoint can outlast; a full disk or refused writes would fail every restart alike.
+        # The ranks agree, so that no rank's collateral error ends a run its peers would restart.
+        unreachable = self.world.agree(error is None or _unreachable(error), "all")
+        where = f"step {step}: no checkpoint could be written to {self.env.checkpoint_root} ({reason})"
+        if not self.cfg.allow_failures and unreachable:
+            raise CheckpointStorageUnreachable(f"{where}; storage could not be reached: the run restarts from its last "
+                                               "checkpoint (a failure of run.max_failures)") from error
         if not self.cfg.allow_failures:
-            raise CheckpointWriteError(f"step {step}: no checkpoint could be written to {self.env.checkpoint_root} "
-                                       f"({reason}). Training stops so that it never runs unprotected; free space "
+            raise CheckpointWriteError(f"{where}. Training stops so that it never runs unprotected; free space "
                                        "or fix storage, then resume") from error
         self.failing_since, self.last_error = self.failing_since or step, str(reason)
         self._record("checkpoint_failed", step, error=self.last_error)
