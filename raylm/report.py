@@ -113,7 +113,9 @@ def _event_step(event: dict, rows: list[dict]) -> Optional[int]:
 def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) -> RunRecord:
     metrics_uri = storage.join(uri, METRICS_FILE)
     if not storage.exists(metrics_uri, storage_cfg):
-        raise FileNotFoundError(f"{uri} is not a run directory: no {METRICS_FILE}")
+        if not storage.exists(uri, storage_cfg):
+            raise FileNotFoundError(f"{uri} does not exist")
+        raise FileNotFoundError(f"{uri} is not a run directory, or its run has no step yet: no {METRICS_FILE}")
     rows, dropped = read_records(metrics_uri, storage_cfg, lambda row: _problem(row, METRIC_FIELDS, ("step",)))
     if not rows:
         why = "; ".join(line.removeprefix(f"{metrics_uri} ") for line in dropped[:3])
@@ -378,6 +380,8 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     figures of an earlier report that this one has not are removed."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
+    if not storage.is_s3(output):
+        storage.check_local_output(output)
     figs = figures(runs)
     files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
     earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),

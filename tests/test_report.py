@@ -111,12 +111,20 @@ def test_report_marks_the_guards_actions_and_counts_what_it_skipped(tiny_dataset
     assert summary["rollbacks"] == 1 and summary["LR cuts"] == 1  # the rollback cut; the skip did not
 
 
-def test_report_cli_names_a_directory_without_metrics(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["report", str(tmp_path / "nothing-here")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("raylm: error:") and "no metrics.jsonl" in err and "Traceback" not in err
+def test_report_cli_names_a_directory_without_metrics_and_an_output_it_cannot_write(tmp_path):
+    outcome = run_main("report", str(tmp_path / "nothing-here"))
+    assert_clean_refusal(outcome, f"raylm: error: {tmp_path / 'nothing-here'} does not exist")
+    assert outcome.status == 2
+    (tmp_path / "started").mkdir()
+    outcome = run_main("report", str(tmp_path / "started"))
+    assert_clean_refusal(outcome, f"{tmp_path / 'started'} is not a run directory, or its run has no step yet: "
+                                  "no metrics.jsonl")
+    # An --output that is a file: it said "afile/loss.png: [Errno 17] File exists".
+    (tmp_path / "started" / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    (tmp_path / "afile").write_text("mine\n")
+    outcome = run_main("report", str(tmp_path / "started"), "--output", str(tmp_path / "afile"))
+    assert_clean_refusal(outcome, f"raylm: error: {tmp_path / 'afile'}: is a file, not a directory to write into")
+    assert (tmp_path / "afile").read_text() == "mine\n"
 
 
 def test_report_names_the_record_lines_it_leaves_out_and_refuses_a_run_with_no_row(tmp_path):

@@ -177,6 +177,9 @@ def load_sweep(path: str | Path, overrides: Optional[list[str]] = None) -> tuple
     if not sweep.base:
         raise ConfigError(f"{path}: `base` must name the base run config (a raylm train YAML)")
     base_path = Path(path).parent / sweep.base
+    if not base_path.is_file():  # relative to the sweep file, not to where the command runs
+        raise ConfigError(f"{path}: base {sweep.base!r} not found: looked for {base_path.resolve()}, beside the "
+                          "sweep file")
     base = load_config(base_path, [*sweep.base_overrides, *base_overrides])
     check_sweep(sweep)
     return sweep, base

@@ -9,6 +9,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from raylm.config import load_config
 from raylm.errors import ConfigError
@@ -210,3 +211,16 @@ def test_the_recommended_run_on_a_gpu_cluster_takes_raylm_plans_layout(tiny_data
     path = tmp_path / "recommended.yaml"
     path.write_text(_recommended_yaml(cfg, info, str(tmp_path)))
     assert load_config(path) == cfg  # the file is the config, whole
+
+
+def test_a_base_that_is_not_beside_the_sweep_file_is_named_with_where_it_was_looked_for(tmp_path):
+    """A sweep file copied away from configs/: it said only "config file not found: demo-cpu.yaml"."""
+    from raylm.sweep.config import load_sweep
+
+    copied = tmp_path / "sweep.yaml"
+    shutil.copy(TINY_SWEEP, copied)
+    with pytest.raises(ConfigError) as refused:
+        load_sweep(copied)
+    base = yaml.safe_load(copied.read_text())["base"]
+    assert str(refused.value) == (f"{copied}: base {base!r} not found: looked for {tmp_path / base}, beside the "
+                                  "sweep file")
