@@ -597,9 +597,12 @@ def _boto3_error(e: Exception, uri: str, storage: Optional[StorageConfig]) -> St
     if status == 403:
         return StorageAccessError(f"{uri}: access denied [{code}] ({where}); credentials come from "
                                   f"{_credentials_source()}")
-    if "Could not connect" in str(e) or "Connect timeout" in str(e) or (status or 0) >= 500:
+    if "Could not connect" in str(e) or "Connect timeout" in str(e):
         return StorageUnreachableError(f"{uri}: cannot connect to {where}; check storage.endpoint_url (or "
                                        f"AWS_ENDPOINT_URL) and that the server is running ({redact(str(e))})")
+    if (status or 0) >= 500:
+        return StorageUnreachableError(f"{uri}: the storage service failed the request through its retries "
+                                       f"[{code or status}] ({where})")
     return StorageError(f"{uri}: {redact(str(e))} ({where})")
 
 

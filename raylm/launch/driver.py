@@ -6,6 +6,7 @@ hands it, need none, and on a small machine each import of it is seconds before 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -22,7 +23,7 @@ from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic
 from raylm.ray_runtime import joins_cluster, local_num_cpus, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
-from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
@@ -82,6 +83,8 @@ def launch(cfg: Config) -> dict:
                 except storage.StorageError as e:
                     raise ConfigError(f"run.storage_path and run.name give {e}") from None
             with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
+                if storage.is_s3(uri):
+                    _forget_records_of_another_run(uri, cfg)
                 # Before Ray starts, so that a refusal is one clear error and no worker's work.
                 if restore := preflight(spec, uri):
                     if finished := _finished(restore, cfg):
@@ -116,6 +119,18 @@ def _finished(restore: str, cfg: Config) -> Optional[str]:
     at = f"step {step} of" if step == end else f"step {step}, past"
     done = "already finished" if key == "train.steps" else "already stopped where asked"
     return f"raylm: run {cfg.run.name} {done}: {restore} is at {at} {key}={end}; nothing to train"
+
+
+def _forget_records_of_another_run(uri: str, cfg: Config) -> None:
+    """A run on S3 keeps its records in a local mirror, uploaded whole with each checkpoint. A
+    mirror left by an earlier run at this URI that is gone from S3 (deleted, or another server)
+    was uploaded with this run's: two runs' events in one file. A URI without config.yaml has
+    held no run yet, so what its mirror holds is another run's."""
+    if storage.exists(storage.join(uri, CONFIG_FILE), cfg.storage):
+        return
+    for name in (METRICS_FILE, EVENTS_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(local_run_dir(cfg), name))
 
 
 def _interruption(uri: str, storage_cfg: Optional[StorageConfig], sigterm: bool, training: bool) -> RunInterrupted:

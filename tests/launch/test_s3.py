@@ -1,6 +1,7 @@
 """Prepare to S3, train from S3 with the run on S3, resume from S3 (real SeaweedFS, real Ray)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -43,8 +44,17 @@ def s3_dataset(ray_session, s3_server, tmp_path_factory):
 
 def test_train_from_s3_with_run_on_s3_then_resume(s3_server, s3_bucket, s3_dataset):
     runs = f"{s3_bucket}/runs"
+    # A local mirror left by an earlier run at this URI, gone from S3 since: its records were
+    # uploaded with this run's.
+    mirror = local_run_dir(s3_config(s3_server, s3_dataset, runs, "run.name=r"))
+    os.makedirs(mirror, exist_ok=True)
+    with open(os.path.join(mirror, "events.jsonl"), "w") as f:
+        f.write('{"event": "failure", "time": 1.0, "cause": {"0": "of a run deleted from S3"}}\n')
     launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=3",
                      "train.stop_at_step=3"))
+    events = f"{runs}/r/events.jsonl"  # none: nothing happened to this run that makes an event
+    assert not storage.exists(events, s3_server.storage) or \
+        "deleted from S3" not in storage.read_bytes(events, s3_server.storage).decode()
     run = f"{runs}/r"
     assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000003"
     # Resumed where rank 0 has no local mirror of the run's records (another node): its upload
