@@ -23,7 +23,7 @@ from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic
 from raylm.ray_runtime import joins_cluster, local_num_cpus, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, merged_lines, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
@@ -85,16 +85,20 @@ def launch(cfg: Config) -> dict:
             with RunLease(uri, cfg.storage, cfg.run.lease_timeout_s, events_dir=local_run_dir(cfg)):
                 if storage.is_s3(uri):
                     _forget_records_of_another_run(uri, cfg)
-                # Before Ray starts, so that a refusal is one clear error and no worker's work.
-                if restore := preflight(spec, uri):
-                    if finished := _finished(restore, cfg):
-                        print(finished, flush=True)
-                        return {}
-                    # The workers check its files' checksums as they load it (a damaged one is passed over, named).
-                    print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
-                trainer = _trainer(spec, uri)
-                training = True
-                _fit(trainer, cfg)
+                try:
+                    # Before Ray starts, so that a refusal is one clear error and no worker's work.
+                    if restore := preflight(spec, uri):
+                        if finished := _finished(restore, cfg):
+                            print(finished, flush=True)
+                            return {}
+                        # The workers check its files' checksums as they load it (a damaged one is passed over, named).
+                        print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
+                    trainer = _trainer(spec, uri)
+                    training = True
+                    _fit(trainer, cfg)
+                finally:
+                    if storage.is_s3(uri):
+                        _upload_driver_events(uri, cfg)
     except (SystemExit, KeyboardInterrupt) as stop:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
         # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler). A
@@ -103,7 +107,7 @@ def launch(cfg: Config) -> dict:
         # keep its own. Say what is left and how to go on.
         sigterm = terminated.is_set() or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
         raise _interruption(uri, cfg.storage, sigterm, training) from None
-    return last_metrics(local_run_dir(cfg))
+    return last_metrics(uri, cfg)
 
 
 def _finished(restore: str, cfg: Config) -> Optional[str]:
@@ -131,6 +135,31 @@ def _forget_records_of_another_run(uri: str, cfg: Config) -> None:
     for name in (METRICS_FILE, EVENTS_FILE):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(local_run_dir(cfg), name))
+
+
+def _upload_driver_events(uri: str, cfg: Config) -> None:
+    """The driver records failures, restarts and the lease's takeovers in its local mirror, and
+    only rank 0's mirror is uploaded, with each checkpoint: where rank 0 ran on another node, the
+    run's events on S3 never held why it restarted or ended. Once the workers are gone, the lines
+    of the driver's mirror that S3 lacks are added there, in time order. Storage out of reach
+    loses them from S3 only, with a warning: the run's own outcome stands."""
+    local = os.path.join(local_run_dir(cfg), EVENTS_FILE)
+    if not os.path.exists(local):
+        return
+    with open(local, "rb") as f:
+        mine = f.read()
+    remote = storage.join(uri, EVENTS_FILE)
+    try:
+        try:
+            kept = storage.read_bytes(remote, cfg.storage)
+        except storage.StorageNotFoundError:
+            kept = b""
+        merged = merged_lines(kept, mine)
+        if merged != kept:
+            storage.write_bytes(remote, merged, cfg.storage)
+    except OSError as e:
+        print(f"raylm: warning: the driver's events of this run are in {local} only: {remote} could not be "
+              f"updated ({storage.redact(str(e))[:300]})", file=sys.stderr, flush=True)
 
 
 def _interruption(uri: str, storage_cfg: Optional[StorageConfig], sigterm: bool, training: bool) -> RunInterrupted:
@@ -273,8 +302,16 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
     return RaylmTrainer
 
 
-def last_metrics(directory: str) -> dict:
-    rows = read_jsonl(os.path.join(directory, METRICS_FILE))
+def last_metrics(uri: str, cfg: Config) -> dict:
+    """The run's last metrics row. On S3, the copy rank 0 uploaded with the last checkpoint: the
+    driver's local mirror is rank 0's only when rank 0 ran on the driver's node."""
+    rows: list[dict] = []
+    if storage.is_s3(uri):
+        try:
+            rows = read_jsonl(storage.join(uri, METRICS_FILE), cfg.storage)
+        except OSError:
+            pass  # out of reach now: the local mirror's rows, if rank 0 wrote them here
+    rows = rows or read_jsonl(os.path.join(local_run_dir(cfg), METRICS_FILE))
     return rows[-1] if rows else {}
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -13,6 +14,7 @@ from raylm.data.storage import StorageError
 from raylm.data.prepare import prepare_dataset
 from raylm.launch.driver import launch
 from raylm.train.checkpoint import format as checkpoint
+from raylm.train.observe.records import read_jsonl
 from raylm.train.spec import local_run_dir
 from tests.support.fixtures import write_corpus
 from tests.support.order import locate
@@ -71,6 +73,28 @@ def test_train_from_s3_with_run_on_s3_then_resume(s3_server, s3_bucket, s3_datas
         ["checkpoint_00000005", "checkpoint_00000006"]
     saved = storage.read_bytes(f"{run}/config.yaml", s3_server.storage).decode()
     assert s3_server.server.secret_key not in saved and s3_server.server.access_key not in saved
+
+
+def test_the_drivers_records_reach_s3_when_rank_0_runs_on_another_node(s3_server, s3_bucket, s3_dataset,
+                                                                       tmp_path, monkeypatch):
+    """The driver writes why a run restarted or ended into its local mirror; only rank 0's is
+    uploaded. Here the driver's mirror is not rank 0's, as on a cluster whose rank 0 is on another
+    node: the failure that ended the run was missing from S3, and the driver's closing line (the
+    last metrics) read its own empty mirror."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "driver-node"))  # the workers keep theirs
+    runs = f"{s3_bucket}/runs-{tmp_path.name}"
+    base = ("run.name=apart", "train.steps=8", "checkpoint.every_steps=1", "guard.enabled=false",
+            "schedule.name=constant", "schedule.warmup_steps=0")
+    assert launch(s3_config(s3_server, s3_dataset, runs, *base, "train.stop_at_step=2"))["step"] == 2
+    assert not os.path.exists(os.path.join(local_run_dir(s3_config(s3_server, s3_dataset, runs, *base)),
+                                           "metrics.jsonl"))  # rank 0's mirror is elsewhere indeed
+    with pytest.raises(Exception, match="is not finite; the weights were not updated"):
+        launch(s3_config(s3_server, s3_dataset, runs, *base, "optim.lr=1e38"))  # no run survives it
+    events = read_jsonl(f"{runs}/apart/events.jsonl", s3_server.storage)
+    failures = [e for e in events if e["event"] == "failure"]
+    assert len(failures) == 1 and failures[0]["deterministic"] is True, events
+    assert [e["from_step"] for e in events if e["event"] == "resumed"] == [2], events  # rank 0's kept
+    assert [e["time"] for e in events] == sorted(e["time"] for e in events)
 
 
 def test_corrupted_shard_on_s3_is_refused_by_name(s3_server, s3_bucket, tmp_path):

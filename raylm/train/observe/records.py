@@ -9,6 +9,7 @@ the training code.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -61,6 +62,24 @@ def read_jsonl(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[di
     """The rows of a JSON-lines file, for readers that only show them (`read_records` says what
     was dropped)."""
     return read_records(uri, storage_cfg)[0]
+
+
+def merged_lines(*texts: bytes) -> bytes:
+    """Every distinct complete line of `texts`, in the order of their rows' `time` (a line
+    without one keeps its place after the line before it): two copies of one run's events, each
+    holding lines the other lacks, as one."""
+    seen: set[bytes] = set()
+    keyed: list[tuple[float, int, bytes]] = []
+    when = float("-inf")
+    for text in texts:
+        for line in text.split(b"\n")[:-1]:  # a last piece without its newline is torn: dropped
+            if not line.strip() or line in seen:
+                continue
+            seen.add(line)
+            with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
+                when = float(json.loads(line)["time"])
+            keyed.append((when, len(keyed), line))
+    return b"".join(line + b"\n" for _, _, line in sorted(keyed))
 
 
 # Lines a full disk refused, per file, in order: written before the next line to that file.
