@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -437,10 +438,12 @@ def _pick(knob: str, picked: dict, tried: list[dict], noise: Optional[dict]) -> 
 
 
 def write_trials(directory: str, rows: list[dict]) -> None:
-    with open(os.path.join(directory, TRIALS_FILE), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    # Whole or not at all: a sweep run again over its directory rewrites it, and --refit needs it.
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    storage.write_bytes(os.path.join(directory, TRIALS_FILE), text.getvalue().encode())
 
 
 def _asha_savings(rows: list[dict]) -> dict:
@@ -525,8 +528,8 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
             result["recommended"] = {"error": str(e)}
         else:
             result["recommended"] = info
-            with open(os.path.join(plan.directory, RECOMMENDED_FILE), "w") as f:
-                f.write(_recommended_yaml(cfg, info, plan.directory))
+            storage.write_bytes(os.path.join(plan.directory, RECOMMENDED_FILE),
+                                _recommended_yaml(cfg, info, plan.directory).encode())
     result["fitted_with"] = fitted_with()
     result["warnings"] = analysis.warnings(result)
     result["wall_s"] = time.time() - started
@@ -557,9 +560,28 @@ def read_trials(directory: str) -> list[dict]:
     if not os.path.exists(path):
         raise ConfigError(f"{directory} holds no {TRIALS_FILE}: not a finished sweep directory")
     text = ("trial_id", "phase", "rung", "budget", "status")
+    rows = []
     with open(path, newline="") as f:
-        return [{k: (v if k in text else float(v)) for k, v in {"seed": 0, **row}.items() if k in COLUMNS}
-                for row in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        for row in reader:
+            row = {k: v for k, v in {"seed": "0", **row}.items() if k in COLUMNS}
+            try:
+                rows.append({k: (v if k in text else float(v)) for k, v in row.items()})
+            except (TypeError, ValueError):
+                bad = next(k for k, v in row.items() if v is None or (k not in text and not _is_number(v)))
+                what = f"has no {bad}: the line is cut short" if row[bad] is None else \
+                    f"{bad}={row[bad]!r} is not a number"
+                raise ConfigError(f"{path} line {reader.line_num}: {what}; a sweep writes this file whole, so it "
+                                  "was edited or copied in part") from None
+    return rows
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:

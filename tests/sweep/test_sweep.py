@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -356,3 +357,27 @@ def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
     assert "where the fit.json it replaces was fitted with numpy 2.1.3, scipy 1.14.1" in warning and "chosen predictor" in warning
     again = refit(str(directory))  # fit.json now names this machine's libraries
     assert not [w for w in again["warnings"] if w.startswith("refitted with")]
+
+
+def test_a_refit_of_a_damaged_trials_csv_names_its_line_and_keeps_fit_json(tmp_path, capsys):
+    """A trials.csv cut short (a copy in part, a kill while an earlier raylm wrote it in place) or
+    edited ended a refit in a Python traceback; it is one error naming the file, line and column."""
+    from raylm.cli import main
+
+    directory = stdlib_record(tmp_path)
+    before = (directory / "fit.json").read_bytes()
+    lines = (directory / "trials.csv").read_text().splitlines(keepends=True)
+    (directory / "trials.csv").write_text("".join(lines[:5]) + lines[5][:40])
+    with pytest.raises(SystemExit) as exited:
+        main(["sweep", "--refit", str(directory)])
+    assert exited.value.code == 2
+    assert re.fullmatch(r"raylm: error: \S+/trials.csv line 6: has no \w+: the line is cut short; [^\n]+\n",
+                        capsys.readouterr().err)
+    header = lines[0].strip().split(",")
+    damaged = lines[3].strip().split(",")
+    damaged[header.index("val_loss")] = "n/a"
+    (directory / "trials.csv").write_text("".join(lines[:3]) + ",".join(damaged) + "\n" + "".join(lines[4:]))
+    with pytest.raises(SystemExit) as exited:
+        main(["sweep", "--refit", str(directory)])
+    assert exited.value.code == 2 and "trials.csv line 4: val_loss='n/a' is not a number" in capsys.readouterr().err
+    assert (directory / "fit.json").read_bytes() == before
