@@ -547,11 +547,7 @@ def write_if(uri: str, data: bytes, expected: Optional[str], storage: Optional[S
             return _boto3_client(storage).put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
         except Exception as e:  # noqa: BLE001 - botocore's errors, translated
             raise _boto3_error(e, uri, storage) from e
-    import fcntl
-
-    os.makedirs(os.path.dirname(os.path.abspath(uri)), exist_ok=True)
-    with open(f"{uri}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with local_lock(f"{uri}.lock"):
         try:
             current = _local_tag(os.stat(uri))
         except FileNotFoundError:
@@ -561,6 +557,26 @@ def write_if(uri: str, data: bytes, expected: Optional[str], storage: Optional[S
                                        "by another writer")
         write_bytes(uri, data)
         return _local_tag(os.stat(uri))
+
+
+@contextlib.contextmanager
+def local_lock(path: str) -> Iterator[None]:
+    """An exclusive file lock on the local file `path`, made (and its directories) if need be. Its
+    holder may remove it (a refused run removing what it made): a waiter then holds a lock on a
+    file no other writer opens, which keeps no one out, so it locks the file at `path` anew."""
+    import fcntl
+
+    while True:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield
+                return
 
 
 def _local_tag(st: os.stat_result) -> str:

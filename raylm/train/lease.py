@@ -136,13 +136,16 @@ class RunLease:
         if not self._made_lock:
             return
         directory = os.path.dirname(os.path.abspath(self.uri))
+        lock = os.path.join(directory, LOCK_FILE)
         try:
-            if os.listdir(directory) != [LOCK_FILE]:
-                return
-            os.unlink(os.path.join(directory, LOCK_FILE))
-            while directory != self._existing:
-                os.rmdir(directory)
-                directory = os.path.dirname(directory)
+            # Under the lock: a run starting here at this moment waits, and then locks afresh.
+            with storage.local_lock(lock):
+                if os.listdir(directory) != [LOCK_FILE]:
+                    return
+                os.unlink(lock)
+                while directory != self._existing:
+                    os.rmdir(directory)
+                    directory = os.path.dirname(directory)
         except OSError:  # another process writes there now: what is left is its
             pass
 

@@ -300,6 +300,34 @@ def test_conditional_writes_let_one_writer_win(root):
         storage.read_tagged(storage.join(base, "absent"), cfg)
 
 
+def test_a_local_lock_removed_by_its_holder_still_keeps_two_writers_apart(tmp_path):
+    """A refused run removes the lock file it made while holding it (`RunLease._tidy`). A writer
+    that was waiting got a lock on the removed file, and a third one, opening the file anew, was
+    let in beside it: two runs could each take one directory's lease."""
+    path, order = str(tmp_path / "run" / "run.lease.lock"), []
+    first_in = threading.Event()
+
+    def writer(name: str, entered: threading.Event | None = None) -> None:
+        with storage.local_lock(path):
+            order.append(f"{name} in")
+            if entered:
+                entered.set()
+                time.sleep(0.5)
+            order.append(f"{name} out")
+
+    with storage.local_lock(path):
+        waiting = threading.Thread(target=writer, args=("waiting", first_in))
+        waiting.start()
+        time.sleep(0.3)  # it waits on the lock
+        os.unlink(path)  # as a refused run tidies
+        os.rmdir(os.path.dirname(path))
+    assert first_in.wait(10)
+    late = threading.Thread(target=writer, args=("late",))
+    late.start()
+    waiting.join(10), late.join(10)
+    assert order == ["waiting in", "waiting out", "late in", "late out"]
+
+
 @pytest.mark.slow
 def test_a_process_that_read_parquet_from_s3_exits_cleanly(s3_server, s3_bucket):
     """Parquet bytes read from S3, then exit: pyarrow aborted about one time in three
