@@ -173,7 +173,9 @@ def load_sweep(path: str | Path, overrides: Optional[list[str]] = None) -> tuple
     """The sweep config and its base run config, overrides applied and both validated."""
     tree = read_yaml_mapping(path, "sweep file")
     sweep_overrides, base_overrides = split_overrides(list(overrides or []))
-    sweep: SweepConfig = build_dataclass(SweepConfig, merge_trees(tree, parse_overrides(sweep_overrides)))
+    # With overrides, errors name the keys as the command line writes them: sweep.<key>.
+    sweep: SweepConfig = build_dataclass(SweepConfig, merge_trees(tree, parse_overrides(sweep_overrides)),
+                                         SWEEP_PREFIX.rstrip(".") if sweep_overrides else "")
     if not sweep.base:
         raise ConfigError(f"{path}: `base` must name the base run config (a raylm train YAML)")
     base_path = Path(path).parent / sweep.base

@@ -190,7 +190,9 @@ def test_the_recommended_run_stays_within_the_tokens_per_parameter_the_ladder_tr
 def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
     with pytest.raises(ConfigError, match="unknown key ladder"):
         load_config(None, ["ladder.d_model=[16]"])  # a sweep key without `sweep.` goes to the run config
-    with pytest.raises(ConfigError, match=r"unknown key trial.evalz \(did you mean 'evals'\?\)"):
+    # Named as the command line writes them, sweep.<key>.
+    with pytest.raises(ConfigError, match=r"unknown key sweep.trial.evalz \(did you mean 'evals'\?\); "
+                                          r"valid keys in sweep.trial: "):
         plan(tiny_dataset, tmp_path, "sweep.trial.evalz=3")
     # Given to `raylm sweep`, the error says how to write it.
     with pytest.raises(ConfigError, match=r"'ladder.d_model=\[16\]' sets the sweep, not its base run: write "
