@@ -113,12 +113,26 @@ def resolve_run(cfg: Config, announce: bool = False, sizes: Optional[range] = No
     cfg = _absolute_paths(cfg)
     datasets = Datasets.load(cfg.data, cfg.storage)
     cfg = _fill_from_data(cfg, datasets.manifest, announce)
+    _check_val_split(cfg, datasets)
     layouts = resolve_layouts(cfg, datasets.manifest.seq_len, sizes)
     if cfg.data.verify:
         for uri, manifest in zip(datasets.uris, datasets.manifests):
             verify_or_raise(uri, cfg.storage, manifest)
     tokenizer = load_dataset_tokenizer(datasets.uris[0], cfg.storage, datasets.manifest)
     return RunSpec(cfg, datasets, tokenizer.to_json(), layouts)
+
+
+def _check_val_split(cfg: Config, datasets: Datasets) -> None:
+    """The stability guard's canary and train.eval_every read the val split: a dataset without
+    one (prepared with --val-fraction 0, or too small to fill a row) failed every worker, and
+    each of Ray's restarts again."""
+    needs = [what for what, on in (("guard.enabled (its canary batches)", cfg.guard.enabled),
+                                   (f"train.eval_every={cfg.train.eval_every}", cfg.train.eval_every > 0)) if on]
+    empty = [uri for uri, m in zip(datasets.uris, datasets.manifests) if not getattr(m.splits.get("val"), "rows", 0)]
+    if needs and empty:
+        raise ConfigError(f"{', '.join(empty)}: the val split is empty (prepared with --val-fraction 0, or too "
+                          f"little text for a row), and {' and '.join(needs)} read it: prepare the data with a "
+                          "val split, or set guard.enabled=false and train.eval_every=0")
 
 
 def world_sizes(cfg: Config) -> range:

@@ -96,3 +96,19 @@ def test_lr_below_the_schedule_floor_fails_at_load():
     with pytest.raises(ConfigError, match="schedule.min_lr"):
         tiny_config("x", "optim.lr=1e-4", "schedule.min_lr=1e-3")
 
+
+
+def test_a_dataset_without_a_val_split_is_refused_where_the_run_reads_one(tiny_dataset, tmp_path):
+    """Prepared with --val-fraction 0, a dataset trained with the guard on (its canary batches
+    come from the val split) failed every worker, and again at each of Ray's restarts."""
+    no_val = str(tmp_path / "no-val")
+    prepare_dataset([write_corpus(tmp_path / "text", documents=30)], no_val, seq_len=32, val_fraction=0.0)
+    with pytest.raises(ConfigError, match=rf"{no_val}: the val split is empty .* guard.enabled \(its canary "
+                                          r"batches\) and train.eval_every=4 read it"):
+        resolve_run(tiny_config(no_val))
+    with pytest.raises(ConfigError, match=r"the val split is empty .* and train.eval_every=4 read it"):
+        resolve_run(tiny_config(no_val, "guard.enabled=false"))
+    mixed = f"data.mixture=[{{path: {tiny_dataset}}}, {{path: {no_val}}}]"
+    with pytest.raises(ConfigError, match=rf"^{no_val}: the val split is empty"):
+        resolve_run(tiny_config("", "data.path=", mixed))
+    assert resolve_run(tiny_config(no_val, "guard.enabled=false", "train.eval_every=0")).datasets.uris == (no_val,)
