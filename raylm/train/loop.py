@@ -105,6 +105,8 @@ class Trainer:
         self.tasks = TaskScores(spec, self.model) if cfg.train.eval_tasks is not None else None
         # What a checkpoint needs besides tensors to be usable on its own (generation, export).
         files = {CONFIG_FILE: config_to_yaml(cfg), TOKENIZER_FILE: spec.tokenizer_json}
+        # What a resume compares to know it trains on the same tokens and the same samples.
+        self.data_identity = {"tokenizer_sha256": spec.tokenizer_sha256, "data_sha256": spec.data_sha256}
         self.checkpointer = Checkpointer(cfg.checkpoint, cfg.storage, env, self.model, self.optimizer, world, files)
         self.clock = StepClock(world)
         self.clock.add("preemption", lambda: True)  # each tick asks the cluster
@@ -455,8 +457,7 @@ class Trainer:
         save_start = time.perf_counter()
         if self.guard is not None:
             self.guard.save_history(self.state)
-        self.checkpointer.save(self.state.step, {**vars(self.state), "tokenizer_sha256": self.spec.tokenizer_sha256},
-                               metrics)
+        self.checkpointer.save(self.state.step, {**vars(self.state), **self.data_identity}, metrics)
         self.t0 = time.perf_counter()
         self.checkpoint_s = self.t0 - save_start  # outside step_time: reported with the next step
         self.last_report = time.monotonic()

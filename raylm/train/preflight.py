@@ -25,7 +25,7 @@ def preflight(spec: RunSpec, run_uri: str) -> Optional[str]:
         raise ConfigError(f"checkpoint.resume=never but {run_uri} already holds checkpoints ({len(existing)}, the "
                           f"newest {existing[0]}); choose another run.name or remove them")
     if restore:
-        check_resume(restore, config_to_dict(cfg), spec.tokenizer_sha256, cfg.storage)
+        check_resume(restore, config_to_dict(cfg), spec.tokenizer_sha256, cfg.storage, spec.data_sha256)
     if cfg.guard.enabled:
         refuse_guard_stopped(run_uri, cfg)
     return restore

@@ -12,6 +12,7 @@ the layout, and the model and the layout know nothing of the data.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import tempfile
@@ -53,6 +54,11 @@ class RunSpec:
     @property
     def tokenizer_sha256(self) -> str:
         return self.datasets.manifest.tokenizer.sha256
+
+    @property
+    def data_sha256(self) -> list[str]:
+        """Each dataset's manifest, hashed: a checkpoint records them, and a resume compares."""
+        return [hashlib.sha256(m.to_json().encode()).hexdigest() for m in self.datasets.manifests]
 
     def layout(self, world_size: int) -> ParallelDims:
         """The resolved layout of a world of `world_size` ranks."""

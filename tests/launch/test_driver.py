@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from raylm.config import ConfigError, load_config
+from raylm.data.prepare import prepare_dataset
 from raylm.launch.driver import launch
+from tests.support.fixtures import write_corpus
 from tests.support.processes import session_processes, signal_when
 
 pytestmark = pytest.mark.slow
@@ -70,7 +73,17 @@ def test_stopped_run_resumes_with_the_losses_of_an_uninterrupted_one(tiny_datase
         launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "checkpoint.resume=never"))
     with pytest.raises(FileNotFoundError, match=r"checkpoint.resume=required but .*nothing holds no complete"):
         launch(ray_config(tiny_dataset, tmp_path, "run.name=nothing", *common, "checkpoint.resume=required"))
-    launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common))
+    # Another order of the samples: some of the epoch would be trained twice, others never.
+    with pytest.raises(ConfigError, match=r"has trained 32 samples in an order .* \(2 difference\(s\)\):\n"
+                                          r"  data.seed: saved 0, now 5\n  data.chunk_rows: saved 8, now 4\n"):
+        launch(ray_config(tiny_dataset, tmp_path, "run.name=resumed", *common, "data.seed=5", "data.chunk_rows=4"))
+    other = str(tmp_path / "prepared-again")
+    prepare_dataset([write_corpus(tmp_path / "other-text", documents=60, seed=1)], other, seq_len=32)
+    with pytest.raises(ConfigError, match=rf"\n  data.path {other}: not the dataset trained \(its manifest differs"):
+        launch(ray_config(other, tmp_path, "run.name=resumed", *common))
+    # The same dataset elsewhere is the same data: it resumes, as if uninterrupted.
+    moved = shutil.copytree(tiny_dataset, tmp_path / "moved")
+    launch(ray_config(moved, tmp_path, "run.name=resumed", *common))
     straight = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight")}
     resumed = {r["step"]: r["loss"] for r in metrics(tmp_path / "resumed")}
     assert sorted(resumed) == list(range(1, 9))

@@ -19,9 +19,15 @@ the data):
 - train.seq_len: the data position counts sequences of this length;
 - the tokenizer (its sha256, recorded in train_state.json): token ids mean other text.
 
+Nor may the order of the training samples change once a run has trained some (`check_same_order`):
+the data position counts samples of that order, so under another one some samples of the epoch
+would be trained twice and others never. data.seed, data.chunk_rows, the mixture's weights
+(normalised) and the datasets themselves (each manifest's sha256, recorded in train_state.json)
+stay as saved; a dataset that moved (another path, the same manifest) is the same dataset.
+
 Everything else may change: the run's length, LR, schedule, intervals, batch size, parallel
 layout, dropout, norm_eps and rope_theta (numerics and a deliberate context-extension knob,
-not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it).
+not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it), data.skip.
 """
 
 from __future__ import annotations
@@ -93,16 +99,60 @@ def read_saved_config(checkpoint_uri: str, storage_cfg: Optional[StorageConfig] 
     return tree
 
 
+def _order_values(tree: dict) -> dict[str, Any]:
+    """What, besides the datasets themselves, fixes the order of the training samples."""
+    data = tree.get("data") or {}
+    weights = [float(c.get("weight", 1.0)) for c in data.get("mixture") or []] or [1.0]
+    return {"data.seed": data.get("seed"), "data.chunk_rows": data.get("chunk_rows"),
+            "data.mixture weights (normalised)": [round(w / sum(weights), 9) for w in weights]}
+
+
+def _dataset_paths(tree: dict) -> list[str]:
+    data = tree.get("data") or {}
+    return [f"data.mixture[{i}] {c.get('path')}" for i, c in enumerate(data.get("mixture") or [])] or \
+        [f"data.path {data.get('path')}"]
+
+
+def check_same_order(saved: dict, new: dict, position: int, saved_data_sha256: Optional[list[str]] = None,
+                     new_data_sha256: Optional[list[str]] = None) -> None:
+    """Raise ConfigError listing every difference in what orders the training samples, once the
+    run has trained `position` > 0 of them (see the module docstring); the datasets are compared
+    by their manifests' sha256 where the checkpoint recorded them."""
+    if position <= 0:
+        return
+    old_values, new_values = _order_values(saved), _order_values(new)
+    differences = [f"{key}: saved {old_values[key]!r}, now {new_values[key]!r}"
+                   for key in old_values if old_values[key] != new_values[key]]
+    if saved_data_sha256 and new_data_sha256 and saved_data_sha256 != new_data_sha256:
+        if len(saved_data_sha256) != len(new_data_sha256):
+            differences.append(f"datasets: saved {len(saved_data_sha256)}, now {len(new_data_sha256)}")
+        else:
+            differences += [f"{path}: not the dataset trained (its manifest differs: prepared again, or another one)"
+                            for path, old, now in zip(_dataset_paths(new), saved_data_sha256, new_data_sha256)
+                            if old != now]
+    if differences:
+        raise ConfigError(f"cannot resume: the run has trained {position:,} samples in an order the new config does "
+                          f"not give ({len(differences)} difference(s)):\n  " + "\n  ".join(differences) +
+                          "\nThe data position counts samples of the saved order: under another, samples of this "
+                          "epoch would be trained twice and others never. Keep these as saved (data.skip may "
+                          "change), or train these weights on other data as a new run: raylm export, then "
+                          "raylm import.")
+
+
 def check_resume(checkpoint_uri: str, new: dict, tokenizer_sha256: str,
-                               storage_cfg: Optional[StorageConfig] = None) -> None:
+                 storage_cfg: Optional[StorageConfig] = None, data_sha256: Optional[list[str]] = None) -> None:
     """Refuse what a resume from the checkpoint at `checkpoint_uri` may not change
-    (`check_resume_compatible`, against the config and tokenizer saved in it)."""
+    (`check_resume_compatible` and `check_same_order`, against the config and the train state
+    saved in it; `data_sha256`: the new run's datasets, as `RunSpec.data_sha256`)."""
     state_uri = storage.join(checkpoint_uri, TRAIN_STATE)
     try:
-        saved_tokenizer = json.loads(storage.read_bytes(state_uri, storage_cfg))["tokenizer_sha256"]
+        state = json.loads(storage.read_bytes(state_uri, storage_cfg))
+        saved_tokenizer, position = state["tokenizer_sha256"], int(state.get("position", 0))
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{state_uri} is not valid ({type(e).__name__}: {e})") from e
-    check_resume_compatible(read_saved_config(checkpoint_uri, storage_cfg), new, saved_tokenizer, tokenizer_sha256)
+    saved = read_saved_config(checkpoint_uri, storage_cfg)
+    check_resume_compatible(saved, new, saved_tokenizer, tokenizer_sha256)
+    check_same_order(saved, new, position, state.get("data_sha256"), data_sha256)
 
 
 # Keys that differ between any two invocations without being a change of the run.

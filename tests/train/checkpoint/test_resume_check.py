@@ -4,7 +4,7 @@ difference, and lets everything else change (checked against a real checkpoint's
 import pytest
 
 from raylm.config import ConfigError, config_to_dict
-from raylm.train.checkpoint.resume import check_resume, check_resume_compatible, read_saved_config
+from raylm.train.checkpoint.resume import check_resume, check_resume_compatible, check_same_order, read_saved_config
 from tests.support.checkpoints import TOKENIZER_SHA, make_run, tiny_config
 
 
@@ -54,3 +54,29 @@ def test_another_tokenizer_is_refused(saved):
     ckpt, tree = saved
     with pytest.raises(ConfigError, match=r"1 difference\(s\)\):\n  tokenizer: saved sha256 byte-tokeniz, now 0123456789ab"):
         check_resume(ckpt, tree, "0123456789abcdef")
+
+
+def test_the_order_of_the_samples_may_not_change_once_some_were_trained(saved):
+    """The data position counts samples of the saved order: a resume with another data.seed,
+    data.chunk_rows or mixture weights, or on re-prepared data, was accepted (a `config_changed`
+    event) and trained some samples of the epoch twice and others never."""
+    ckpt, tree = saved
+    two = "data.mixture=[{path: /d/a, weight: 1}, {path: /d/b, weight: 3}]"
+    new = config_to_dict(tiny_config("data.seed=5", "data.chunk_rows=16", two))
+    with pytest.raises(ConfigError) as refused:
+        check_resume(ckpt, new, TOKENIZER_SHA)
+    assert str(refused.value).startswith("cannot resume: the run has trained 8 samples in an order the new config "
+                                         "does not give (3 difference(s)):\n  data.seed: saved 0, now 5\n  "
+                                         "data.chunk_rows: saved 64, now 16\n  data.mixture weights (normalised): "
+                                         "saved [1.0], now [0.25, 0.75]\n")
+    # The same weights written otherwise, and data.skip, change nothing of the order.
+    reweighted = config_to_dict(tiny_config("data.mixture=[{path: /d/a, weight: 2}, {path: /d/b, weight: 6}]"))
+    check_same_order(config_to_dict(tiny_config(two)), reweighted, 8)
+    check_resume(ckpt, config_to_dict(tiny_config("data.skip=[[8, 12]]")), TOKENIZER_SHA)
+    check_same_order(tree, new, 0)  # nothing trained yet (an imported model): any order
+    # The datasets by their manifests: moved is the same data, prepared again is not.
+    check_same_order(tree, config_to_dict(tiny_config("data.path=/moved/here")), 8, ["m0"], ["m0"])
+    with pytest.raises(ConfigError, match=r"\(1 difference\(s\)\):\n  data.mixture\[1\] /d/b: not the dataset "
+                                          r"trained \(its manifest differs: prepared again, or another one\)\n"):
+        check_same_order(config_to_dict(tiny_config(two)), config_to_dict(tiny_config(two)), 8, ["m0", "m1"],
+                         ["m0", "m2"])
