@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import reprlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylm.config import StorageConfig
-from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, join, read_bytes,
+from raylm.data.storage import (BucketNotFoundError, StorageError, StorageNotFoundError, is_s3, join, read_bytes,
                                 write_bytes)
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
 from raylm.errors import DeterministicError
@@ -242,6 +243,8 @@ def _inside_dataset(name: object) -> bool:
 def load_manifest(dataset_uri: str, storage: Optional[StorageConfig] = None) -> Manifest:
     """The manifest of the prepared dataset at `dataset_uri` (a directory or s3:// prefix)."""
     uri = join(dataset_uri, MANIFEST_FILE)
+    if not is_s3(dataset_uri) and os.path.isfile(dataset_uri):
+        raise DatasetError(f"{dataset_uri} is a file: a prepared dataset is the directory that holds {MANIFEST_FILE}")
     try:
         data = read_bytes(uri, storage)
     except BucketNotFoundError:

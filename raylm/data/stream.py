@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from raylm.config import ConfigError, DataConfig, MixtureComponent, StorageConfig
 from raylm.data import storage
-from raylm.data.manifest import Manifest, load_manifest, manifest_from_dict
+from raylm.data.manifest import DatasetError, Manifest, load_manifest, manifest_from_dict
 from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
 
 
@@ -155,11 +155,15 @@ class Datasets:
     def load(cls, data: DataConfig, storage_cfg: Optional[StorageConfig]) -> "Datasets":
         """Read each dataset's manifest; the datasets must share a tokenizer and seq_len."""
         components = data.mixture or [MixtureComponent(data.path)]
+        manifests: list[Manifest] = []
         for i, c in enumerate(components):
+            key = f"data.mixture[{i}].path" if data.mixture else "data.path"
             if not c.path:
-                key = f"data.mixture[{i}].path" if data.mixture else "data.path"
                 raise ConfigError(f"{key} is empty: point it at a dataset written by `raylm prepare`")
-        manifests = tuple(load_manifest(c.path, storage_cfg) for c in components)
+            try:
+                manifests.append(load_manifest(c.path, storage_cfg))
+            except DatasetError as e:
+                raise DatasetError(f"{e}, given as {key}") from None
         first, first_uri = manifests[0], components[0].path
         for i, (c, m) in enumerate(zip(components, manifests)):
             if m.seq_len != first.seq_len or m.tokenizer.sha256 != first.tokenizer.sha256:
@@ -168,7 +172,7 @@ class Datasets:
                     f"{m.tokenizer.sha256[:12]}) differs from data.mixture[0] ({first_uri}: seq_len "
                     f"{first.seq_len}, tokenizer {first.tokenizer.kind} {first.tokenizer.sha256[:12]}); "
                     "prepare every component with the same tokenizer and --seq-len")
-        return cls(tuple(c.path for c in components), tuple(c.weight for c in components), manifests)
+        return cls(tuple(c.path for c in components), tuple(c.weight for c in components), tuple(manifests))
 
     @property
     def manifest(self) -> Manifest:

@@ -11,6 +11,7 @@ import pytest
 
 from raylm.config import ConfigError
 from raylm.data import storage
+from raylm.data.manifest import DatasetError
 from raylm.data.prepare import prepare_dataset
 from raylm.data.storage import StorageError
 from raylm.data.tokenizer import ByteTokenizer
@@ -112,3 +113,16 @@ def test_a_dataset_without_a_val_split_is_refused_where_the_run_reads_one(tiny_d
     with pytest.raises(ConfigError, match=rf"^{no_val}: the val split is empty"):
         resolve_run(tiny_config("", "data.path=", mixed))
     assert resolve_run(tiny_config(no_val, "guard.enabled=false", "train.eval_every=0")).datasets.uris == (no_val,)
+
+
+def test_a_path_that_is_no_dataset_names_the_key_it_was_given_as(tiny_dataset, tmp_path):
+    missing = str(tmp_path / "missing")
+    with pytest.raises(DatasetError, match=rf"^{missing} is not a prepared dataset .*, given as data.path$"):
+        resolve_run(tiny_config(missing))
+    mixture = f"data.mixture=[{{path: {tiny_dataset}}}, {{path: {missing}}}]"
+    with pytest.raises(DatasetError, match=r"not a prepared dataset .*, given as data.mixture\[1\].path$"):
+        resolve_run(tiny_config("", "data.path=", mixture))
+    # The manifest itself given (it said: "manifest.json/manifest.json: [Errno 20] ... Not a directory").
+    with pytest.raises(DatasetError, match=rf"^{tiny_dataset}/manifest.json is a file: a prepared dataset is the "
+                                           r"directory that holds manifest.json, given as data.path$"):
+        resolve_run(tiny_config(f"{tiny_dataset}/manifest.json"))
