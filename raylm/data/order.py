@@ -103,6 +103,16 @@ class DatasetOrder:
         return positions[(positions >= lo) & (positions < hi)]
 
 
+def block_counts(weights: list[float]) -> list[int]:
+    """Each dataset's positions in a mix block of MIX_BLOCK, in proportion to its weight (largest
+    remainder: the block holds exactly MIX_BLOCK positions)."""
+    quotas = [w / sum(weights) * MIX_BLOCK for w in weights]
+    counts = [int(q) for q in quotas]
+    for i in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[: MIX_BLOCK - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
 class SampleOrder:
     """Global index -> (dataset, shard, row) for one dataset or a weighted mixture."""
 
@@ -112,13 +122,7 @@ class SampleOrder:
         if any(w <= 0 for w in weights):
             raise ValueError(f"mixture weights must be positive, got {weights}")
         self.datasets, self.seed = datasets, seed
-        total = sum(weights)
-        quotas = [w / total * MIX_BLOCK for w in weights]
-        counts = [int(q) for q in quotas]
-        # Largest remainder: the block holds exactly MIX_BLOCK positions.
-        for i in sorted(range(len(quotas)), key=lambda i: counts[i] - quotas[i])[: MIX_BLOCK - sum(counts)]:
-            counts[i] += 1
-        self.block_counts = counts
+        self.block_counts = block_counts(weights)
 
     @lru_cache(maxsize=8)
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from raylm.config import ConfigError, DataConfig, MixtureComponent, StorageConfig
 from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_manifest, manifest_from_dict
-from raylm.data.order import DatasetOrder, SampleOrder, batch_indices, rank_slice
+from raylm.data.order import MIX_BLOCK, DatasetOrder, SampleOrder, batch_indices, block_counts, rank_slice
 
 
 STEPS_PER_READ = 16
@@ -172,6 +172,12 @@ class Datasets:
                     f"{m.tokenizer.sha256[:12]}) differs from data.mixture[0] ({first_uri}: seq_len "
                     f"{first.seq_len}, tokenizer {first.tokenizer.kind} {first.tokenizer.sha256[:12]}); "
                     "prepare every component with the same tokenizer and --seq-len")
+        if len(components) > 1:
+            for i, count in enumerate(block_counts([c.weight for c in components])):
+                if count == 0:  # its share rounds to no sample of a block: never trained on, silently
+                    raise ConfigError(f"data.mixture[{i}].weight={components[i].weight:g} is less than 1/{MIX_BLOCK} "
+                                      f"of the weights' sum ({sum(c.weight for c in components):g}): the mixture "
+                                      f"interleaves blocks of {MIX_BLOCK} samples, and that dataset would get none")
         return cls(tuple(c.path for c in components), tuple(c.weight for c in components), tuple(manifests))
 
     @property

@@ -126,3 +126,13 @@ def test_a_path_that_is_no_dataset_names_the_key_it_was_given_as(tiny_dataset, t
     with pytest.raises(DatasetError, match=rf"^{tiny_dataset}/manifest.json is a file: a prepared dataset is the "
                                            r"directory that holds manifest.json, given as data.path$"):
         resolve_run(tiny_config(f"{tiny_dataset}/manifest.json"))
+
+
+def test_a_mixture_weight_too_small_for_one_sample_of_a_block_is_refused(tiny_dataset, tmp_path):
+    other = shutil.copytree(tiny_dataset, tmp_path / "copy")
+    tiny = f"data.mixture=[{{path: {tiny_dataset}, weight: 1}}, {{path: {other}, weight: 0.000001}}]"
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\].weight=1e-06 is less than 1/1000 of the weights' sum "
+                                          r"\(1\): .* that dataset would get none"):
+        resolve_run(tiny_config("", "data.path=", tiny))
+    enough = f"data.mixture=[{{path: {tiny_dataset}, weight: 1}}, {{path: {other}, weight: 0.002}}]"
+    assert resolve_run(tiny_config("", "data.path=", enough)).datasets.weights == (1.0, 0.002)
