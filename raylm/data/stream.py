@@ -62,6 +62,14 @@ class BatchSchedule:
         """Every size a run goes through."""
         return [self.final] if self.start is None else list(range(self.start, self.final + 1, self.increment))
 
+    def samples(self, steps: int) -> int:
+        """The samples `steps` steps consume (stepping only through the ramp)."""
+        consumed = step = 0
+        while step < steps and self.size(consumed) != self.final:
+            consumed += self.size(consumed)
+            step += 1
+        return consumed + (steps - step) * self.final
+
 
 _shards: OrderedDict[str, np.ndarray] = OrderedDict()
 

@@ -125,7 +125,21 @@ def resolve_run(cfg: Config, announce: bool = False, sizes: Optional[range] = No
         for uri, manifest in zip(datasets.uris, datasets.manifests):
             verify_or_raise(uri, cfg.storage, manifest)
     tokenizer = load_dataset_tokenizer(datasets.uris[0], cfg.storage, datasets.manifest)
-    return RunSpec(cfg, datasets, tokenizer.to_json(), layouts)
+    spec = RunSpec(cfg, datasets, tokenizer.to_json(), layouts)
+    if announce:
+        _announce_epochs(spec)
+    return spec
+
+
+def _announce_epochs(spec: RunSpec) -> None:
+    """A run longer than an epoch of a dataset trains its samples again, each epoch in another
+    order: said at the start, not found in the losses."""
+    samples, weights = spec.batch_schedule.samples(spec.config.train.steps), spec.datasets.weights
+    repeated = [(samples * w / sum(weights) / m.splits["train"].rows, uri, m.splits["train"].rows)
+                for uri, w, m in zip(spec.datasets.uris, weights, spec.datasets.manifests)]
+    if listed := [f"{epochs:.2f} epochs of {uri} ({rows:,} rows)" for epochs, uri, rows in repeated if epochs > 1]:
+        print(f"raylm: train.steps={spec.config.train.steps} trains {samples:,} samples: {', '.join(listed)}; each "
+              "epoch after the first trains the same samples again, in another order", flush=True)
 
 
 def _check_val_split(cfg: Config, datasets: Datasets) -> None:

@@ -136,3 +136,13 @@ def test_a_mixture_weight_too_small_for_one_sample_of_a_block_is_refused(tiny_da
         resolve_run(tiny_config("", "data.path=", tiny))
     enough = f"data.mixture=[{{path: {tiny_dataset}, weight: 1}}, {{path: {other}, weight: 0.002}}]"
     assert resolve_run(tiny_config("", "data.path=", enough)).datasets.weights == (1.0, 0.002)
+
+
+def test_a_run_longer_than_an_epoch_says_so_at_the_start(tiny_dataset, capsys):
+    rows = resolve_run(tiny_config(tiny_dataset)).datasets.manifest.splits["train"].rows
+    steps = rows // 4  # 8 samples a step: two epochs
+    resolve_run(tiny_config(tiny_dataset, f"train.steps={steps}"), announce=True)
+    assert (f"raylm: train.steps={steps} trains {steps * 8:,} samples: {steps * 8 / rows:.2f} epochs of {tiny_dataset} "
+            f"({rows:,} rows); each epoch after the first trains the same samples again") in capsys.readouterr().out
+    resolve_run(tiny_config(tiny_dataset, f"train.steps={rows // 8}"), announce=True)
+    assert "epochs of" not in capsys.readouterr().out
