@@ -111,8 +111,10 @@ class ShardReader:
         """The token rows at `rows` (row numbers within the shard), in that order."""
         pf = self._file(uri)
         if len(rows) and (rows.min() < 0 or rows.max() >= pf.metadata.num_rows):
-            raise IndexError(f"{uri}: rows {rows.min()}..{rows.max()} out of range "
-                             f"(shard has {pf.metadata.num_rows} rows)")
+            # Not a read that a restart could cure: the shard is not the one its manifest lists.
+            raise DatasetError(f"{uri}: rows {rows.min()}..{rows.max()} asked for, but the shard holds "
+                               f"{pf.metadata.num_rows}: it was replaced or cut short since the dataset was "
+                               "prepared (`raylm data verify` checks every shard against its manifest)")
         whole = self._whole(uri)
         if whole is not None:
             return whole[rows]

@@ -1,14 +1,16 @@
 """The token stream over real prepared shards: exact coverage, world-size independence, resume."""
 
 import collections
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from raylm.config import DataConfig
-from raylm.data.manifest import load_manifest
+from raylm.data.manifest import DatasetError, load_manifest
 from raylm.data.stream import Datasets, TokenStream
+from raylm.errors import DeterministicError
 from tests.support.order import locate
 
 
@@ -106,3 +108,16 @@ def test_row_group_reads_give_the_same_batches_as_whole_shards(tiny_dataset, mon
     assert not stream._shards
     for a, b in zip(whole, by_groups):
         assert all(np.array_equal(x.tokens, y.tokens) for x, y in zip(a, b))
+
+
+def test_a_shard_cut_short_since_its_manifest_is_an_error_no_restart_cures(tiny_dataset, tmp_path):
+    """With data.verify off, a shard that holds fewer rows than its manifest lists raised an
+    IndexError, and Ray restarted the run into it run.max_failures times."""
+    copy = str(shutil.copytree(tiny_dataset, tmp_path / "copy"))
+    shard = load_manifest(copy).shard_uris(copy, "train")[0]
+    table = pq.read_table(shard)
+    pq.write_table(table.slice(0, table.num_rows // 2), shard)
+    with pytest.raises(DatasetError, match=rf"^{shard}: rows \d+\.\.\d+ asked for, but the shard holds "
+                                           rf"{table.num_rows // 2}: it was replaced or cut short") as raised:
+        rank_streams(copy, 1, 0, 0, table.num_rows // 6 + 1)
+    assert isinstance(raised.value, DeterministicError)

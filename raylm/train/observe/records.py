@@ -76,7 +76,7 @@ def merged_lines(*texts: bytes) -> bytes:
             if not line.strip() or line in seen:
                 continue
             seen.add(line)
-            with contextlib.suppress(ValueError, TypeError, KeyError, IndexError):
+            with contextlib.suppress(ValueError, TypeError, KeyError):
                 when = float(json.loads(line)["time"])
             keyed.append((when, len(keyed), line))
     return b"".join(line + b"\n" for _, _, line in sorted(keyed))
