@@ -5,11 +5,12 @@ so that a refusal is one clear error before any work. No torch here."""
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from raylm.config import ConfigError, config_to_dict
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.resume import check_resume, latest_usable
+from raylm.train.checkpoint.resume import check_resume, latest_usable, skip_behind
 from raylm.train.resilience.guard_stop import refuse_guard_stopped
 from raylm.train.spec import RunSpec
 
@@ -25,7 +26,9 @@ def preflight(spec: RunSpec, run_uri: str) -> Optional[str]:
         raise ConfigError(f"checkpoint.resume=never but {run_uri} already holds checkpoints ({len(existing)}, the "
                           f"newest {existing[0]}); choose another run.name or remove them")
     if restore:
-        check_resume(restore, config_to_dict(cfg), spec.tokenizer_sha256, cfg.storage, spec.data_sha256)
+        position = check_resume(restore, config_to_dict(cfg), spec.tokenizer_sha256, cfg.storage, spec.data_sha256)
+        if warning := skip_behind(position, cfg.data.skip):
+            print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
     if cfg.guard.enabled:
         refuse_guard_stopped(run_uri, cfg)
     return restore

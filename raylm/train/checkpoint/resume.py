@@ -140,10 +140,11 @@ def check_same_order(saved: dict, new: dict, position: int, saved_data_sha256: O
 
 
 def check_resume(checkpoint_uri: str, new: dict, tokenizer_sha256: str,
-                 storage_cfg: Optional[StorageConfig] = None, data_sha256: Optional[list[str]] = None) -> None:
+                 storage_cfg: Optional[StorageConfig] = None, data_sha256: Optional[list[str]] = None) -> int:
     """Refuse what a resume from the checkpoint at `checkpoint_uri` may not change
     (`check_resume_compatible` and `check_same_order`, against the config and the train state
-    saved in it; `data_sha256`: the new run's datasets, as `RunSpec.data_sha256`)."""
+    saved in it; `data_sha256`: the new run's datasets, as `RunSpec.data_sha256`); returns the
+    data position it resumes at."""
     state_uri = storage.join(checkpoint_uri, TRAIN_STATE)
     try:
         state = json.loads(storage.read_bytes(state_uri, storage_cfg))
@@ -153,6 +154,18 @@ def check_resume(checkpoint_uri: str, new: dict, tokenizer_sha256: str,
     saved = read_saved_config(checkpoint_uri, storage_cfg)
     check_resume_compatible(saved, new, saved_tokenizer, tokenizer_sha256)
     check_same_order(saved, new, position, state.get("data_sha256"), data_sha256)
+    return position
+
+
+def skip_behind(position: int, skip: list[list[int]]) -> Optional[str]:
+    """A warning when data.skip ranges lie (in part) behind the data position a run resumes at:
+    those samples were trained already, and skipping them does nothing (step numbers given for
+    sample positions, most likely)."""
+    behind = [[start, min(end, position)] for start, end in skip if start < position]
+    if not behind:
+        return None
+    return (f"data.skip {behind} lies behind the data position {position:,} this run resumes at: those samples "
+            "were trained already, and skipping them does nothing (the ranges count samples, not steps)")
 
 
 # Keys that differ between any two invocations without being a change of the run.

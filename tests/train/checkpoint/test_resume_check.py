@@ -4,7 +4,8 @@ difference, and lets everything else change (checked against a real checkpoint's
 import pytest
 
 from raylm.config import ConfigError, config_to_dict
-from raylm.train.checkpoint.resume import check_resume, check_resume_compatible, check_same_order, read_saved_config
+from raylm.train.checkpoint.resume import (check_resume, check_resume_compatible, check_same_order, read_saved_config,
+                                          skip_behind)
 from tests.support.checkpoints import TOKENIZER_SHA, make_run, tiny_config
 
 
@@ -80,3 +81,9 @@ def test_the_order_of_the_samples_may_not_change_once_some_were_trained(saved):
                                           r"trained \(its manifest differs: prepared again, or another one\)\n"):
         check_same_order(config_to_dict(tiny_config(two)), config_to_dict(tiny_config(two)), 8, ["m0", "m1"],
                          ["m0", "m2"])
+
+
+def test_skip_ranges_behind_the_resumed_position_are_named():
+    assert skip_behind(80, [[100, 120]]) is None
+    assert skip_behind(80, [[0, 40], [78, 90], [200, 210]]).startswith(
+        "data.skip [[0, 40], [78, 80]] lies behind the data position 80 this run resumes at")
