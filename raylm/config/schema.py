@@ -69,7 +69,9 @@ class DataConfig:
     path: str = ""
     """Prepared dataset (directory or s3:// URI written by `raylm prepare`)."""
     mixture: list[MixtureComponent] = field(default_factory=list)
-    """Weighted datasets to interleave instead of `path` (weights are normalised)."""
+    """Weighted datasets to interleave instead of `path` (weights are normalised; each at least
+    1/1000 of their sum). Like seed and chunk_rows, fixed once a run has trained: a resume
+    refuses another order of the samples."""
     seed: int = 0
     """Seeds the sample order: the order is a pure function of (manifests, seed, epoch)."""
     chunk_rows: int = 64
