@@ -33,6 +33,7 @@ from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.data.storage import ConditionFailedError, StorageNotFoundError
 from raylm.errors import DeterministicError
+from raylm.ray_runtime import ray_job_id
 from raylm.train.observe.records import EVENTS_FILE, append_event
 
 LEASE_FILE = "run.lease"
@@ -161,7 +162,7 @@ class RunLease:
     def _record(self) -> bytes:
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": pid,
-                           "pid_start": _start_time(pid), "ray_job": os.environ.get("RAY_JOB_SUBMISSION_ID"),
+                           "pid_start": _start_time(pid), "ray_job": ray_job_id(),
                            "argv": " ".join(sys.argv)[:300], "heartbeat": time.time(),
                            "token": self.token}).encode()
 

@@ -44,6 +44,19 @@ def test_a_second_run_is_refused_naming_the_holder_until_the_first_ends(run_dir,
         pass
 
 
+def test_a_lease_taken_in_a_ray_job_names_the_job(tmp_path, monkeypatch):
+    """The lease read RAY_JOB_SUBMISSION_ID, which Ray's job supervisor never sets: a refusal
+    could not name the job to stop. The supervisor gives the entrypoint its job config, whose
+    metadata holds the submission id (ray/dashboard/modules/job/job_supervisor.py)."""
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {}, "metadata": {"job_submission_id": "raylm-demo-3", "job_name": "raylm-demo-3"}}))
+    uri = str(tmp_path / "run")
+    with RunLease(uri, None, timeout_s=60):
+        assert lease_of(uri, None)["ray_job"] == "raylm-demo-3"
+        with pytest.raises(LeaseHeldError, match=rf"pid {os.getpid()}, Ray job raylm-demo-3; heartbeat"):
+            RunLease(uri, None, timeout_s=60).acquire()
+
+
 def test_the_heartbeat_keeps_the_lease_fresh(run_dir):
     uri, storage_cfg = run_dir
     with RunLease(uri, storage_cfg, timeout_s=10) as lease:  # beats every 10/6 s
