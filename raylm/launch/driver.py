@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Optional
 
-from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_to_yaml
+from raylm.config import CONFIG_FILE, Config, ConfigError, ParallelConfig, StorageConfig, config_to_yaml
 from raylm.data import storage
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
@@ -185,6 +185,8 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
     own_ray = start_ray(cfg.run.ray_address,
                         cfg.run.ray_num_cpus or local_num_cpus(parallel.num_workers, parallel.cpus_per_worker),
                         threads, dashboard=cfg.run.dashboard)
+    if not own_ray and (warning := no_node_fits_a_worker(parallel)):
+        print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
     # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.launch.scaling).
     fixed_on_own_ray = own_ray and not parallel.min_workers
     if not fixed_on_own_ray:
@@ -217,6 +219,29 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
+
+
+def no_node_fits_a_worker(parallel: ParallelConfig) -> Optional[str]:
+    """Why no node of the joined cluster can hold one worker now, or None. Ray Train waits for one
+    without a word on the console (its controller's log says it has resources for 0 workers); an
+    autoscaler may yet add a node that fits, so this is said, not refused."""
+    import ray
+
+    need = {"CPU": parallel.cpus_per_worker, **({"GPU": 1.0} if parallel.use_gpu else {})}
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if any(all(resources.get(k, 0) >= v for k, v in need.items()) for resources in nodes):
+        return None
+    def count(n: float, what: str) -> str:
+        return f"{n:g} {what}" + ("" if n == 1 else "s")
+
+    largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
+    has = count(largest.get("CPU", 0), "CPU")
+    if parallel.use_gpu:
+        has += f" and {count(largest.get('GPU', 0), 'GPU')}"
+    wants = count(parallel.cpus_per_worker, "CPU") + (" and a GPU" if parallel.use_gpu else "")
+    return (f"no node of this Ray cluster can hold one worker now: each needs {wants} "
+            f"(parallel.cpus_per_worker, parallel.use_gpu), the largest node has {has}; the run waits "
+            "until a node that fits joins")
 
 
 def _fit(trainer: "DataParallelTrainer", cfg: Config) -> None:

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from raylm.config import ConfigError, load_config
-from raylm.launch.driver import with_machine_defaults
+from raylm.launch.driver import no_node_fits_a_worker, with_machine_defaults
 
 
 def test_auto_gives_a_local_run_every_core_and_the_in_process_loader(capsys, monkeypatch):
@@ -39,3 +39,16 @@ def test_an_explicit_value_wins_and_a_joined_cluster_gets_one_cpu_and_ray_data(c
     assert "warning" not in capsys.readouterr().err  # a joined cluster's cores are its nodes'
     with pytest.raises(ConfigError, match="parallel.cpus_per_worker must be positive or auto"):
         load_config(None, ["parallel.cpus_per_worker=0"])
+
+
+def test_a_joined_cluster_without_a_node_that_fits_a_worker_is_named(ray_session):
+    """A job whose workers no node can hold waited with nothing on its console (helper trial: 3
+    CPUs per worker on nodes of 2). The test session's Ray is one node of 4 CPUs and no GPU."""
+    fits = load_config(None, ["parallel.cpus_per_worker=4"]).parallel
+    assert no_node_fits_a_worker(fits) is None
+    assert no_node_fits_a_worker(load_config(None, ["parallel.cpus_per_worker=6"]).parallel) == (
+        "no node of this Ray cluster can hold one worker now: each needs 6 CPUs (parallel.cpus_per_worker, "
+        "parallel.use_gpu), the largest node has 4 CPUs; the run waits until a node that fits joins")
+    gpu = load_config(None, ["parallel.cpus_per_worker=1", "parallel.use_gpu=true"]).parallel
+    assert ("each needs 1 CPU and a GPU (parallel.cpus_per_worker, parallel.use_gpu), the largest node has 4 CPUs "
+            "and 0 GPUs") in no_node_fits_a_worker(gpu)
