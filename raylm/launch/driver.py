@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 RAY_CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's, in the run directory
+# How long a Ctrl-C or SIGTERM waits for Ray Train's controller to abort the run: a training run's
+# abort took up to 15 s on 2 cores; `ray job stop` kills the driver 30 s after its SIGTERM (cluster/).
+ABORT_TIMEOUT_S = 20.0
 
 
 def _train_fn_per_worker(loop_config: dict) -> None:
@@ -169,7 +172,7 @@ def _interruption(uri: str, storage_cfg: Optional[StorageConfig], sigterm: bool,
     if last:
         where = f"; the last checkpoint is {last}: the same command resumes from it"
     else:
-        where = (f" before a checkpoint of {uri}" if training else ":") + " the same command starts it again"
+        where = (f" before a checkpoint of {uri}:" if training else ":") + " the same command starts it again"
     return RunInterrupted(stopped + where, 128 + signal.SIGTERM if sigterm else 130)
 
 
@@ -316,6 +319,26 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
         def _create_default_callbacks(self):
             return [callback for callback in super()._create_default_callbacks()
                     if not isinstance(callback, tuple(unused))]
+
+        def _register_sigint_handler(self, controller) -> None:
+            # Ray Train's handler waits for the controller's abort without end. A controller
+            # waiting for workers the cluster cannot place blocks its loop in each attempt to
+            # start them (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S at a time) and took the abort
+            # past `ray job stop`'s grace period: the driver was killed without a word, its
+            # lease left behind. An abort not done in ABORT_TIMEOUT_S kills the controller (the
+            # worker actors it owns go with it); the driver then stops as from any Ctrl-C.
+            import ray
+
+            def abort(signum: int, frame: object) -> None:
+                try:
+                    ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+                except ray.exceptions.GetTimeoutError:
+                    ray.kill(controller, no_restart=True)
+                except ray.exceptions.RayActorError:
+                    pass  # aborted: the controller exits as its abort ends
+                sys.exit(0)
+
+            signal.signal(signal.SIGINT, abort)
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             if policy is not None:

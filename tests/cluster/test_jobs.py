@@ -238,6 +238,28 @@ def test_stopped_job_resubmitted_resumes_with_the_losses_of_an_uninterrupted_run
     assert not mismatched, f"(step, resumed, uninterrupted): {mismatched[:5]}"
 
 
+def test_a_job_no_node_can_hold_says_so_and_a_stop_ends_it_with_its_line(cluster, jobs, dataset, tmp_path):
+    """3 CPUs a worker on nodes of 2 (a user trial): the job waited without a word, and `ray job
+    stop` killed its driver 30 s later (Ray Train's abort waited on a controller blocked in its
+    attempts to start the workers), with no line of raylm's and the run's lease left behind."""
+    run_dir = tmp_path / "unplaceable"
+    submit(jobs, "raylm-unplaceable-1", "jobs/pretrain.py",
+           *train_args(dataset, str(tmp_path), "unplaceable", "parallel.cpus_per_worker=3"))
+    deadline = time.monotonic() + 180
+    while "no node of this Ray cluster can hold one worker now: each needs 3 CPUs" not in \
+            (logs := jobs.get_job_logs("raylm-unplaceable-1")):
+        assert time.monotonic() < deadline and jobs.get_job_status("raylm-unplaceable-1").value in (
+            "PENDING", "RUNNING"), logs[-3000:]
+        time.sleep(0.5)
+    time.sleep(3)  # the controller in its first attempt to start the workers
+    assert jobs.stop_job("raylm-unplaceable-1")
+    assert wait_for_status(jobs, "raylm-unplaceable-1") == "STOPPED"
+    logs = jobs.get_job_logs("raylm-unplaceable-1")
+    assert f"raylm: stopped by SIGTERM before a checkpoint of {run_dir}: the same command starts it again" in logs, \
+        logs[-3000:]
+    assert not (run_dir / "run.lease").exists()
+
+
 def test_bad_input_fails_the_job_before_any_worker_starts_with_the_message_in_its_logs(
         cluster, jobs, dataset, tmp_path):
     """All submitted at once (their start-ups overlap); the logs read as `ray job logs` reads them."""
