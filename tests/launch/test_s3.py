@@ -100,7 +100,9 @@ def test_the_drivers_records_reach_s3_when_rank_0_runs_on_another_node(s3_server
 def test_corrupted_shard_on_s3_is_refused_by_name(s3_server, s3_bucket, tmp_path):
     data = f"{s3_bucket}/prepared"
     corpus = write_corpus(tmp_path / "text", documents=20)
-    prepare_dataset([corpus], data, tokenizer="byte", seq_len=32, storage=s3_server.storage, shard_rows=50)
+    # A val split for the guard's canary (10% of 20 documents drew none): only the shard is wrong.
+    prepare_dataset([corpus], data, tokenizer="byte", seq_len=32, val_fraction=0.3, storage=s3_server.storage,
+                    shard_rows=50)
     shard = f"{data}/train-00001.parquet"
     raw = bytearray(storage.read_bytes(shard, s3_server.storage))
     raw[len(raw) // 2] ^= 0xFF
