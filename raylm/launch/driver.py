@@ -234,6 +234,7 @@ def no_node_fits_a_worker(parallel: ParallelConfig) -> Optional[str]:
     nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
     if any(all(resources.get(k, 0) >= v for k, v in need.items()) for resources in nodes):
         return None
+
     def count(n: float, what: str) -> str:
         return f"{n:g} {what}" + ("" if n == 1 else "s")
 
