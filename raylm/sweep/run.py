@@ -564,24 +564,18 @@ def read_trials(directory: str) -> list[dict]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         for row in reader:
-            row = {k: v for k, v in {"seed": "0", **row}.items() if k in COLUMNS}
-            try:
-                rows.append({k: (v if k in text else float(v)) for k, v in row.items()})
-            except (TypeError, ValueError):
-                bad = next(k for k, v in row.items() if v is None or (k not in text and not _is_number(v)))
-                what = f"has no {bad}: the line is cut short" if row[bad] is None else \
-                    f"{bad}={row[bad]!r} is not a number"
-                raise ConfigError(f"{path} line {reader.line_num}: {what}; a sweep writes this file whole, so it "
-                                  "was edited or copied in part") from None
+            parsed = {}
+            for k, v in {"seed": "0", **row}.items():
+                if k not in COLUMNS:
+                    continue
+                try:
+                    parsed[k] = v if k in text and v is not None else float(v)
+                except (TypeError, ValueError):
+                    what = f"has no {k}: the line is cut short" if v is None else f"{k}={v!r} is not a number"
+                    raise ConfigError(f"{path} line {reader.line_num}: {what}; a sweep writes this file whole, so "
+                                      "it was edited or copied in part") from None
+            rows.append(parsed)
     return rows
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:
