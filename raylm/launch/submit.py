@@ -12,8 +12,9 @@ and adds: the config is checked here before anything is submitted; the submissio
 derived from the run name, the attempt one past the run's earlier jobs (Ray refuses to reuse
 an id), so a resubmitted run resumes from its newest checkpoint under its own name; a second
 job for a run whose job is still active is refused; logs are followed and the exit status is
-the job's (0 only for SUCCEEDED). The job's status is polled as the truth: following the logs
-can end before the job does (ray-project/ray#51601).
+the job's (0 only for SUCCEEDED; a failed job's driver's own status, 2 for bad input). The
+job's status is polled as the truth: following the logs can end before the job does
+(ray-project/ray#51601).
 """
 
 from __future__ import annotations
@@ -142,8 +143,12 @@ def submit(config: str, overrides: list[str], address: Optional[str], wait: bool
               file=sys.stderr)
         return 130
     if status.value != "SUCCEEDED":
-        print(f"raylm: error: job {job_id} {status.value}: {client.get_job_info(job_id).message}", file=sys.stderr)
-        return 1
+        info = client.get_job_info(job_id)
+        print(f"raylm: error: job {job_id} {status.value}: {info.message}", file=sys.stderr)
+        # The driver's own status where it exited with one: 2 tells a script that the input is
+        # wrong and a resubmission would fail the same way. A stop or a killed driver gives 1.
+        code = info.driver_exit_code
+        return code if code is not None and 0 < code < 256 else 1
     print(f"raylm: job {job_id} SUCCEEDED")
     return 0
 

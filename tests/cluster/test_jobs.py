@@ -287,6 +287,17 @@ def test_bad_input_fails_the_job_before_any_worker_starts_with_the_message_in_it
     assert os.listdir(storage) == []  # no run directory, no dataset: nothing started
 
 
+def test_raylm_submit_exits_with_the_status_of_a_job_that_failed_on_bad_input(cluster, jobs, tmp_path):
+    """A user trial: the job's driver exited 2 (a missing dataset) and `raylm submit` exited 1, so
+    a script could not tell bad input from a failure worth resubmitting."""
+    missing = tmp_path / "missing"
+    out = run(cluster, *RAYLM, "submit", *train_args(str(missing), str(tmp_path), "no-data"))
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-2000:]
+    assert f"raylm: error: {missing} is not a prepared dataset" in out.stdout, out.stdout[-3000:]
+    assert "raylm: error: job raylm-no-data-1 FAILED" in out.stderr, out.stderr
+    assert jobs.get_job_info("raylm-no-data-1").driver_exit_code == 2
+
+
 def test_raylm_submit_refuses_bad_input_before_submitting(cluster, jobs, dataset, tmp_path):
     unreachable = run(cluster, *RAYLM, "submit", *train_args(dataset, str(tmp_path), "nowhere"),
                       "--address", "http://127.0.0.1:9")
