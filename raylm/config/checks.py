@@ -4,6 +4,8 @@ is resolved (`raylm.train.spec`), which knows the model, the layout and the data
 
 from __future__ import annotations
 
+import os
+
 from raylm.config.schema import Config
 from raylm.errors import ConfigError
 
@@ -125,9 +127,22 @@ def _check_ranges(cfg: Config) -> None:
         # Ray Train's ScalingConfig refused it with a traceback once Ray had started.
         raise ConfigError(f"parallel.min_workers ({p.min_workers}) must be at most parallel.num_workers "
                           f"({p.num_workers})")
+    first_index: dict[str, int] = {}
     for i, component in enumerate(cfg.data.mixture):
         if not 0.0 < component.weight < float("inf"):
             raise ConfigError(f"data.mixture[{i}].weight must be positive, got {component.weight}")
+        # Two components over one dataset each walk its samples in their own order, so an epoch
+        # of the mixture would train some samples twice before others once.
+        same = first_index.setdefault(_dataset_key(component.path), i)
+        if same != i:
+            raise ConfigError(f"data.mixture[{i}].path {component.path!r} is the dataset of data.mixture[{same}]: "
+                              f"give it one component, with the sum of the weights")
+
+
+def _dataset_key(path: str) -> str:
+    if path.startswith("s3://"):
+        return path.rstrip("/")
+    return os.path.normpath(os.path.abspath(path))
 
 
 def global_batch_sequences(cfg: Config, seq_len: int) -> int:

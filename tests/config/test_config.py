@@ -226,6 +226,9 @@ def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(overri
     ("train.report_every_s=-5", "train.report_every_s must be at least 0"),
     ("data.prefetch_chunks=0", "data.prefetch_chunks must be at least 1"),
     ("data.mixture=[{path: a, weight: 1}, {path: b, weight: 0}]", "data.mixture[1].weight must be positive"),
+    # each component walked the dataset in its own order: samples trained twice in one epoch
+    ("data.mixture=[{path: a, weight: 1}, {path: b, weight: 1}, {path: ./a/, weight: 2}]",
+     "data.mixture[2].path './a/' is the dataset of data.mixture[0]: give it one component"),
     # once a traceback from Ray Train's ScalingConfig, after Ray had started
     ("parallel.min_workers=5", "parallel.min_workers (5) must be at most parallel.num_workers (2)"),
     ("parallel.min_workers=0", "parallel.min_workers must be at least 1"),  # once read as "not elastic"
