@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Optional
 
-from raylm.config import CONFIG_FILE, Config, ConfigError, ParallelConfig, StorageConfig, config_to_yaml
+from raylm.config import CONFIG_FILE, Config, ConfigError, ParallelConfig, config_to_yaml
 from raylm.data import storage
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
@@ -23,7 +24,7 @@ from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic
 from raylm.ray_runtime import joins_cluster, local_num_cpus, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, merged_lines, read_jsonl
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, merged_lines, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
 
@@ -73,6 +74,12 @@ def launch(cfg: Config) -> dict:
     run had finished already: nothing trained)."""
     uri = run_uri(cfg)
     terminated, training = threading.Event(), False
+
+    def stopped_by_sigterm(stop: BaseException) -> bool:
+        # An exit with status SIGTERM is Ray's own handler, on a Ray that sets it where raylm
+        # cannot keep its own.
+        return terminated.is_set() or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
+
     try:
         # From the start, not only in `fit`: a SIGTERM while the run is checked or Ray starts ends
         # it as one during training does (by Python's default the driver died without a word, its
@@ -99,17 +106,19 @@ def launch(cfg: Config) -> dict:
                     trainer = _trainer(spec, uri)
                     training = True
                     _fit(trainer, cfg)
+                except (SystemExit, KeyboardInterrupt) as stop:
+                    # Here, inside the lease and before the driver's records go to S3: the run's
+                    # events say that the operator stopped it, and where.
+                    raise _interruption(uri, cfg, stopped_by_sigterm(stop), training) from None
                 finally:
                     if storage.is_s3(uri):
                         _upload_driver_events(uri, cfg)
     except (SystemExit, KeyboardInterrupt) as stop:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
         # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler). A
-        # SIGTERM is a Ctrl-C here from the start (held while Ray starts, `raylm.ray_runtime`); an
-        # exit with status SIGTERM is Ray's own handler, on a Ray that sets it where raylm cannot
-        # keep its own. Say what is left and how to go on.
-        sigterm = terminated.is_set() or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
-        raise _interruption(uri, cfg.storage, sigterm, training) from None
+        # SIGTERM is a Ctrl-C here from the start (held while Ray starts, `raylm.ray_runtime`).
+        # Say what is left and how to go on.
+        raise _interruption(uri, cfg, stopped_by_sigterm(stop), training) from None
     return last_metrics(uri, cfg)
 
 
@@ -165,9 +174,14 @@ def _upload_driver_events(uri: str, cfg: Config) -> None:
               f"updated ({storage.redact(str(e))[:300]})", file=sys.stderr, flush=True)
 
 
-def _interruption(uri: str, storage_cfg: Optional[StorageConfig], sigterm: bool, training: bool) -> RunInterrupted:
-    """What a run stopped by Ctrl-C or a SIGTERM says: when it stopped, its last checkpoint, how to go on."""
-    last = latest_complete(uri, storage_cfg)
+def _interruption(uri: str, cfg: Config, sigterm: bool, training: bool) -> RunInterrupted:
+    """What a run stopped by Ctrl-C or a SIGTERM says: when it stopped, its last checkpoint, how to
+    go on. Once training started, an `interrupted` event records it."""
+    last = latest_complete(uri, cfg.storage)
+    if training:
+        append_event(os.path.join(local_run_dir(cfg), EVENTS_FILE), {
+            "event": "interrupted", "time": time.time(), "signal": "SIGTERM" if sigterm else "SIGINT",
+            "last_checkpoint": last})
     stopped = ("stopped by SIGTERM" if sigterm else "interrupted") + ("" if training else " before training started")
     if last:
         where = f"; the last checkpoint is {last}: the same command resumes from it"

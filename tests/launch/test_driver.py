@@ -32,9 +32,17 @@ def ray_config(dataset, storage, *extra):
         "run.max_failures=0", *extra])
 
 
-def metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+def records(run_dir, name: str) -> list[dict]:
+    with open(os.path.join(run_dir, name)) as f:
         return [json.loads(line) for line in f]
+
+
+def metrics(run_dir):
+    return records(run_dir, "metrics.jsonl")
+
+
+def events(run_dir):
+    return records(run_dir, "events.jsonl")
 
 
 def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path, monkeypatch):
@@ -131,7 +139,7 @@ def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_c
     named = re.search(r"raylm: interrupted; the last checkpoint is (\S+/checkpoint_(\d{8})): the same command "
                       r"resumes from it", said)
     assert named and os.path.isdir(named.group(1)), said[-3000:]
-    saved = int(named.group(2))
+    saved, first_stop = int(named.group(2)), named.group(1)
     assert saved >= 8 and saved % 4 == 0
 
     status, said = stopped_by(signal.SIGTERM, after=os.path.basename(named.group(1)))
@@ -147,6 +155,10 @@ def test_ctrl_c_and_a_sigterm_to_the_process_group_end_the_run_naming_its_last_c
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"raylm: resuming from {named.group(1)} if its files pass their checksums" in again.stdout
     assert [r["step"] for r in metrics(run)] == list(range(1, saved + 5))
+    # The operator's stops are in the run's record, with where each left the run.
+    stops = [{k: e[k] for k in ("signal", "last_checkpoint")} for e in events(run) if e["event"] == "interrupted"]
+    assert stops == [{"signal": "SIGINT", "last_checkpoint": first_stop},
+                     {"signal": "SIGTERM", "last_checkpoint": named.group(1)}], stops
 
 
 @pytest.mark.parametrize("when, sig", [("the run's lease is taken", signal.SIGTERM),
