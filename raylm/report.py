@@ -135,7 +135,9 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
     for event in events:
         event["_step"] = _event_step(event, rows)
         if event.get("event") == "resumed":
-            before = _saved_world_size(uri, event.get("from_step", 0), storage_cfg) or world
+            # An earlier raylm's events lack from_world_size: the checkpoint resumed from says it.
+            before = event.get("from_world_size") or _saved_world_size(uri, event.get("from_step", 0), storage_cfg) \
+                or world
             if before is not None and event.get("world_size") not in (None, before):
                 event["resize"] = f"{before}→{event['world_size']}"
             world = event.get("world_size", world)

@@ -59,8 +59,9 @@ def test_report_of_a_restarted_and_resized_run_beside_a_straight_one(restarted_r
     straight = str(tmp_path / "straight")
     train_local(tiny_config(tiny_dataset, *COMMON), straight)
     with open(os.path.join(restarted_run, "events.jsonl")) as f:
-        kinds = [json.loads(line)["event"] for line in f]
-    assert kinds == ["failure", "resumed"]
+        events = [json.loads(line) for line in f]
+    assert [e["event"] for e in events] == ["failure", "resumed"]
+    assert (events[1]["from_world_size"], events[1]["world_size"]) == (1, 2)  # the resize, in the record itself
 
     out = str(tmp_path / "report")
     written = write_report([restarted_run, straight], out)

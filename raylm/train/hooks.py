@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from raylm.config import Config
 from raylm.train.state import TrainState
@@ -31,6 +31,7 @@ class Run:
     global_batch: int
     flops_per_token: float
     peak_flops: float  # per device
+    restored_world_size: Optional[int] = None  # of the checkpoint the run resumed from (None: a fresh start)
     history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
 
 

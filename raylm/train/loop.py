@@ -85,6 +85,7 @@ class Trainer:
         self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size),
                                  spec.datasets.manifest.tokenizer.eot_id)
         self.optimizer = build_optimizer(self.model.parts, cfg.optim)
+        self.restored_world_size: Optional[int] = None
         self.state = self._restore()
         self.guard: Optional[Guard] = None
         if cfg.guard.enabled:
@@ -115,7 +116,8 @@ class Trainer:
         if cfg.train.report_every_s > 0:
             self.clock.add("report", lambda: time.monotonic() - self.last_report >= cfg.train.report_every_s)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
-                       flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops))
+                       flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops),
+                       restored_world_size=self.restored_world_size)
         self.logger = MetricsLogger(cfg, env.run_dir, world)
         probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
         if cfg.train.profile is not None:  # only then: the other steps pay nothing
@@ -142,7 +144,7 @@ class Trainer:
             if restore is None:
                 return TrainState()
             saved = checkpoint.load(restore, self.model, self.optimizer, self.world, self.spec.tokenizer_sha256)
-            state = TrainState.from_saved(saved)
+            state, self.restored_world_size = TrainState.from_saved(saved), saved["world_size"]
             if self.world.rank == 0 and (changes := changes_since(restore, cfg)):
                 record_config_change(env.run_dir, state.step, changes)  # an operator's change mid-flight, as OPT's
             return state

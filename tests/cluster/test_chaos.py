@@ -185,6 +185,7 @@ def test_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, chaos_d
 
     shrink, grow = driver.events("resumed")
     assert (shrink["world_size"], grow["world_size"]) == (1, 2)
+    assert (shrink["from_world_size"], grow["from_world_size"]) == (2, 1)  # each resize named in its event
     assert shrink["from_step"] + 50 <= REFERENCE_STEPS, "the node was lost later than the reference reaches"
     assert driver.events("failure"), "the node loss was not recorded as a failure"
     rows = rows_by_step(driver.run_dir)

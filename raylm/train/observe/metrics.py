@@ -79,15 +79,16 @@ class MetricsLogger(Hook):
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
         if self.rank0 and (run.state.step > 0 or os.path.exists(self.path) and os.path.getsize(self.path) > 0):
-            self._record_resume(run.state.step)
+            self._record_resume(run.state.step, run.restored_world_size)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
             print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
 
-    def _record_resume(self, restored_step: int) -> None:
-        """Drop the metrics of steps that will be trained again, and log how many were lost."""
+    def _record_resume(self, restored_step: int, restored_world_size: Optional[int]) -> None:
+        """Drop the metrics of steps that will be trained again, and log how many were lost and
+        whether the worker group changed size (an elastic shrink or grow-back)."""
         path = self.path
         events = os.path.join(os.path.dirname(path), EVENTS_FILE)
         rows, dropped = read_records(path)
@@ -100,9 +101,12 @@ class MetricsLogger(Hook):
         except OSError as e:  # a full disk: the rows of the steps trained again follow them (the last counts)
             print(f"WARNING: {path}: could not drop the rows of the steps trained again ({e})", flush=True)
         lost = len(rows) - len(kept)
+        world_size = self.world.world_size
         append_event(events, {"event": "resumed", "time": time.time(), "from_step": restored_step,
-                              "steps_lost": lost, "world_size": self.world.world_size})
-        print(f"raylm: resumed at step {restored_step} on {self.world.world_size} worker(s); "
+                              "steps_lost": lost, "world_size": world_size,
+                              "from_world_size": restored_world_size})
+        resized = f" (resized from {restored_world_size})" if restored_world_size not in (None, world_size) else ""
+        print(f"raylm: resumed at step {restored_step} on {world_size} worker(s){resized}; "
               f"{lost} step(s) of work lost", flush=True)
 
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
