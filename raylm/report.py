@@ -111,6 +111,7 @@ def _event_step(event: dict, rows: list[dict]) -> Optional[int]:
 
 
 def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) -> RunRecord:
+    storage.refuse_file(uri, f"the run directory that holds {METRICS_FILE}")
     metrics_uri = storage.join(uri, METRICS_FILE)
     if not storage.exists(metrics_uri, storage_cfg):
         if not storage.exists(uri, storage_cfg):

@@ -56,3 +56,24 @@ def test_an_unexpected_error_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(raylm.cli, "cmd_plan", command)
     with pytest.raises(CheckpointException):
         run_main("plan", "--model", "1.3b", "--gpus", "8")
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["generate", "--checkpoint", "{file}", "--prompt", "a"], "a checkpoint directory, or a run directory"),
+    (["eval", "{file}", "--data", "{dir}"], "a checkpoint directory, or a run directory"),
+    (["export", "{file}", "--output", "{dir}/out"], "a checkpoint directory, or a run directory"),
+    (["checkpoint", "verify", "{file}"], "a checkpoint directory, or a run directory"),
+    (["import", "{file}", "--output", "{dir}/out"], "the Hugging Face model directory that holds config.json"),
+    (["report", "{file}", "--output", "{dir}/report"], "the run directory that holds metrics.jsonl"),
+    (["eval", "{dir}", "--tasks", "t", "--include-path", "{file}"], "a file, not a directory (give the directory"),
+])
+def test_a_file_given_for_a_directory_is_named_as_a_file(tmp_path, argv, wanted):
+    """A user trial: a run's config.yaml (or metrics.jsonl, or a model's config.json) given where
+    its directory belongs was "[Errno 20] Cannot list directory", "no config.json" beside the
+    config.json given, or "no such directory"."""
+    given = tmp_path / "config.json"
+    given.write_text("{}\n")
+    outcome = run_main(*(a.format(file=given, dir=tmp_path) for a in argv))
+    assert_clean_refusal(outcome, str(given))
+    assert outcome.status == 2 and "[Errno" not in outcome.stderr, outcome.stderr
+    assert f"{given}" in outcome.stderr and wanted in outcome.stderr, outcome.stderr

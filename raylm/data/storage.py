@@ -208,6 +208,13 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
+def refuse_file(uri: str, expected: str) -> None:
+    """A local path that names a file where a directory is expected: one line that names it and
+    what to give, not the OS's "[Errno 20] Not a directory" from listing it."""
+    if not is_s3(uri) and os.path.isfile(uri):
+        raise FileNotFoundError(f"{uri} is a file: give {expected}")
+
+
 def join(uri: str, *parts: str) -> str:
     out = uri.rstrip("/")
     for part in parts:

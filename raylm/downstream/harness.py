@@ -81,8 +81,9 @@ def task_manager(tasks: list[str], include_path: Optional[str], field: str = "--
     """lm-eval's task registry holding `tasks`, with those defined under `include_path` (a
     directory of task YAMLs); `field` names the setting in errors."""
     if include_path is not None and not os.path.isdir(include_path):
-        raise ConfigError(f"include path {include_path}: no such directory (it holds the YAML files of "
-                          "tasks to add to lm-eval's)")
+        what = "a file, not a directory" if os.path.isfile(include_path) else "no such directory"
+        raise ConfigError(f"include path {include_path}: {what} (give the directory that holds the YAML files "
+                          "of tasks to add to lm-eval's)")
     if not tasks:
         raise ConfigError(f"{field}: no task given")
     # Indexing lm-eval's own thousands of task files takes ~20 s: skip it when include_path has them all.

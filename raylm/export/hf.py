@@ -188,6 +188,7 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
 
     `seq_len` (default: the model's context, at most 2048) is the training sequence length the
     config fixes, as every checkpoint does: the data must be prepared with it."""
+    storage.refuse_file(hf_dir, f"the Hugging Face model directory that holds {CONFIG_FILE}")
     config_path = os.path.join(hf_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE})")

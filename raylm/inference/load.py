@@ -65,6 +65,7 @@ def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool =
     """`uri` if it is a checkpoint; else the complete checkpoints of the run directory `uri`,
     newest first, each finished one passed over named with its reason (if `announce`). Raises
     when there is none."""
+    storage.refuse_file(uri, "a checkpoint directory, or a run directory that holds checkpoints")
     name = uri.rstrip("/").rsplit("/", 1)[-1]
     if checkpoint.is_checkpoint_name(name) or storage.exists(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg):
         yield uri  # a checkpoint, whole or not: check_sound says what is wrong with it

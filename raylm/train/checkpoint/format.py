@@ -394,6 +394,7 @@ def verify(uri: str, storage_cfg: Optional[StorageConfig] = None) -> list[tuple[
     every checkpoint of the run at `uri`, against its manifest (size and sha256), then whether
     the files DCP's index and the RNG need are all there. A run's unfinished saves (no
     manifest) are listed as SKIP: they are never resumed from."""
+    storage.refuse_file(uri, "a checkpoint directory, or a run directory that holds checkpoints")
     base = uri.rstrip("/").rsplit("/", 1)[-1]
     is_run = not (is_checkpoint_name(base) or storage.exists(storage.join(uri, TRAIN_STATE), storage_cfg))
     targets = checkpoint_uris(uri, storage_cfg) if is_run else [uri]
