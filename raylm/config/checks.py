@@ -112,6 +112,9 @@ def _check_ranges(cfg: Config) -> None:
     for key, (value, least) in at_least.items():
         if value is not None and not value >= least:
             raise ConfigError(f"{key} must be at least {least}, got {value}")
+    # A drill step the run never reaches would never fire, and the drill would pass unexercised.
+    if outside := [s for s in t.inject_nonfinite if not 1 <= s <= t.steps]:
+        raise ConfigError(f"train.inject_nonfinite steps must be in [1, train.steps={t.steps}], got {outside}")
     above_zero = {"checkpoint.every_minutes": c.every_minutes, "optim.eps": o.eps,
                   "train.loss_scale_initial": t.loss_scale_initial, "train.loss_scale_min": t.loss_scale_min,
                   "train.peak_tflops": t.peak_tflops, "parallel.resize_check_s": p.resize_check_s}

@@ -235,6 +235,8 @@ def test_a_global_batch_that_is_not_positive_is_refused_before_ray_starts(overri
     ("schedule.min_lr=-1e-4", "schedule.min_lr must be at least 0"),  # the schedule's end ascended the loss
     ("schedule.final_lr_fraction=2", "schedule.final_lr_fraction must be in [0, 1]"),
     ("train.stop_at_step=0", "train.stop_at_step must be at least 1"),
+    # a drill step the run never reaches: the drill passed without its fault
+    ("train.inject_nonfinite=[-1,5,99999999]", "train.inject_nonfinite steps must be in [1, train.steps="),
     ("train.loss_scale_initial=0", "train.loss_scale_initial must be positive"),
     ("train.loss_scale_growth_interval=0", "train.loss_scale_growth_interval must be at least 1"),
     ("train.peak_tflops=0", "train.peak_tflops must be positive"),
