@@ -20,6 +20,7 @@ from raylm.downstream.scoring import Pair, Prompt
 from raylm.errors import ConfigError
 
 try:
+    import jinja2
     import lm_eval
     from lm_eval.api.model import TemplateLM
     from lm_eval.models.utils import normalize_gen_kwargs
@@ -104,9 +105,15 @@ def task_manager(tasks: list[str], include_path: Optional[str], field: str = "--
 def run_tasks(lm: RaylmLM, tasks: list[str], manager: TaskManager, limit: Limit = None,
               num_fewshot: Optional[int] = None, bootstrap_iters: int = 100000, verbosity: str = "INFO") -> dict:
     """lm-eval's results (its `simple_evaluate`, samples left out) of `tasks` on `lm`."""
-    results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
-                                      verbosity=verbosity)
+    try:
+        results = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, bootstrap_iters=bootstrap_iters, log_samples=False,
+                                          verbosity=verbosity)
+    except jinja2.TemplateError as e:
+        # The task's definition, not a fault: during training a retry would meet it again.
+        raise ConfigError(f"task(s) {', '.join(map(repr, tasks))}: a template of the task's YAML cannot be filled from "
+                          f"its documents ({type(e).__name__}: {e}); doc_to_text, doc_to_target and doc_to_choice "
+                          "may name only the dataset's fields") from None
     results.pop("samples", None)
     return results
 

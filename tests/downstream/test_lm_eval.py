@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,6 +210,18 @@ def test_training_logs_task_scores_every_n_steps(tiny_dataset, task_dir, tmp_pat
 ])
 def test_eval_tasks_refusals_name_what_is_wrong(run, argv, names):
     assert_clean_refusal(run_main("eval", run, *argv), *names)
+
+
+def test_a_task_template_its_documents_cannot_fill_is_one_line_naming_the_field(ray_session, run, tmp_path):
+    """A user trial: a doc_to_target naming a field the documents lack was a jinja2 traceback, exit 1
+    (and in training, an error Ray's restarts would have replayed)."""
+    directory = write_task(tmp_path / "tasks")
+    definition = Path(directory) / f"{TASK}.yaml"
+    definition.write_text(definition.read_text().replace("doc_to_target: gold", 'doc_to_target: "{{nolabel}}"'))
+    output = tmp_path / "results.json"
+    outcome = run_main("eval", run, "--tasks", TASK, "--include-path", directory, "--output", str(output))
+    assert_clean_refusal(outcome, "'nolabel' is undefined")
+    assert outcome.status == 2 and f"task(s) '{TASK}'" in outcome.stderr and not output.exists()
 
 
 def test_without_lm_eval_the_error_names_the_extra(run, task_dir, monkeypatch):
