@@ -313,6 +313,8 @@ class Trainer:
             guard.trigger.update(canary=before, reference=guard.reference)
             return "rollback"
         if verdict == "nonfinite":
+            if guard.nonfinite_in_a_row(step):
+                return "rollback"
             guard.skip_batch(step, state, samples, canary=before)
             return "skipped"
         held = guard.hold(state)

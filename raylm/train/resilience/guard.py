@@ -22,7 +22,10 @@ steps are too large to learn from).
   bytes, a broken shard) is held to a stricter test: an update that hurts the canary at all is
   undone and the batch skipped, at any LR.
 - A non-finite loss or gradient: the step is computed again (the loop does); finite then, it was
-  a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped.
+  a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped. When the
+  next batch, at the same step, fails twice too, the model or its LR is at fault, not the data
+  (at too high an LR every batch fails, and skipping them would feed the guard the dataset): the
+  run is rolled back with its LR cut, as below.
 - Every `snapshot_every` steps (by default spaced so that their canary passes cost at most 1%
   of the training) a check: a canary that is the best so far becomes the snapshot to return to.
   A model found damaged (its canary `damage` above the snapshot's, at a check or before a
@@ -89,6 +92,7 @@ CHECK_STEPS = 25
 CHECK_SHARE = 0.01
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
+NONFINITE_IN_A_ROW = "non-finite on consecutive batches"
 # Random printable bytes cost a model of Shakespeare 137-150% of the unigram loss; text of a new kind
 # (Python sources to that model) stays near or below it: the model draws on what it knows.
 NOISE_LEVEL = 1.2
@@ -165,6 +169,7 @@ class Guard:
         # when the model is found damaged.
         self.suspects: list[list[int]] = []
         self.trigger: dict = {}  # why the step in hand is not healthy
+        self.nonfinite_skipped_at: Optional[int] = None  # the step whose batch was skipped as non-finite
         self.busy_s = 0.0  # the guard's own work (canary losses, snapshots) since the last `spent()`
         self.checks_by_cost = check_interval(canary, run_cfg.train.global_batch_size, model.dp_size)
 
@@ -392,6 +397,15 @@ class Guard:
     def rerun(self, step: int, first: dict) -> None:
         self._event("rerun", step=step, first=first)
 
+    def nonfinite_in_a_row(self, step: int) -> bool:
+        """Whether the batch before this twice non-finite one was skipped as such at the same step
+        (a step does not advance past a skipped batch): then the model is at fault, not the data."""
+        if self.nonfinite_skipped_at != step:
+            self.nonfinite_skipped_at = step
+            return False
+        self.trigger["reason"] = NONFINITE_IN_A_ROW
+        return True
+
     def skip_batch(self, step: int, state: TrainState, samples: list[int], **detail: float) -> None:
         """The batch damages a healthy model (or fails twice): its samples are left out."""
         state.skip = merge_ranges([*state.skip, samples])
@@ -442,6 +456,7 @@ class Guard:
             snap.restore(self.params, self.optimizer)
         self.recent.clear()  # trained on by weights that are gone
         self.suspects = []
+        self.nonfinite_skipped_at = None
         for name, value in vars(restored).items():
             setattr(state, name, value)
         cut = stall or same_place or not left_out  # a stall's cut is the schedule's scale

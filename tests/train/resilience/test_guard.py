@@ -276,6 +276,22 @@ def test_an_injected_non_finite_loss_is_computed_again_and_ends_a_guardless_run(
                     str(tmp_path / "guardless"))
 
 
+def test_a_model_whose_every_update_is_non_finite_is_rolled_back_and_stopped_not_fed_the_dataset(tiny_dataset, tmp_path):
+    """A user trial: at optim.lr=100 every step turned non-finite twice from step 12 on, and the
+    guard skipped batch after batch at a standstill (966 batches, no rollback, no stop) until the
+    run was killed. Two batches in a row that fail twice are the model's fault: it is rolled back
+    with its LR cut, and stopped when that is not enough."""
+    run = str(tmp_path / "run")
+    with pytest.raises(GuardStopped, match=r"non-finite on consecutive batches.*after 1 rollback\(s\) in a row"):
+        train_local(tiny_config(tiny_dataset, "train.steps=60", "optim.lr=100", "schedule.warmup_steps=2",
+                                "guard.min_history=5", "guard.snapshot_every=5", "guard.max_rollbacks=1",
+                                "train.eval_every=0", "checkpoint.every_steps=0"), run)
+    rollbacks = _events(run, "rollback")
+    assert len(rollbacks) == 1 and rollbacks[0]["lr_cut"], rollbacks
+    # One batch skipped before each verdict on the model: not the dataset.
+    assert len(_events(run, "batch_skipped")) <= 2, _events(run, "batch_skipped")
+
+
 class Nudge(Hook):
     """Test-side damage: at `step`, noise on every weight, finite but enough to hurt the model."""
 
