@@ -287,9 +287,15 @@ class Checkpointer:
             return
         self.env.announce(pending.step, pending.metrics)
         if self.world.rank == 0:
-            names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
-            for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
-                storage.delete_dir(storage.join(root, name), storage_cfg)
+            try:
+                names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
+                for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
+                    storage.delete_dir(storage.join(root, name), storage_cfg)
+            except OSError as e:
+                # The new checkpoint is whole: storage that failed for a moment after it must not
+                # cost a restart. The next save prunes what is left.
+                print(f"raylm: warning: step {pending.step}: older checkpoints under {root} were not removed "
+                      f"({storage.redact(str(e))[:300]}); the next save removes them", flush=True)
         self.published_step = pending.step
         if self.failing_since is not None:
             self._record("checkpoint_recovered", pending.step)

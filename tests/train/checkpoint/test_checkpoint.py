@@ -62,6 +62,28 @@ def test_manifest_records_every_file_and_detects_a_changed_one(tiny_dataset, tmp
     assert "config.yaml" in checkpoint.incomplete_reason(str(ckpt))
 
 
+def test_old_checkpoints_storage_will_not_remove_wait_for_the_next_save(tiny_dataset, tmp_path, monkeypatch, capsys):
+    """Storage that failed just after a checkpoint was published (a suite run's S3 outage began
+    there) failed the removal of the older ones, and that error restarted the run from the
+    checkpoint just written. The outage is injected at that one call: a real one cannot be timed
+    between the manifest and the listing."""
+    listed = []
+    real_list_dir = storage.list_dir
+
+    def list_dir(uri, storage_cfg=None):
+        listed.append(uri)
+        if len(listed) == 3:
+            raise storage.StorageUnreachableError(f"{uri}: cannot connect to endpoint (injected)")
+        return real_list_dir(uri, storage_cfg)
+
+    monkeypatch.setattr(storage, "list_dir", list_dir)
+    final = train_local(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+                                    "train.eval_every=0"), str(tmp_path))
+    assert final["step"] == 6 and len(listed) > 3
+    assert "older checkpoints under" in capsys.readouterr().out
+    assert checkpoints(tmp_path) == ["checkpoint_00000005", "checkpoint_00000006"]  # pruned at the next save
+
+
 def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
     train_local(tiny_config(tiny_dataset, "train.steps=10", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
                       "checkpoint.keep_every=4", "train.eval_every=0"), str(tmp_path))
