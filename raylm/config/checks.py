@@ -100,7 +100,8 @@ def _check_ranges(cfg: Config) -> None:
     """Single fields whose type admits values no run can use: refused here, before Ray starts,
     rather than met by every rank (and each of Ray's restarts) or only at the first save."""
     t, o, c, p, r = cfg.train, cfg.optim, cfg.checkpoint, cfg.parallel, cfg.run
-    at_least = {"train.log_every": (t.log_every, 1), "data.prefetch_chunks": (cfg.data.prefetch_chunks, 1),
+    at_least = {"train.log_every": (t.log_every, 1), "train.read_every": (t.read_every, 1),
+                "data.prefetch_chunks": (cfg.data.prefetch_chunks, 1),
                 "checkpoint.write_attempts": (c.write_attempts, 1), "checkpoint.every_steps": (c.every_steps, 0),
                 "checkpoint.keep_last": (c.keep_last, 1), "checkpoint.keep_every": (c.keep_every, 1),
                 "optim.weight_decay": (o.weight_decay, 0), "optim.grad_clip": (o.grad_clip, 0),

@@ -203,8 +203,16 @@ class TrainConfig:
     eval_tasks: Optional[TaskEvalConfig] = None
     """lm-eval tasks every N steps, e.g. {tasks: [hellaswag], every_steps: 500, limit: 200} (see
     TaskEvalConfig); None: never."""
-    log_every: int = 1
+    log_every: int = 10
     """Steps between progress lines; metrics.jsonl gets every step."""
+    read_every: Optional[int] = None
+    """Steps between the loop's reads of each step's verdict, loss and gradient norm from the
+    device. The steps in between queue their work without waiting for the device (no host sync:
+    the update a suspect step must not take is withheld on the device), and their metrics.jsonl
+    rows are written at the read. Guard checks, evaluations, checkpoints, timers and the last
+    step are read at their own step too, and a suspect step's later batches, computed in vain
+    behind it, are queued again. None: log_every on GPUs (the progress line reads anyway), every
+    step on a CPU, which runs each operation as it is queued: nothing to overlap there."""
     report_every_s: float = 30.0
     """Seconds between metrics-only reports to Ray Train (Tune sees these); 0: only with
     checkpoints. Each report holds every rank about a second (Ray's cross-rank barrier and its

@@ -1,5 +1,5 @@
 """Training, in plain torch (no Ray): a resolved run (`spec`), the loop (`loop`: train ->
-train_step -> forward_backward), the step over one rank's batch (`step`), the optimizer and LR
+queue a step -> forward_backward; read the queued steps), the step over one rank's batch (`step`), the optimizer and LR
 schedules (`optim`), the run state (`state`), the environment the loop runs in (`env`), and by
 concern:
 

@@ -8,7 +8,9 @@ every boundary was one broadcast, and on a GPU one more host sync, per timer per
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Union
+
+import torch
 
 from raylm.parallel.world import World
 
@@ -55,3 +57,35 @@ class StepClock:
         seen, then = self.last
         per_step = (now - then) / max(1, self.seen - seen)
         return max(1, min(MAX_TICK_STEPS, int(self.tick_s / per_step) if per_step > 0 else MAX_TICK_STEPS))
+
+
+class Timeline:
+    """Points on the device's timeline, for step times taken without waiting for the device: on a
+    GPU, events recorded as each step's work is queued, whose distances are read once the host has
+    waited for them anyway (`read`); a CPU runs the work as it is queued, and its clock is the
+    timeline."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Union[float, torch.cuda.Event]:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Union[float, torch.cuda.Event], end: Union[float, torch.cuda.Event]) -> float:
+        """Between two marks, both passed (on a GPU: marked before the last `read`)."""
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def read(self, values: torch.Tensor) -> list:
+        """`values` on the host, once everything queued so far has run (every mark passed): the
+        loop's one host sync per read."""
+        if not self.cuda:
+            return values.tolist()
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()

@@ -40,9 +40,17 @@ class Hook:
 
     def on_train_start(self, run: Run) -> None: ...
 
-    def on_step_begin(self, run: Run, step: int) -> None: ...
+    def on_step_begin(self, run: Run, step: int) -> None:
+        """When the step is queued. The loop queues steps ahead of reading them (train.read_every):
+        a step may begin again after `on_step_abandoned`, and `run.state` is the last read step's."""
 
-    def on_step_end(self, run: Run, step: int, metrics: dict) -> None: ...
+    def needs_read(self, step: int) -> bool:
+        """Whether `on_step_end(step)` must see the model as that step leaves it (its weights, a
+        profiler stopped after it): the loop then reads the step before it queues the next."""
+        return False
+
+    def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
+        """When the step is read, in step order: later steps may already be queued."""
 
     def on_step_abandoned(self, run: Run, step: int) -> None:
         """The step began but never ends: the stability guard rolled the run back in it.

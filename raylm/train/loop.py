@@ -1,6 +1,13 @@
 """The training loop, in torchtitan's shape: `Trainer.train` owns the schedule, the hooks,
-evaluation and checkpoints; `train_step` is one optimizer step; `forward_backward` runs the
+evaluation and checkpoints; `_queue` is one optimizer step; `forward_backward` runs the
 micro-batches (`ParallelModel.forward_backward`) and clips the gradients.
+
+A step is queued on the device whole, its verdict included (`raylm.train.resilience.judge`: the
+update a suspect step must not take is withheld there), and the host reads what the steps did
+only every `train.read_every` steps or where it needs the model as a step leaves it (`_read`):
+a steady step makes no host sync, so the device never waits for the host's bookkeeping. A step
+the device withheld is then decided by the host as the guard always has, from the model as that
+step found it, and the batches queued behind it are queued again.
 
 Plain torch: Ray stays at the edges. `TrainEnv` is how the loop reaches storage and the cluster;
 `raylm.launch.worker` gives it the Ray Train one, `LocalEnv` plain files. `raylm train`'s
@@ -11,10 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import time
-from typing import Iterator, NoReturn, Optional
+from collections import deque
+from dataclasses import dataclass
+from typing import NoReturn, Optional
 
 import numpy as np
 import torch
@@ -31,7 +39,7 @@ from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.policy import Checkpointer
 from raylm.train.checkpoint.resume import changes_since, record_config_change
-from raylm.train.clock import StepClock
+from raylm.train.clock import StepClock, Timeline
 from raylm.train.env import LocalEnv, TrainEnv
 from raylm.train.hooks import Hook, Run
 from raylm.train.lease import RunLease
@@ -39,10 +47,12 @@ from raylm.train.observe.metrics import MetricsLogger, peak_flops
 from raylm.train.observe.norms import NormsProbe
 from raylm.train.observe.profile import ProfileHook
 from raylm.train.observe.records import EVENTS_FILE
-from raylm.train.optim import apply_lr, build_optimizer, lr_at
+from raylm.train.optim import apply_lr, build_optimizer, lr_at, step_where
 from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
+from raylm.train.resilience import judge
 from raylm.train.resilience.guard import Guard, skipped_samples
+from raylm.train.resilience.judge import StepJudge, Verdict
 from raylm.train.resilience.preemption import Notice
 from raylm.train.resilience.quarantine import Quarantine
 from raylm.train.spec import RunSpec, resolve_run
@@ -72,6 +82,30 @@ def train_local(cfg: Config, run_dir: str, hooks: tuple[Hook, ...] = (), use_gpu
         return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
 
 
+@dataclass
+class QueuedStep:
+    """A step whose work is queued on the device and whose outcome the host has not read yet."""
+
+    batch: Batch  # as trained: labelled with its step
+    raw: Batch  # as the stream gave it: queued again, it is labelled anew
+    lr: float
+    record: torch.Tensor  # its verdict, loss and gradient norm on the device (raylm.train.resilience.judge)
+    rng: tuple[torch.Tensor, Optional[torch.Tensor]]  # the RNG before its forward: the host computes it again from there
+    data_wait: float  # seconds the loop waited for its batch
+    mark: object  # the device's timeline once its update was queued (Timeline.mark)
+    due: frozenset[str]  # the step clock's timers due at its boundary
+
+
+def _rng_state() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 class Trainer:
     """One rank's run: the model with its layout, the optimizer, the run state restored from the
     newest checkpoint, the stability guard, checkpoints, evaluation and the hooks."""
@@ -95,6 +129,11 @@ class Trainer:
             self.guard = Guard(cfg, self.model, self.optimizer, world, canary, unigram_loss(spec), self.events_path,
                                env.checkpoint_root)
             self.guard.start(self.state)
+        unigram = self.guard.unigram if self.guard is not None else None
+        self.judge = StepJudge(world.device, cfg.guard if self.guard is not None else None, unigram,
+                               needs_loss_scaling(cfg))
+        if self.guard is not None:
+            self.judge.load(*self.guard.history())
         self.quarantine = Quarantine(self.source.order, self.events_path, world.rank) \
             if cfg.guard.enabled and cfg.guard.quarantine else None
         if needs_loss_scaling(cfg):
@@ -126,9 +165,15 @@ class Trainer:
             probes += (NonFiniteLoss(cfg.train.inject_nonfinite),)
         self.hooks = (*hooks, *probes, self.logger)  # the logger last: it writes out what the other hooks added
         self.last = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
-        self.t0 = 0.0  # when the current step's time began
-        self.data_wait = 0.0  # the current step's wait for its batch
-        self.lr = 0.0  # the current step's learning rate
+        # A CPU runs each operation as it is queued: reading every step costs it nothing.
+        self.read_every = cfg.train.read_every or (cfg.train.log_every if world.device.type == "cuda" else 1)
+        self.read_each_until = 0  # steps before this one are read one by one (after a withheld step)
+        self.queued: list[QueuedStep] = []  # queued on the device, not yet read
+        self.replay: deque[Batch] = deque()  # batches queued behind a withheld step, to queue again
+        self.timeline = Timeline(world.device)
+        self.last_mark = self.timeline.mark()  # where the next committed step's time begins
+        self.metrics: dict = {}  # the last committed step's
+        self.step_lr: Optional[float] = None  # the LR a probe trained its step at, when it cut it
         self.last_report = 0.0  # when progress last went to the cluster
         # Seconds the loop was blocked by checkpointing since the last step's metrics: a save
         # (sync: the whole write; async: staging) and publishing a finished async save.
@@ -161,7 +206,9 @@ class Trainer:
         finally:
             self.logger.close()
 
-    def _batches(self) -> Iterator[Batch]:
+    # -- the stream ------------------------------------------------------------------------------
+
+    def _open_stream(self) -> None:
         """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
         cfg, state, model = self.cfg, self.state, self.model
         self.stream_skip = [list(r) for r in state.skip]
@@ -172,7 +219,13 @@ class Trainer:
         stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
                              self._skip(), engine="ray" if cfg.data.loader == "ray" else "local",
                              prefetch=cfg.data.prefetch_chunks)
-        return stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
+        self.batches = stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
+        self.behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a new stream
+
+    def _restart_stream(self) -> None:
+        self.batches.close()
+        self.replay.clear()
+        self._open_stream()
 
     def _skip(self) -> list[list[int]]:
         """Every sample range the data order leaves out: data.skip, the guard's, the quarantine's."""
@@ -182,49 +235,319 @@ class Trainer:
     def _remaining_samples(self) -> int:
         return (self.last - self.state.step) * self.spec.batch_schedule.final
 
+    def _next_batch(self) -> Optional[tuple[Batch, Batch]]:
+        """The next batch to queue, as the stream gave it and labelled with its step (batches sent
+        back by a withheld step first); None at the stream's end, or where the queued steps must be
+        read before the run knows what comes next."""
+        while True:
+            raw = self.replay.popleft() if self.replay else next(self.batches, None)
+            if raw is None:
+                if self.queued or not (self.behind and self.state.step < self.last):
+                    return None
+                self._restart_stream()  # the steps the skips left at the end
+                continue
+            if self.quarantine is not None and self.quarantine.stream_stale(raw.next_position):
+                self._restart_stream()  # planned before the rows it would reach were quarantined
+                continue
+            return raw, dataclasses.replace(raw, step=raw.step - self.behind) if self.behind else raw
+
     def _steps(self) -> dict:
-        metrics: dict = {}
-        batches = self._batches()
-        behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a restart
+        self._open_stream()
         self.last_report = time.monotonic()
-        self.t0 = time.perf_counter()
+        self.last_mark = self.timeline.mark()
         wait_start = None  # a new stream on the way to a batch is part of the wait for it
         while True:
             self._measure_cpu_peak()
             wait_start = wait_start or time.perf_counter()
-            batch = next(batches, None)
-            if batch is None and behind and self.state.step < self.last:  # the steps the skips left
-                batches, behind = self._batches(), 0
+            taken = self._next_batch()
+            if taken is None and self.queued:  # what the queued steps decide may send batches back
+                self._read()
                 continue
-            if batch is None:
+            if taken is None:
                 break
-            if self.quarantine is not None and self.quarantine.stream_stale(batch.next_position):
-                batches.close()  # planned before the rows it would reach were quarantined
-                batches, behind = self._batches(), 0
-                continue
-            if behind:
-                batch = dataclasses.replace(batch, step=batch.step - behind)
-            self.data_wait, wait_start = time.perf_counter() - wait_start, None
-            poll_start = time.perf_counter()
-            self.checkpointer.poll()
-            self.checkpoint_s += time.perf_counter() - poll_start
-            step_metrics = self.train_step(batch)
-            if step_metrics is None:  # rolled back or skipped: the batches go on from the run's state
-                if self._stream_goes_on(batch):
-                    behind += 1
-                else:
-                    batches.close()
-                    batches, behind = self._batches(), 0
-                now = time.perf_counter()
-                self.t0, self.discarded_s = now, self.discarded_s + now - self.t0
-                continue
-            metrics = step_metrics
-            due = self.clock.tick()
-            self._after_step(batch.step, metrics, due)
-            if "preemption" in due and self.state.step < self.last and (notice := self.env.preemption_notice()):
-                self._stop_for_preemption(notice, metrics)
+            data_wait, wait_start = time.perf_counter() - wait_start, None
+            queued = self._queue(*taken, data_wait)
+            if self._read_due(queued):
+                self._read()
         self.checkpointer.wait()
-        return metrics
+        return self.metrics
+
+    def _measure_cpu_peak(self) -> None:
+        """A CPU's peak FLOP/s (MFU's denominator) is measured, the first time at start-up while Ray
+        was still starting processes on the same cores: keep the best of three, out of step time."""
+        if self.state.step in (10, 100) and self.world.device.type == "cpu" and not self.cfg.train.peak_tflops \
+                and not self.queued:
+            self.run.peak_flops = max(self.run.peak_flops, peak_flops(self.world.device))
+            self.last_mark = self.timeline.mark()
+
+    # -- queueing a step --------------------------------------------------------------------------
+
+    def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> QueuedStep:
+        """One optimizer step on `batch`, queued on the device: forward, backward, clipping, the
+        verdict and the update the verdict allows. Nothing here waits for the device."""
+        for hook in self.hooks:
+            hook.on_step_begin(self.run, batch.step)
+        lr = self._lr(batch.step)
+        apply_lr(self.optimizer, lr)
+        rng = _rng_state()
+        record = self._step(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        queued = QueuedStep(batch, raw, lr, record, rng, data_wait, self.timeline.mark(), self.clock.tick())
+        self.queued.append(queued)
+        return queued
+
+    def _lr(self, step: int) -> float:
+        """The step's LR: the schedule's, under the guard's scale and cap. Exact when queued ahead of
+        reads: the scale and the cap change only where the host acts, or, while the cap recovers,
+        at every step, which is then read at once."""
+        state = self.state
+        lr = lr_at(step, self.cfg.schedule, self.cfg.optim.lr, self.cfg.train.steps) * state.lr_scale
+        return lr if state.lr_cap is None else min(lr, state.lr_cap)
+
+    def _step(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward, the verdict, and the update where the verdict allows it; the step's
+        record (raylm.train.resilience.judge). The gradients stay for a withheld step's probe."""
+        loss, grad_norm = self.forward_backward(batch)
+        record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram)
+        step_where(self.optimizer, apply)
+        return record
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
+        the loss and the gradient norm, on the device."""
+        model, scaler = self.model, self.scaler
+        tokens = torch.from_numpy(batch.tokens.astype(np.int64))
+        if self.world.device.type == "cuda":
+            # From pageable memory a copy waits for the GPU to drain (the last step's optimizer
+            # kernels) before this step's forward can be queued; from pinned memory it does not.
+            tokens = tokens.pin_memory().to(self.world.device, non_blocking=True)
+        else:
+            tokens = tokens.to(self.world.device)
+        if scaler is not None:
+            model.loss_scale = scaler.scale = self.state.loss_scale
+        loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
+        if scaler is not None:
+            scaler.unscale(model.parts)
+        return loss, model.clip_grad_norm(self.cfg.optim.grad_clip)
+
+    def _read_due(self, queued: QueuedStep) -> bool:
+        """Whether the host reads the queued steps once `queued` is: every `read_every` steps, and
+        wherever the host needs the model as this step leaves it (a guard check, an evaluation, a
+        checkpoint, a timer, a hook) or the next step's LR or loss scale depends on this one's
+        verdict (the guard's LR cap recovering, fp16's scale), and one by one for a while after a
+        withheld step (a poisoned window: every batch of it suspect)."""
+        cfg, step = self.cfg, queued.batch.step
+        done = step + 1  # the run's step once this one is trained
+        every = lambda n: bool(n) and done % n == 0  # noqa: E731
+        guard = self.guard
+        return (every(self.read_every) or done >= self.last or bool(queued.due) or step < self.read_each_until
+                or self.checkpointer.due(done, self.last) or every(cfg.train.eval_every)
+                or (self.tasks is not None and every(cfg.train.eval_tasks.every_steps))
+                or self.scaler is not None
+                or (guard is not None and (every(guard.check_every()) or guard.recovering(self.state)))
+                or any(hook.needs_read(step) for hook in self.hooks))
+
+    # -- reading the queued steps -----------------------------------------------------------------
+
+    def _read(self) -> None:
+        """The queued steps' records, read at once (the one host sync of the window), taken in order:
+        the steps the device applied are committed; the first it withheld is the host's to decide,
+        and the batches queued behind it go back to be queued again."""
+        queued, self.queued = self.queued, []
+        if not queued:
+            return
+        poll_start = time.perf_counter()
+        self.checkpointer.poll()
+        self.checkpoint_s += time.perf_counter() - poll_start
+        records = self.timeline.read(torch.stack([q.record for q in queued]))
+        now = time.time()
+        for i, (q, record) in enumerate(zip(queued, records)):
+            later = queued[i + 1:]
+            if record[judge.VERDICT] in (Verdict.OK, Verdict.OVERFLOW):
+                step_time = self.timeline.seconds(self.last_mark, q.mark)
+                self.last_mark = q.mark
+                end_time = now - (self.timeline.seconds(q.mark, later[-1].mark) if later else 0.0)
+                if self._commit(q, record, step_time, end_time):
+                    continue
+                self._drop(later)  # rolled back: the model those steps were computed on is gone
+                return
+            wasted = self.timeline.seconds(q.mark, later[-1].mark) if later else 0.0
+            self._drop(later)
+            self.discarded_s += wasted
+            self._withheld(q, record, [other.raw for other in later], wasted)
+            return
+
+    def _drop(self, queued: list[QueuedStep]) -> None:
+        """Steps the device did not apply (queued behind a withheld one): their hooks end them."""
+        for q in queued:
+            for hook in self.hooks:
+                hook.on_step_abandoned(self.run, q.batch.step)
+
+    def _commit(self, q: QueuedStep, record: list[float], step_time: float, end_time: float) -> bool:
+        """A step the device applied (or skipped for fp16's overflow) becomes the run's; False when
+        it turns out to have damaged the model, which is then rolled back."""
+        state, batch = self.state, q.batch
+        loss, grad_norm = record[judge.LOSS], record[judge.GRAD_NORM]
+        if not self._scale_after(q, record):
+            return False
+        self._advance(batch)
+        if record[judge.VERDICT] == Verdict.OK and self.guard is not None and \
+                not self.guard.healthy(state, loss, grad_norm, batch.tokens):
+            self._roll_back(batch.step, state.position, q.lr)  # the canary finds the model drifted since its snapshot
+            return False
+        self._finish(q, loss, grad_norm, step_time, end_time)
+        return True
+
+    def _scale_after(self, q: QueuedStep, record: list[float]) -> bool:
+        """fp16's loss scale after the step's verdict: an overflow halves it (the step was skipped on
+        the device), a clean step counts toward its growth. A scale below train.loss_scale_min is a
+        divergence: rolled back by the guard (False), or the end of a run without it."""
+        cfg, scaler, batch = self.cfg, self.scaler, q.batch
+        if scaler is None:
+            return True
+        overflow = record[judge.VERDICT] == Verdict.OVERFLOW
+        if overflow or record[judge.VERDICT] == Verdict.OK:
+            scaler.update(overflow=overflow)
+            self.state.loss_scale = scaler.scale
+        if scaler.scale >= cfg.train.loss_scale_min:
+            return True
+        if self.guard is None:
+            raise DivergedError(f"step {batch.step}: the fp16 loss scale fell to {scaler.scale:g}, below "
+                                f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
+        self.guard.loss_scale_floor(record[judge.LOSS], scaler.scale, cfg.train.loss_scale_min)
+        self._roll_back(batch.step, batch.next_position, q.lr)
+        return False
+
+    def _advance(self, batch: Batch) -> None:
+        state = self.state
+        state.step = batch.step + 1
+        if self.quarantine is not None:
+            self.quarantine.pass_over(state, batch.step, batch.next_position)
+        state.position = batch.next_position
+        state.tokens_seen += batch.global_batch * self.spec.seq_len
+
+    def _finish(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> None:
+        """A committed step's metrics, evaluation, hooks, checkpoint, report and preemption."""
+        self.metrics = self._step_metrics(q, loss, grad_norm, step_time, end_time)
+        self._after_step(q.batch.step, self.metrics, q.due)
+        if "preemption" in q.due and self.state.step < self.last and (notice := self.env.preemption_notice()):
+            self._stop_for_preemption(notice, self.metrics)
+
+    # -- a withheld step: the host decides ----------------------------------------------------------
+
+    def _withheld(self, q: QueuedStep, record: list[float], later: list[Batch], wasted: float) -> None:
+        """The first step the device withheld (suspect or non-finite), the model as it found it: its
+        gradients computed again from its RNG, then the guard's decision as it always was: a
+        non-finite step computed once more (a transient fault passes), a suspect one judged by the
+        canary. `later`: the batches queued behind it, queued again unless the run goes back."""
+        cfg, state, batch = self.cfg, self.state, q.batch
+        self.read_each_until = batch.step + self.read_every
+        self.judge.resume()
+        _set_rng_state(q.rng)
+        apply_lr(self.optimizer, q.lr)  # the optimizer holds the last queued step's
+        nonfinite = record[judge.VERDICT] == Verdict.NONFINITE
+        if nonfinite and self.guard is None:
+            # Nothing is lost: no update was applied since, and the last checkpoint stands.
+            raise DivergedError(
+                f"step {batch.step}: loss {record[judge.LOSS]} / grad norm {record[judge.GRAD_NORM]} is not finite; "
+                f"the weights were not updated. Samples of this step: global positions [{state.position}, "
+                f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
+        self.guard.withheld(record)
+        if nonfinite:  # computed again: its verdict decides
+            first = {"loss": record[judge.LOSS], "grad_norm": record[judge.GRAD_NORM]}
+            record = self.timeline.read(self._step(batch)[None])[0]
+            if record[judge.VERDICT] != Verdict.NONFINITE:
+                self.guard.rerun(batch.step, first)
+            if record[judge.VERDICT] in (Verdict.SUSPECT, Verdict.NONFINITE):
+                self.guard.withheld(record)
+        else:  # the gradients of a withheld update, for the probe
+            self.forward_backward(batch)
+        verdict = Verdict(int(record[judge.VERDICT]))
+        if verdict in (Verdict.OK, Verdict.OVERFLOW):
+            self.judge.resume()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self._commit(q, record, *self._handled(q, wasted)):
+                self._send_back(later)
+            return
+        # The batch's samples, for a quarantine, before a skip joins its span to the skip ranges.
+        indices = self._global_indices(batch) if self.quarantine is not None else []
+        outcome = self._probe(batch, q.lr, verdict, record)
+        self.judge.resume()
+        self.judge.load(*self.guard.history())
+        if outcome == "rollback":
+            self._roll_back(batch.step, batch.next_position, q.lr)
+            return
+        if outcome == "skipped":  # the step is trained on the batches after it: as if data.skip held it
+            if self.quarantine is not None:
+                self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
+                                    [*cfg.data.skip, *state.skip])
+            self._abandon(batch.step)
+            self.discarded_s += self.timeline.seconds(self.last_mark, self.timeline.mark())
+            self.last_mark = self.timeline.mark()
+            if self._stream_goes_on(batch):
+                self.behind += 1
+                self._send_back(later)
+            else:
+                self._restart_stream()
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._advance(batch)
+        self._finish(q, record[judge.LOSS], record[judge.GRAD_NORM], *self._handled(q, wasted))
+        self._send_back(later)
+
+    def _handled(self, q: QueuedStep, wasted: float) -> tuple[float, float]:
+        """A withheld step's time, up to the host's decision, less the steps computed in vain behind it."""
+        end = self.timeline.mark()
+        step_time = self.timeline.seconds(self.last_mark, end) - wasted
+        self.last_mark = end
+        return step_time, time.time()
+
+    def _send_back(self, later: list[Batch]) -> None:
+        self.replay.extendleft(reversed(later))
+
+    def _probe(self, batch: Batch, lr: float, verdict: Verdict, record: list[float]) -> str:
+        """A suspect (or twice non-finite) step, judged by the canary: "stepped" when its update is
+        trained on, at the LR or at the LR cut (not one for the healthy history: a strange batch);
+        "skipped" when its update damages a sound model at either LR, or when the batch is noise to
+        the model and its update hurts the canary at all; "rollback" when the model was damaged
+        before it (see raylm.train.resilience.guard)."""
+        guard, state, step = self.guard, self.state, batch.step
+        samples = [state.position, batch.next_position]
+        before = guard.canary_loss()
+        if guard.damaged(before) and not guard.learning():
+            guard.trigger.update(canary=before, reference=guard.reference)
+            return "rollback"
+        if verdict == Verdict.NONFINITE:
+            if guard.nonfinite_in_a_row(step):
+                return "rollback"
+            guard.skip_batch(step, state, samples, canary=before)
+            return "skipped"
+        held = guard.hold(state)
+        self.optimizer.step()
+        after = guard.canary_loss()
+        noise = bool(record[judge.NOISE])
+        if not guard.damaged(after, before, tolerance=0.0 if noise else None):
+            guard.hard_batch(step, samples, before, after)
+            return "stepped"
+        guard.undo(held)
+        if noise:
+            guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
+                             unigram=guard.unigram)
+            return "skipped"
+        apply_lr(self.optimizer, lr * self.cfg.guard.lr_factor)
+        self.optimizer.step()
+        cut = guard.canary_loss()
+        if guard.helped(cut, before):
+            guard.lr_cut(step, state, lr, before, cut)
+            self.step_lr = lr * self.cfg.guard.lr_factor
+            return "stepped"
+        if not guard.damaged(cut, before):
+            guard.hard_batch(step, samples, before, cut, lr_factor=self.cfg.guard.lr_factor)
+            self.step_lr = lr * self.cfg.guard.lr_factor  # for this step alone
+            return "stepped"
+        guard.undo(held)
+        guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
+        return "skipped"
 
     def _stream_goes_on(self, batch: Batch) -> bool:
         """Whether the batches in flight are those a stream restarted from the run's state would
@@ -240,114 +563,16 @@ class Trainer:
         skip = self._skip()
         return batch_indices(state.position, 1, skip)[0] == batch_indices(batch.next_position, 1, skip)[0]
 
-    def _measure_cpu_peak(self) -> None:
-        """A CPU's peak FLOP/s (MFU's denominator) is measured, the first time at start-up while Ray
-        was still starting processes on the same cores: keep the best of three, out of step time."""
-        if self.state.step in (10, 100) and self.world.device.type == "cpu" and not self.cfg.train.peak_tflops:
-            start = time.perf_counter()
-            self.run.peak_flops = max(self.run.peak_flops, peak_flops(self.world.device))
-            self.t0 += time.perf_counter() - start
-
-    def train_step(self, batch: Batch) -> Optional[dict]:
-        """One optimizer step on `batch`; its metrics, or None when the guard rolled the run back or
-        skipped the batch."""
-        cfg, state, step = self.cfg, self.state, batch.step
-        for hook in self.hooks:
-            hook.on_step_begin(self.run, step)
-        self.lr = lr_at(step, cfg.schedule, cfg.optim.lr, cfg.train.steps) * state.lr_scale
-        if state.lr_cap is not None:
-            self.lr = min(self.lr, state.lr_cap)
-        apply_lr(self.optimizer, self.lr)
-        loss, grad_norm = self.forward_backward(batch)
-        verdict = self._verdict(step, loss, grad_norm)
-        if verdict == "nonfinite" and self.guard is not None:
-            loss, grad_norm, verdict = self._rerun(batch, loss, grad_norm)
-        if verdict == "nonfinite" and self.guard is None:
-            # Nothing is lost: the optimizer has not stepped, the last checkpoint stands.
-            raise DivergedError(
-                f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; the weights were "
-                f"not updated. Samples of this step: global positions [{state.position}, "
-                f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
-        if verdict == "ok":
-            self.optimizer.step()
-        elif verdict in ("suspect", "nonfinite"):
-            # The batch's samples, for a quarantine, before a skip joins its span to the skip ranges.
-            indices = self._global_indices(batch) if self.quarantine is not None else []
-            verdict = self._probe(batch, verdict, loss)
-        if verdict == "rollback":
-            return self._roll_back(step, batch.next_position)
-        if verdict == "skipped":  # the step is trained on the batches after it: as if data.skip held it
-            if self.quarantine is not None:
-                self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
-                                    [*cfg.data.skip, *state.skip])
-            return self._abandon(step)
-        self.optimizer.zero_grad(set_to_none=True)
-        state.step = step + 1
-        if self.quarantine is not None:
-            self.quarantine.pass_over(state, step, batch.next_position)
-        state.position = batch.next_position
-        state.tokens_seen += batch.global_batch * self.spec.seq_len
-        if verdict == "ok" and self.guard is not None and not self.guard.healthy(state, loss, grad_norm, batch.tokens):
-            return self._roll_back(step, state.position)  # the canary finds the model drifted since its snapshot
-        return self._step_metrics(batch, loss, grad_norm)
-
-    def _rerun(self, batch: Batch, loss: float, grad_norm: float) -> tuple[float, float, str]:
-        """A non-finite step computed again: a transient fault passes, a batch that fails again does not."""
-        self.optimizer.zero_grad(set_to_none=True)
-        again, again_norm = self.forward_backward(batch)
-        verdict = self._verdict(batch.step, again, again_norm)
-        if verdict != "nonfinite":
-            self.guard.rerun(batch.step, {"loss": loss, "grad_norm": grad_norm})
-        return again, again_norm, verdict
-
-    def _probe(self, batch: Batch, verdict: str, loss: float) -> str:
-        """A suspect (or twice non-finite) step, judged by the canary: "stepped" when its update is
-        trained on, at the LR or at the LR cut (not one for the healthy history: a strange batch);
-        "skipped" when its update damages a sound model at either LR, or when the batch is noise to
-        the model and its update hurts the canary at all; "rollback" when the model was damaged
-        before it (see raylm.train.resilience.guard)."""
-        guard, state, step = self.guard, self.state, batch.step
-        samples = [state.position, batch.next_position]
-        before = guard.canary_loss()
-        if guard.damaged(before) and not guard.learning():
-            guard.trigger.update(canary=before, reference=guard.reference)
-            return "rollback"
-        if verdict == "nonfinite":
-            if guard.nonfinite_in_a_row(step):
-                return "rollback"
-            guard.skip_batch(step, state, samples, canary=before)
-            return "skipped"
-        held = guard.hold(state)
-        self.optimizer.step()
-        after = guard.canary_loss()
-        noise = guard.noise(loss)
-        if not guard.damaged(after, before, tolerance=0.0 if noise else None):
-            guard.hard_batch(step, samples, before, after)
-            return "stepped"
-        guard.undo(held)
-        if noise:
-            guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
-                             unigram=guard.unigram)
-            return "skipped"
-        apply_lr(self.optimizer, self.lr * self.cfg.guard.lr_factor)
-        self.optimizer.step()
-        cut = guard.canary_loss()
-        if guard.helped(cut, before):
-            guard.lr_cut(step, state, self.lr, before, cut)
-            self.lr *= self.cfg.guard.lr_factor
-            return "stepped"
-        if not guard.damaged(cut, before):
-            guard.hard_batch(step, samples, before, cut, lr_factor=self.cfg.guard.lr_factor)
-            self.lr *= self.cfg.guard.lr_factor  # for this step alone
-            return "stepped"
-        guard.undo(held)
-        guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
-        return "skipped"
-
-    def _roll_back(self, step: int, consumed_until: int) -> None:
+    def _roll_back(self, step: int, consumed_until: int, lr: float) -> None:
         self._abandon(step)
-        self.guard.roll_back(step, self.state, consumed_until, self.lr)
+        self.guard.roll_back(step, self.state, consumed_until, lr)
         self.checkpointer.abandon_after(self.state.step)
+        self.judge.resume()
+        self.judge.load(*self.guard.history())
+        now = self.timeline.mark()
+        self.discarded_s += self.timeline.seconds(self.last_mark, now)
+        self.last_mark = now
+        self._restart_stream()
 
     def _global_indices(self, batch: Batch) -> list[int]:
         """Every rank's samples of `batch` (this rank holds its share only)."""
@@ -359,67 +584,19 @@ class Trainer:
         for hook in self.hooks:
             hook.on_step_abandoned(self.run, step)
 
-    def forward_backward(self, batch: Batch) -> tuple[float, float]:
-        """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
-        the loss and the gradient norm, on the host."""
-        model, scaler = self.model, self.scaler
-        tokens = torch.from_numpy(batch.tokens.astype(np.int64))
-        if self.world.device.type == "cuda":
-            # From pageable memory a copy waits for the GPU to drain (the last step's optimizer
-            # kernels) before this step's forward can be queued; from pinned memory it does not.
-            tokens = tokens.pin_memory().to(self.world.device, non_blocking=True)
-        else:
-            tokens = tokens.to(self.world.device)
-        if scaler is not None:
-            model.loss_scale = scaler.scale = self.state.loss_scale
-        loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
-        if scaler is not None:
-            scaler.unscale(model.parts)
-        grad_norm = model.clip_grad_norm(self.cfg.optim.grad_clip)
-        # The step's one host sync: the guard judges every step by these two numbers (and without
-        # the guard, a non-finite one must stop the step before the optimizer takes it).
-        loss_value, norm_value = torch.stack([loss, grad_norm.to(loss.dtype)]).tolist()
-        return loss_value, norm_value
-
-    def _verdict(self, step: int, loss: float, grad_norm: float) -> str:
-        """"ok", "suspect" or "nonfinite" (the guard's judgement; always "ok" without it, but for a
-        non-finite step), "rollback" (fp16's loss scale fell below train.loss_scale_min: a
-        divergence), or "overflow": an fp16 overflow of the gradients (a finite loss), which halves
-        the loss scale and skips the step."""
-        cfg, guard, scaler = self.cfg, self.guard, self.scaler
-        if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
-            scaler.update(overflow=True)
-            self.state.loss_scale = scaler.scale
-            if scaler.scale >= cfg.train.loss_scale_min:
-                return "overflow"
-            if guard is None:
-                raise DivergedError(f"step {step}: the fp16 loss scale fell to {scaler.scale:g}, below "
-                                    f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
-            guard.loss_scale_floor(loss, scaler.scale, cfg.train.loss_scale_min)
-            return "rollback"
-        if guard is not None:
-            verdict = guard.judge(loss, grad_norm)
-        else:
-            verdict = "ok" if math.isfinite(loss) and math.isfinite(grad_norm) else "nonfinite"
-        if scaler is not None:
-            if verdict == "ok":
-                scaler.update(overflow=False)
-            self.state.loss_scale = scaler.scale
-        return verdict
-
-    def _step_metrics(self, batch: Batch, loss: float, grad_norm: float) -> dict:
-        state, run = self.state, self.run
-        now = time.perf_counter()
-        tokens_per_s = batch.global_batch * self.spec.seq_len / (now - self.t0)
+    def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
+        state, run, batch = self.state, self.run, q.batch
+        tokens_per_s = batch.global_batch * self.spec.seq_len / step_time
+        lr, self.step_lr = self.step_lr or q.lr, None
         # position: where the next step's samples start, so an audit of metrics.jsonl alone
         # can tell which samples each committed step trained on (resume, resize, skip).
-        metrics = {"step": state.step, "loss": loss, "lr": self.lr, "grad_norm": grad_norm,
+        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                    "global_batch": batch.global_batch,
-                   "position": state.position, "tokens": state.tokens_seen, "time": time.time(),
-                   "step_time": now - self.t0, "data_wait": self.data_wait, "checkpoint_s": self.checkpoint_s,
+                   "position": state.position, "tokens": state.tokens_seen, "time": end_time,
+                   "step_time": step_time, "data_wait": q.data_wait, "checkpoint_s": self.checkpoint_s,
                    "tokens_per_s": tokens_per_s,
                    "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)}
-        self.t0, self.checkpoint_s = now, 0.0
+        self.checkpoint_s = 0.0
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
         if self.guard is not None:
@@ -441,10 +618,10 @@ class Trainer:
         if self.evals is not None and (state.step == self.last or state.step % cfg.train.eval_every == 0):
             metrics["val_loss"] = self.evals.loss(self.model, cfg.train.micro_batch_size)
             metrics["val_bpb"] = self.evals.bits_per_byte(metrics["val_loss"])
-            self.t0 = time.perf_counter()  # evaluation is not step time
+            self.last_mark = self.timeline.mark()  # evaluation is not step time
         if self.tasks is not None and (state.step == self.last or state.step % cfg.train.eval_tasks.every_steps == 0):
             metrics.update(self.tasks.scores(state.step))
-            self.t0 = time.perf_counter()
+            self.last_mark = self.timeline.mark()
         if self.checkpointer.failing_since is not None:
             metrics["unprotected_steps"] = state.step - self.checkpointer.failing_since
         for hook in self.hooks:
@@ -462,8 +639,8 @@ class Trainer:
         if self.guard is not None:
             self.guard.save_history(self.state)
         self.checkpointer.save(self.state.step, {**vars(self.state), **self.data_identity}, metrics)
-        self.t0 = time.perf_counter()
-        self.checkpoint_s = self.t0 - save_start  # outside step_time: reported with the next step
+        self.last_mark = self.timeline.mark()
+        self.checkpoint_s = time.perf_counter() - save_start  # outside step_time: reported with the next step
         self.last_report = time.monotonic()
 
     def _stop_for_preemption(self, notice: Notice, metrics: dict) -> NoReturn:

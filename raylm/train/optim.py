@@ -59,6 +59,22 @@ def build_optimizer(params_or_modules: Union[nn.Module, Iterable[Union[nn.Module
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **implementation)
 
 
+def step_where(optimizer: torch.optim.Optimizer, apply: torch.Tensor) -> None:
+    """`optimizer.step()` where the device bool `apply` holds, and where it does not, nothing at all
+    (weights, moments and step count unchanged), without a host sync: the fused AdamW skips its
+    update on a non-zero `found_inf`, the path torch.amp.GradScaler takes on an overflow. The
+    foreach implementation (devices without the fused kernel) has no such path: the host decides."""
+    if not optimizer.defaults.get("fused"):
+        if apply.item():
+            optimizer.step()
+        return
+    optimizer.found_inf = (~apply).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
 def apply_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:

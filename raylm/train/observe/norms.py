@@ -9,6 +9,8 @@ holds: under pipelining, its stages' blocks.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -34,6 +36,7 @@ class NormsProbe(Hook):
         self.every = every
         self.handles: list = []
         self.sums: dict[str, list[float]] = {}
+        self.step: Optional[int] = None  # the step whose activations the handles record
 
     def _record(self, key: str):
         def hook(module: nn.Module, args: tuple, output) -> None:
@@ -41,10 +44,13 @@ class NormsProbe(Hook):
             self.sums.setdefault(key, []).append(_rms(value))
         return hook
 
+    def needs_read(self, step: int) -> bool:
+        return (step + 1) % self.every == 0  # the weights as the step leaves them
+
     def on_step_begin(self, run: Run, step: int) -> None:
-        if (step + 1) % self.every:
+        if not self.needs_read(step):
             return
-        self.sums = {}
+        self.sums, self.step = {}, step
         for part in run.model.parts:
             for name, block in part.layers.items():
                 self.handles.append(block.register_forward_hook(self._record(f"act_norm/layer_{int(name):03d}")))
@@ -52,12 +58,14 @@ class NormsProbe(Hook):
                 self.handles.append(part.norm.register_forward_hook(self._record("act_norm/final")))
 
     def on_step_abandoned(self, run: Run, step: int) -> None:
+        if step != self.step:  # a step queued before it ends: the handles are the later step's
+            return
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        self.handles, self.step = [], None
 
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
-        if not self.handles:
+        if step != self.step:
             return
         self.on_step_abandoned(run, step)
         for key, values in self.sums.items():

@@ -87,11 +87,16 @@ class ProfileHook(Hook):
     def _cuda_memory(self, run: Run) -> bool:
         return self.memory and run.world.device.type == "cuda"
 
+    def needs_read(self, step: int) -> bool:
+        return step == self.last  # the trace ends with the last profiled step, not the ones queued after it
+
     def on_step_begin(self, run: Run, step: int) -> None:
         if self.done or not self.first <= step <= self.last:
             return
         if self.profiler is None:
             self._start(run, step)
+        if self.step_span is not None:  # the step before, queued ahead of its read: its host work ends here
+            self.step_span.__exit__(None, None, None)
         self.step_span = record_function(f"step {step + 1}").__enter__()
 
     def _start(self, run: Run, step: int) -> None:

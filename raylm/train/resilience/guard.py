@@ -9,7 +9,9 @@ them ("learning": true of a model meeting a new domain, false of a damaged one o
 steps are too large to learn from).
 
 - A step whose loss and gradient norm are within `sigmas` deviations of recent healthy steps
-  trains as usual, unless its batch is noise to the model (below).
+  trains as usual, unless its batch is noise to the model (below). That judgement is taken on the
+  device (`raylm.train.resilience.judge`), which withholds a suspect step's update until the loop
+  reads it; what follows is the host's, from the model as the suspect step found it.
 - A suspect step (beyond them): the canary before the update, then after it. Sound (the canary
   rose by less than `damage` from before the update): hard data, trained on (`hard_batch`), its
   loss and gradient norm part of the recent steps from then on (a new kind of text soon stops
@@ -74,6 +76,7 @@ from raylm.data.order import merge_ranges
 from raylm.parallel.world import World
 from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
+from raylm.train.resilience import judge
 from raylm.train.resilience.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
 from raylm.train.state import TrainState
 from raylm.train.step import ParallelModel
@@ -81,7 +84,6 @@ from raylm.train.validation import ValidationSet
 
 
 RECENT_STEPS = 4  # healthy steps whose batches tell whether the model still learns
-UNIGRAM_MARGIN = 0.1  # a diverged nanoGPT run sits 3-7% below the unigram level; a healthy one falls past 10% early
 # A run stalled by too high an LR trains at 89-99% of the unigram loss past its warmup (the nanoGPT
 # config at 0.05 and 0.1, `guard.window` steps after the warmup); healthy ones at 77% (at 1e-3 and
 # 0.025) and falling; random bytes at 137% (noise, not a stall).
@@ -93,9 +95,6 @@ CHECK_SHARE = 0.01
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
 NONFINITE_IN_A_ROW = "non-finite on consecutive batches"
-# Random printable bytes cost a model of Shakespeare 137-150% of the unigram loss; text of a new kind
-# (Python sources to that model) stays near or below it: the model draws on what it knows.
-NOISE_LEVEL = 1.2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -209,24 +208,28 @@ class Guard:
 
     # -- judging ------------------------------------------------------------------------------
 
-    def judge(self, loss: float, grad_norm: float) -> str:
-        """"ok", "suspect" or "nonfinite" for a step whose loss and gradient norm are given."""
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    def withheld(self, record: list[float]) -> None:
+        """Why the device withheld a step (its `raylm.train.resilience.judge` record): the trigger
+        its events name."""
+        loss, grad_norm = record[judge.LOSS], record[judge.GRAD_NORM]
+        if record[judge.VERDICT] == judge.Verdict.NONFINITE:
             self.trigger = {"reason": "non-finite", "loss": loss, "grad_norm": grad_norm}
-            return "nonfinite"
-        if self.noise(loss):  # early in training the spread of falling losses hides it from a z-score
-            self.trigger = {"reason": "noise", "loss": loss, "grad_norm": grad_norm,
-                            "unigram": self.unigram}
-            return "suspect"
-        if len(self.losses) >= self.cfg.min_history:
-            scores = {name: _sigmas(value, history)
-                      for name, value, history in (("loss", loss, self.losses), ("grad_norm", grad_norm, self.norms))}
+        elif record[judge.NOISE]:  # early in training the spread of falling losses hides it from a z-score
+            self.trigger = {"reason": "noise", "loss": loss, "grad_norm": grad_norm, "unigram": self.unigram}
+        else:
+            scores = {"loss": record[judge.LOSS_SIGMAS], "grad_norm": record[judge.GRAD_NORM_SIGMAS]}
             worst = max(scores, key=scores.get)
-            if scores[worst] > self.cfg.sigmas:
-                self.trigger = {"reason": f"{worst} spike", "loss": loss, "grad_norm": grad_norm,
-                                "sigmas": round(scores[worst], 2)}
-                return "suspect"
-        return "ok"
+            self.trigger = {"reason": f"{worst} spike", "loss": loss, "grad_norm": grad_norm,
+                            "sigmas": round(scores[worst], 2)}
+
+    @property
+    def past_unigram(self) -> bool:
+        """Whether the snapshot's canary says the model has learned more than token frequencies."""
+        return not self.at_unigram_level(self.reference)
+
+    def history(self) -> tuple[deque, deque, deque]:
+        """The rolling history the device judges against (`StepJudge.load`)."""
+        return self.losses, self.norms, self.healthy_losses
 
     def canary_loss(self) -> float:
         with self._working():
@@ -265,29 +268,7 @@ class Guard:
         return sum(now) < sum(loss for _, loss in self.recent)
 
     def at_unigram_level(self, canary: float) -> bool:
-        """A canary within UNIGRAM_MARGIN of the loss of token frequencies alone: the model knows
-        little more (a run at too high an LR stays there; a healthy one leaves it early)."""
-        unigram = self.unigram
-        return bool(unigram) and canary > unigram * (1 - UNIGRAM_MARGIN)
-
-    def noise(self, loss: float) -> bool:
-        """Whether a batch is noise to the model: it predicts the batch far worse (NOISE_LEVEL) than
-        token frequencies alone would (random bytes, a broken shard), though it has learned more
-        than them. Text of a new kind stays near or below that level: the model draws on what it
-        knows."""
-        unigram = self.unigram
-        return bool(unigram) and loss > NOISE_LEVEL * unigram and self.past_unigram_level()
-
-    def past_unigram_level(self) -> bool:
-        """Whether the model has learned more than token frequencies: its snapshot's canary says
-        so, or, before a check has, the median of its last `min_history` training losses (free at
-        every step, where a check costs a canary pass: poison met before the first check is
-        caught as early as it would be by checks every few steps). A median, so that batches of
-        noise among them do not hide it."""
-        if not self.at_unigram_level(self.reference):
-            return True
-        recent = list(self.healthy_losses)[-self.cfg.min_history:]
-        return len(recent) == self.cfg.min_history and not self.at_unigram_level(statistics.median(recent))
+        return judge.at_unigram_level(canary, self.unigram)
 
     def helped(self, canary: float, before: float) -> bool:
         """Whether an update left the canary no worse than `before` it."""
@@ -367,12 +348,18 @@ class Guard:
             statistics.median(recent[half:]) >= statistics.median(recent[:half]) * (1 - STALL_PROGRESS)
         return level if stalled else None
 
-    def _recover_lr(self, state: TrainState) -> None:
+    def recovering(self, state: TrainState) -> bool:
+        """Whether the LR cap climbs back at each healthy step (guard.lr_recovery_steps): then each
+        step's LR depends on the verdict of the step before it."""
         ceiling = state.guard.get("lr_ceiling")
-        if state.lr_cap is None or ceiling is None or not self.cfg.lr_recovery_steps or state.lr_cap >= ceiling:
+        return state.lr_cap is not None and ceiling is not None and bool(self.cfg.lr_recovery_steps) \
+            and state.lr_cap < ceiling
+
+    def _recover_lr(self, state: TrainState) -> None:
+        if not self.recovering(state):
             return
         rate = (1 / self.cfg.lr_factor) ** (0.5 / self.cfg.lr_recovery_steps)  # half the cut, in log space
-        state.lr_cap = min(ceiling, state.lr_cap * rate)
+        state.lr_cap = min(state.guard["lr_ceiling"], state.lr_cap * rate)
 
     # -- actions ------------------------------------------------------------------------------
 
@@ -514,13 +501,3 @@ def check_interval(canary: ValidationSet, global_batch: int, dp_size: int) -> in
 def skipped_samples(state: TrainState) -> int:
     """Samples the guard has left out so far (its skip ranges; data.skip is the user's)."""
     return sum(end - start for start, end in state.skip)
-
-
-
-
-def _sigmas(value: float, history: deque) -> float:
-    """How many population standard deviations `value` lies above the mean of `history`.
-    Two passes of fsum: statistics.pstdev computes exactly in fractions, 0.2 ms a step."""
-    mean = math.fsum(history) / len(history)
-    deviation = math.sqrt(math.fsum((x - mean) ** 2 for x in history) / len(history))
-    return (value - mean) / (deviation or 1e-12)

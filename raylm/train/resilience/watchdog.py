@@ -102,7 +102,7 @@ class ProgressWatchdog(Hook):
         else:
             limit, basis = self._step_limit()
         phase = f"running step {step}"
-        if self._evaluates_after(run, run.state.step + 1):
+        if self._evaluates_after(run, step + 1):  # run.state may lag: steps are queued ahead of reads
             limit, basis = self._with_occasional(limit, basis, self.longest_eval, "an evaluation")
             phase += " and the evaluation after it"
         self._arm(phase, limit, basis)

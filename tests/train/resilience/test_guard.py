@@ -23,6 +23,7 @@ from raylm.train.observe.records import read_jsonl
 from raylm.train.optim import lr_at
 from raylm.train.resilience.guard import Guard
 from raylm.train.resilience.guard_stop import GuardStopped
+from raylm.train.resilience.judge import VERDICT, StepJudge, Verdict
 from tests.support.distributed import run_distributed
 from tests.support.order import epoch_samples, locate
 from tests.support.poison import poisoned_copy
@@ -503,24 +504,34 @@ def test_activation_and_parameter_norms_every_n_steps_match_across_layouts(tiny_
 def test_hard_data_becomes_the_history_it_is_judged_against(tmp_path):
     """A new kind of text judged hard (its updates left the canary sound) joins the recent steps the
     deviations are taken from: after a few of its batches, it trains as usual instead of every
-    batch of it costing a probe (two canary passes). The judging alone, on a guard without a model."""
+    batch of it costing a probe (two canary passes). The judging alone, on a guard without a model:
+    the device's verdict (StepJudge), the guard's history handed back to it as the loop does."""
     guard = Guard.__new__(Guard)
     guard.cfg, guard.unigram = GuardConfig(), None  # no unigram level: nothing is noise
     guard.world, guard.events_path = World(0, 1, 0, torch.device("cpu")), str(tmp_path / "events.jsonl")
     guard.losses, guard.norms, guard.healthy_losses = (deque(maxlen=guard.cfg.window) for _ in range(3))
     guard.suspects, guard.trigger = [], {}
+    device_judge = StepJudge(torch.device("cpu"), guard.cfg, None, loss_scaling=False)
     for i in range(100):  # one kind of text, learned: losses about 1.1
         guard.losses.append(1.1 + 0.01 * (i % 5))
         guard.norms.append(0.5 + 0.01 * (i % 3))
+    device_judge.load(*guard.history())
     verdicts = []
     for i in range(30):  # then another kind: losses about 2
         loss, norm = 2.0 + 0.02 * (i % 4), 0.9 + 0.01 * (i % 3)
-        verdicts.append(guard.judge(loss, norm))
-        if verdicts[-1] == "suspect":
+        record, applied = device_judge.judge(torch.tensor(loss), torch.tensor(norm), past_unigram=True)
+        verdicts.append(Verdict(int(record[VERDICT])))
+        assert bool(applied) == (verdicts[-1] == Verdict.OK)
+        if verdicts[-1] == Verdict.SUSPECT:
+            guard.withheld(record.tolist())
             guard.hard_batch(100 + i, [i, i + 1], before=1.0, after=1.0)
+            device_judge.resume()
+            device_judge.load(*guard.history())
         else:
-            guard.losses.append(loss)
-            guard.norms.append(norm)
-    assert verdicts[0] == "suspect" and verdicts[-10:] == ["ok"] * 10, verdicts
-    assert verdicts.count("suspect") <= 5, verdicts
+            guard.losses.append(float(record[0]))
+            guard.norms.append(float(record[1]))
+    assert verdicts[0] == Verdict.SUSPECT and verdicts[-10:] == [Verdict.OK] * 10, verdicts
+    assert verdicts.count(Verdict.SUSPECT) <= 5, verdicts
     assert list(guard.healthy_losses) == []  # where the run stands is the healthy steps' alone
+    # The device's history is the guard's: what the judge appended for the OK steps, as the guard did.
+    assert device_judge.history[0, -len(guard.losses):].tolist() == list(guard.losses)
