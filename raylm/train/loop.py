@@ -241,15 +241,18 @@ class Trainer:
         read before the run knows what comes next."""
         while True:
             raw = self.replay.popleft() if self.replay else next(self.batches, None)
-            if raw is None:
-                if self.queued or not (self.behind and self.state.step < self.last):
-                    return None
-                self._restart_stream()  # the steps the skips left at the end
+            # Planned before the rows it would reach were quarantined: a new stream, from the run's state.
+            stale = raw is not None and self.quarantine is not None and self.quarantine.stream_stale(raw.next_position)
+            if raw is not None and not stale:
+                return raw, dataclasses.replace(raw, step=raw.step - self.behind) if self.behind else raw
+            if self.queued:  # a new stream starts where the run is: the steps in flight are read first
+                if stale:
+                    self.replay.appendleft(raw)
+                return None
+            if stale or self.behind and self.state.step < self.last:  # or the steps the skips left at the end
+                self._restart_stream()
                 continue
-            if self.quarantine is not None and self.quarantine.stream_stale(raw.next_position):
-                self._restart_stream()  # planned before the rows it would reach were quarantined
-                continue
-            return raw, dataclasses.replace(raw, step=raw.step - self.behind) if self.behind else raw
+            return None
 
     def _steps(self) -> dict:
         self._open_stream()

@@ -9,11 +9,13 @@ import os
 
 import pytest
 
+from raylm.data.stream import Datasets
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
 from raylm.train.observe.syncs import HostSyncCounter
-from tests.train.resilience.test_guard import CONSTANT_LR, GUARD, GradientFault, Nudge, _poisoned
+from tests.support.order import epoch_samples
+from tests.train.resilience.test_guard import BATCH, CONSTANT_LR, GUARD, GradientFault, Nudge, _poisoned
 from tests.train.test_loop import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -92,3 +94,20 @@ def test_reading_a_window_at_once_decides_as_reading_each_step(tiny_dataset, tmp
     assert window[1] == each[1]
     assert window[0] == each[0]  # exactly: the same updates in the same order
     assert sorted(window[0]) == list(range(1, 41))
+
+
+def test_a_stream_the_quarantine_made_stale_starts_again_after_the_steps_in_flight(tiny_dataset, tmp_path):
+    """Two epochs with a window of noise: skipped in the first, its rows quarantined, the stream
+    that went on past the skips is stale where they come round again, and starts again from the
+    run's state: only once the steps queued from it are read (a new stream started under them
+    trained the same steps twice). The same samples, losses and events as a run read step by step."""
+    data = _poisoned(tiny_dataset, tmp_path, range(30, 34))
+    cfg = tiny_config(data)
+    order = Datasets.load(cfg.data, None).open_split("train", cfg.data, None).order
+    common = (f"train.steps={2 * epoch_samples(order) // BATCH}", *GUARD, *CONSTANT_LR, "train.audit_samples=true")
+    each = _run(data, str(tmp_path / "each"), 1, *common)
+    window = _run(data, str(tmp_path / "window"), 7, *common)
+    assert any(e["event"] == "samples_quarantined" for e in each[1])
+    assert window == each
+    rows = lambda run: [r["samples"] for r in read_jsonl(os.path.join(tmp_path, run, "metrics.jsonl"))]  # noqa: E731
+    assert rows("window") == rows("each")
