@@ -91,6 +91,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above optim.lr ({cfg.optim.lr}): the {s.name} "
                           "schedule would rise while it decays; lower schedule.min_lr or raise optim.lr")
     _check_ranges(cfg)
+    _check_float8(cfg)
     if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
         raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
                           f"got {t.eval_every} and {t.eval_batches}")
@@ -141,6 +142,23 @@ def _check_ranges(cfg: Config) -> None:
         if same != i:
             raise ConfigError(f"data.mixture[{i}].path {component.path!r} is the dataset of data.mixture[{same}]: "
                               f"give it one component, with the sum of the weights")
+
+
+def _check_float8(cfg: Config) -> None:
+    """What no worker could run with train.precision=float8 (the GPU's own compute capability and
+    torchao are checked where the model is built: raylm.parallel.float8)."""
+    if cfg.train.precision != "float8":
+        return
+    p = cfg.parallel
+    if not p.use_gpu:
+        raise ConfigError("train.precision=float8: float8 matmuls need an NVIDIA GPU of compute capability 8.9 or "
+                          "newer (Ada, Hopper); this run is on CPU (parallel.use_gpu=false)")
+    if p.tp > 1:
+        raise ConfigError(f"train.precision=float8 with parallel.tp={p.tp}: float8 under tensor parallelism is not "
+                          "wired in raylm (torchao's float8 TP styles): use parallel.tp=1, or train.precision=bf16")
+    if p.param_dtype == "fp16":
+        raise ConfigError("train.precision=float8 computes what its float8 linears leave in bf16, and "
+                          "parallel.param_dtype=fp16 would cast it to fp16: use parallel.param_dtype=bf16 or fp32")
 
 
 def _dataset_key(path: str) -> str:

@@ -184,9 +184,17 @@ class TrainConfig:
     stop_at_step: Optional[int] = None
     """End this invocation after this step, with a checkpoint, leaving the schedule to
     train.steps (time-boxed or preemptible jobs; the next invocation resumes)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "float8"] = "fp32"
     """bf16/fp16 run the forward under autocast; weights and optimizer stay fp32. fp16 (and
-    parallel.param_dtype=fp16) adds dynamic loss scaling."""
+    parallel.param_dtype=fp16) adds dynamic loss scaling. float8: the blocks' linear layers
+    compute in float8 through torchao (extra `float8`; an NVIDIA GPU of compute capability 8.9 or
+    newer: Ada, Hopper), everything else in bf16 (FSDP2's parameter casts under a
+    parallel.param_dtype=bf16 wrapper, bf16 autocast otherwise); the output head and the
+    embedding stay in bf16, as torchtitan does."""
+    float8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """train.precision=float8: torchao's scaling recipe (Float8LinearConfig.from_recipe_name).
+    tensorwise: one scale per tensor; under FSDP2 the weights are all-gathered in float8.
+    rowwise: a scale per row, more accurate, all-gathers in the parameter dtype."""
     loss_scale_initial: float = 65536.0
     """fp16: the first loss scale (torch.amp.GradScaler's default)."""
     loss_scale_growth_interval: int = 2000
@@ -220,9 +228,10 @@ class TrainConfig:
     z_loss: float = 0.0
     """PaLM's z-loss weight (1e-4 in PaLM): adds z_loss * log(Z)^2 to the training loss (the
     reported `loss` includes it; `val_loss` is plain cross entropy). 0: off."""
-    compile: bool = False
+    compile: Optional[bool] = None
     """torch.compile the loss and the model: per block between FSDP2's or TP's hooks, as one graph
-    on one device with no wrapper. The first steps pay for compiling (seconds to minutes)."""
+    on one device with no wrapper. The first steps pay for compiling (seconds to minutes). None:
+    on with GPUs (parallel.use_gpu), off on CPU, where compiling costs 20-25 s and gains nothing."""
     peak_tflops: Optional[float] = None
     """Per-device peak for MFU; None: table for known GPUs, a measured matmul rate on CPU."""
     tensorboard: bool = True
@@ -296,7 +305,8 @@ class ParallelConfig:
     """Pipeline-parallel degree: ranks that each hold a contiguous group of layers."""
     sharding: Sharding = "none"
     """none: DDP (replicate over every data-parallel rank); optimizer: ZeRO-1, gradients:
-    ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py)."""
+    ZeRO-2, full: ZeRO-3, all three on FSDP2 over dp_shard (see raylm/parallel/fsdp.py). A run of
+    one rank has no wrapper whatever this says, unless one_rank_fsdp or cpu_offload asks."""
     activation_checkpointing: ActivationCheckpointing = "none"
     """Recompute blocks' activations in backward: none, every block (full), or every
     ac_every-th block (every_k); selective checkpoints every block but keeps its matmul and
@@ -305,12 +315,21 @@ class ParallelConfig:
     ac_every: int = 2
     """every_k: checkpoint blocks whose index is a multiple of this."""
     param_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Dtype FSDP2/replicate compute in (parameters are cast for forward/backward; the sharded
-    master copy and the optimizer stay fp32). Needs torch.distributed; fp16 adds dynamic loss scaling (train.loss_scale_*)."""
+    """Dtype the model computes in: FSDP2/replicate cast the parameters for forward/backward (the
+    sharded master copy and the optimizer stay fp32); a run of one rank without FSDP2 (see
+    one_rank_fsdp) runs the forward under autocast in this dtype over fp32 weights instead, as
+    torchtitan does. fp16 adds dynamic loss scaling (train.loss_scale_*)."""
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     """Dtype of gradient reductions across data-parallel ranks."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 sharding only)."""
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 sharding only;
+    on one rank it implies one_rank_fsdp)."""
+    one_rank_fsdp: bool = False
+    """Wrap the model in FSDP2 even when the run has one rank (needs sharding != none and a
+    torch.distributed process group, which `raylm train` always has): the multi-GPU layout,
+    measured on one GPU. Off, a one-rank run has no wrapper: FSDP2's hooks cost more host time per
+    block than a small model's block takes on a GPU (GPT-2 124M on one H200: 0.40x nanoGPT's
+    tokens/s with it, 0.89x without; benchmarks/RESULTS.md), and one rank has nothing to shard."""
     sequence_parallel: bool = False
     """With tp > 1: shard norms and the residual stream along the sequence (needs seq_len % tp == 0)."""
     loss_parallel: bool = False

@@ -117,6 +117,7 @@ def set_micro_batch_sync(model: nn.Module, sharding: Sharding, last: bool) -> No
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,  # a Linear with a bias
+    torch.ops.aten._scaled_mm.default,  # a float8 Linear's matmul (train.precision=float8)
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

@@ -19,14 +19,18 @@ SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualp
 @dataclass(frozen=True)
 class ParallelDims:
     """A layout's degrees for one world size, resolved in the constructor (torchtitan's
-    ParallelDims): dp_shard=-1 is inferred here, and everything downstream (the mesh, the data
-    split, the memory planner) reads these degrees instead of deriving one again."""
+    ParallelDims): dp_shard=-1 is inferred here, and whether FSDP2 wraps the model is decided in
+    `of`; everything downstream (the mesh, the data split, the mixed precision, the memory
+    planner) reads these instead of deriving one again."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     pp: int
     world_size: int
+    fsdp: bool
+    """FSDP2's `fully_shard` wraps the model (parallel.sharding != none); on a world of one rank
+    only when parallel.one_rank_fsdp or parallel.cpu_offload asks for it."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "tp", "pp"):
@@ -47,7 +51,12 @@ class ParallelDims:
 
     @classmethod
     def of(cls, parallel: ParallelConfig, world_size: int) -> "ParallelDims":
-        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size)
+        # One rank has nothing to shard, and FSDP2's per-block hooks cost more host time than a
+        # GPT-2 block takes on a GPU: 0.40x nanoGPT's tokens/s on one H200 against 0.89x without
+        # them (benchmarks/RESULTS.md, GPU check). An elastic run that shrinks to one worker
+        # resumes its sharded checkpoint into plain tensors (DCP reshards).
+        fsdp = parallel.sharding != "none" and (world_size > 1 or parallel.one_rank_fsdp or parallel.cpu_offload)
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, world_size, fsdp)
 
     @property
     def dp(self) -> int:
@@ -74,8 +83,51 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def replicate(self) -> bool:
+        """FSDP2's `replicate` (DDP) wraps the model: data-parallel ranks without sharding."""
+        return self.dp_enabled and not self.fsdp
+
+    @property
+    def amp(self) -> bool:
+        """No wrapper on a world of one rank: parallel.param_dtype applies as autocast over fp32
+        weights and optimizer state (torchtitan's `maybe_enable_amp` on a single device)."""
+        return self.world_size == 1 and not self.fsdp
+
     def __str__(self) -> str:
         return f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """What computes in 16 bits and who casts: `params`, the dtype FSDP2 (`fully_shard` or
+    `replicate`) casts the parameters to for forward and backward; `autocast`, the dtype the
+    forward runs under autocast in; None where nothing does."""
+
+    params: Optional[str] = None
+    autocast: Optional[str] = None
+
+    @classmethod
+    def of(cls, precision: str, parallel: ParallelConfig, dims: ParallelDims) -> "MixedPrecision":
+        """train.precision (`precision`) and parallel.param_dtype on the layout `dims`: a wrapper
+        casts the parameters; one rank without one takes param_dtype as autocast over fp32 weights
+        (torchtitan's `maybe_enable_amp`); train.precision=bf16/fp16 is autocast on any layout, and
+        float8 leaves the rest of the model in bf16 (autocast, unless a wrapper casts to bf16)."""
+        wrapped = dims.fsdp or dims.replicate
+        params = parallel.param_dtype if wrapped and parallel.param_dtype != "fp32" else None
+        if precision in ("bf16", "fp16"):
+            autocast: Optional[str] = precision
+        elif precision == "float8":
+            autocast = None if params == "bf16" else "bf16"
+        elif dims.amp and parallel.param_dtype != "fp32":
+            autocast = parallel.param_dtype
+        else:
+            autocast = None
+        return cls(params, autocast)
+
+    def __str__(self) -> str:
+        parts = [f"fsdp2 {self.params}"] * bool(self.params) + [f"autocast {self.autocast}"] * bool(self.autocast)
+        return " + ".join(parts) or "none"
 
 
 def num_stages(parallel: ParallelConfig) -> int:
@@ -88,8 +140,9 @@ def check_layout(parallel: ParallelConfig, model: ModelConfig, dims: ParallelDim
     group exists. The vocabulary (model.vocab_size) and `seq_len` are checked when known."""
     if parallel.ac_every < 1:
         raise ConfigError(f"parallel.ac_every must be >= 1, got {parallel.ac_every}")
-    if parallel.cpu_offload and parallel.sharding == "none":
-        raise ConfigError("parallel.cpu_offload needs FSDP2: set parallel.sharding to optimizer, gradients or full")
+    for name in ("cpu_offload", "one_rank_fsdp"):
+        if getattr(parallel, name) and parallel.sharding == "none":
+            raise ConfigError(f"parallel.{name} needs FSDP2: set parallel.sharding to optimizer, gradients or full")
     if not dims.tp_enabled and (parallel.sequence_parallel or parallel.loss_parallel):
         raise ConfigError("parallel.sequence_parallel and parallel.loss_parallel split over the tensor-parallel "
                           f"group: they need parallel.tp > 1 (tp={dims.tp})")

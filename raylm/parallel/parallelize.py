@@ -1,6 +1,7 @@
-"""Parallelize a plain model from outside, nearly torchtitan's order: pipeline split, then per part
-activation checkpointing, tensor parallel, compile, and data parallel (FSDP2 `fully_shard` or
-FSDP2-based `replicate`) last. The model knows nothing of it.
+"""Parallelize a plain model from outside, nearly torchtitan's order: float8 conversion of the
+blocks' linears (train.precision=float8), pipeline split, then per part activation checkpointing,
+tensor parallel, compile, and data parallel (FSDP2 `fully_shard` or FSDP2-based `replicate`) last.
+The model knows nothing of it.
 
 All of it happens on the meta device: no rank ever holds the whole model. Each part is then
 materialised with only this rank's shards and initialised by the model's own rule
@@ -16,9 +17,10 @@ import torch
 from torch import nn
 
 from raylm.config import Config, ConfigError
+from raylm.parallel import float8
 from raylm.parallel.fsdp import apply_ac, apply_fsdp, apply_replicate, mixed_precision
 from raylm.parallel.init import materialize
-from raylm.parallel.layout import ParallelDims, num_stages
+from raylm.parallel.layout import MixedPrecision, ParallelDims, num_stages
 from raylm.parallel.mesh import ParallelMesh, build_mesh
 from raylm.parallel.tensor import apply_tp
 from raylm.parallel.world import World
@@ -45,9 +47,12 @@ def describe_layout(cfg: Config, mesh: ParallelMesh) -> dict:
     """The layout in a few keys, for logs and metrics."""
     parallel, d = cfg.parallel, mesh.dims
     layout = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
-              "data_parallel": ZERO_NAMES[parallel.sharding] if d.dp_enabled or parallel.sharding != "none" else "none",
-              "hsdp": parallel.sharding != "none" and d.dp_replicate_enabled and d.dp_shard_enabled,
-              "activation_checkpointing": parallel.activation_checkpointing, "param_dtype": parallel.param_dtype}
+              "data_parallel": ZERO_NAMES[parallel.sharding] if d.fsdp else "DDP" if d.replicate else "none",
+              "hsdp": d.fsdp and d.dp_replicate_enabled and d.dp_shard_enabled,
+              "activation_checkpointing": parallel.activation_checkpointing,
+              "mixed_precision": str(MixedPrecision.of(cfg.train.precision, parallel, d))}
+    if cfg.train.precision == "float8":
+        layout.update(float8=cfg.train.float8_recipe, float8_all_gather=float8.all_gathers_float8(cfg, d))
     if d.tp_enabled:
         layout.update(sequence_parallel=parallel.sequence_parallel, loss_parallel=parallel.loss_parallel)
     if d.pp_enabled:
@@ -94,13 +99,17 @@ def parallelize(model_factory: Callable[[], nn.Module], cfg: Config, world: Worl
     apply the layout (`dims`, resolved for this world, and `cfg.parallel`'s settings), then
     materialise and initialise this rank's shards."""
     parallel = cfg.parallel
-    mesh = build_mesh(dims, parallel.sharding, world.device.type)
-    if parallel.param_dtype != "fp32" and mesh.fsdp is None and mesh.dp is None:
-        raise ConfigError(f"parallel.param_dtype={parallel.param_dtype} is applied by FSDP2, which needs "
-                          "torch.distributed and sharding != none or more than one data-parallel rank; "
-                          "in a single process use train.precision=bf16 (autocast)")
+    mesh = build_mesh(dims, world.device.type)
+    if parallel.param_dtype != "fp32" and not (dims.fsdp or dims.replicate or dims.amp):
+        # torchtitan too leaves mixed precision off for TP or PP without FSDP.
+        raise ConfigError(f"parallel.param_dtype={parallel.param_dtype} is applied by FSDP2, or by autocast on one "
+                          f"rank; this layout ({dims}, sharding=none) has neither: set parallel.sharding, or use "
+                          "train.precision=bf16 (autocast)")
     with torch.device("meta"):
         model = model_factory()
+    if cfg.train.precision == "float8":  # before the layout, as torchtitan converts before parallelizing
+        float8.check_device(world.device)
+        float8.convert(model, cfg.train.float8_recipe, all_gather=float8.all_gathers_float8(cfg, dims))
     if mesh.pp is None:
         apply_layout(model, cfg, mesh)
         _materialize(model, cfg, world)

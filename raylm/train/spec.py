@@ -1,9 +1,10 @@
 """A run resolved once, on the driver: its config filled in from its data (vocabulary, seq_len,
-absolute paths), checked against the model's shape rules, its parallel layout resolved for every
-world size the run may have, and the datasets it reads. Workers receive the `RunSpec` whole; each
-checks that it sees the same data (one manifest read, compared by digest) and reads the layout of
-its world size instead of deriving anything again. Where a run's directory is (`run_uri`,
-`local_run_dir`) is also derived here, for the driver and workers.
+absolute paths) and with the defaults that depend on the run (train.compile), checked against the
+model's shape rules, its parallel layout resolved for every world size the run may have, and the
+datasets it reads. Workers receive the `RunSpec` whole; each checks that it sees the same data
+(one manifest read, compared by digest) and reads the layout of its world size instead of deriving
+anything again. Where a run's directory is (`run_uri`, `local_run_dir`) is also derived here, for
+the driver and workers.
 
 This is the one place where "resolve" happens; the config package knows neither the model nor
 the layout, and the model and the layout know nothing of the data.
@@ -73,7 +74,7 @@ class RunSpec:
     def with_config(self, cfg: Config) -> "RunSpec":
         """Another run on the same data (a sweep's trial): `cfg` filled in and checked as
         `resolve_run` does, without reading the data again."""
-        cfg = _fill_from_data(cfg, self.datasets.manifest, announce=False)
+        cfg = _fill_from_data(_resolve_defaults(cfg), self.datasets.manifest, announce=False)
         sizes = range(min(self.layouts), max(self.layouts) + 1)  # the world this spec was resolved for
         return dataclasses.replace(self, config=cfg, layouts=resolve_layouts(cfg, self.seq_len, sizes))
 
@@ -116,7 +117,7 @@ def resolve_run(cfg: Config, announce: bool = False, sizes: Optional[range] = No
     the layout for every world size (`sizes`, by default the run's own: `world_sizes`) with the
     batch split, then verify every shard when data.verify (the one slow part, last). `announce`
     prints what was filled in (on the driver)."""
-    cfg = _absolute_paths(cfg)
+    cfg = _resolve_defaults(_absolute_paths(cfg))
     datasets = Datasets.load(cfg.data, cfg.storage)
     cfg = _fill_from_data(cfg, datasets.manifest, announce)
     _check_val_split(cfg, datasets)
@@ -211,6 +212,15 @@ def _absolute_paths(cfg: Config) -> Config:
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path), mixture=[
         dataclasses.replace(c, path=absolute(c.path)) for c in cfg.data.mixture])
     return dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, storage_path=absolute(cfg.run.storage_path)))
+
+
+def _resolve_defaults(cfg: Config) -> Config:
+    """Defaults that depend on the rest of the run, made concrete: the workers, and the config saved
+    with every checkpoint, read what runs. train.compile=None is on with GPUs and off on CPU, where
+    compiling costs 20-25 s and gives no speedup."""
+    if cfg.train.compile is not None:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=cfg.parallel.use_gpu))
 
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:

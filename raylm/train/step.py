@@ -21,8 +21,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from raylm.config import Config, ConfigError
 from raylm.model.transformer import document_ids
-from raylm.parallel.fsdp import set_micro_batch_sync
-from raylm.parallel.layout import ParallelDims, num_stages
+from raylm.parallel.fsdp import DTYPES, set_micro_batch_sync
+from raylm.parallel.layout import MixedPrecision, ParallelDims, num_stages
 from raylm.parallel.mesh import ParallelMesh
 from raylm.parallel.parallelize import describe_layout, parallelize
 from raylm.parallel.world import World
@@ -47,13 +47,6 @@ def training_loss(z_loss: float) -> Callable[[torch.Tensor, torch.Tensor], torch
         return cross_entropy(logits, targets) + z_loss * log_z.pow(2).mean()
 
     return loss
-
-
-def autocast(cfg: Config, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.train.precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16
-        return torch.autocast(device_type=device.type, dtype=dtype)
-    return contextlib.nullcontext()
 
 
 def needs_loss_scaling(cfg: Config) -> bool:
@@ -131,6 +124,7 @@ class ParallelModel:
         # the chunks for checkpoints and optimizers, not a callable model).
         self.model = merged_view(parts)
         self.layout: dict = describe_layout(cfg, mesh)
+        self.autocast_dtype = MixedPrecision.of(cfg.train.precision, cfg.parallel, mesh.dims).autocast
         self.loss_fn = training_loss(cfg.train.z_loss)
         if cfg.train.compile and not cfg.parallel.loss_parallel:
             # As torchtitan's compile of "loss": the logits' fp32 upcast, log-softmax and NLL fuse
@@ -148,6 +142,13 @@ class ParallelModel:
     @property
     def dp_size(self) -> int:
         return self.mesh.dp_size
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast: train.precision's, or on one rank without FSDP2 parallel.param_dtype's
+        (`MixedPrecision`)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.world.device.type, dtype=DTYPES[self.autocast_dtype])
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.cfg.parallel.loss_parallel else contextlib.nullcontext()
@@ -169,7 +170,7 @@ class ParallelModel:
         for i, mb in enumerate(micro):
             set_micro_batch_sync(model, self.cfg.parallel.sharding, last=i == len(micro) - 1)
             with self._loss_context():
-                with autocast(self.cfg, self.world.device):
+                with self.autocast():
                     logits = model(mb[:, :-1], **self._documents(mb[:, :-1]))  # (B, T, vocab)
                 loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
                 (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
@@ -182,7 +183,7 @@ class ParallelModel:
         micro = tokens.split(micro_batch_size)
         total = torch.zeros((), device=self.world.device)
         for mb in micro:
-            with self._loss_context(), autocast(self.cfg, self.world.device):
+            with self._loss_context(), self.autocast():
                 logits = model(mb[:, :-1], **self._documents(mb[:, :-1]))
                 total += _whole(cross_entropy(logits, mb[:, 1:])) / len(micro)
         self.reshard()
@@ -289,7 +290,7 @@ class PipelineModel(ParallelModel):
         inputs = (tokens[:, :-1],) if self.has_first else ()  # later stages receive activations
         losses: list[torch.Tensor] = []
         run = schedule.step if backward else schedule.eval
-        with self._loss_context(), autocast(self.cfg, self.world.device):
+        with self._loss_context(), self.autocast():
             # Keyword arguments reach every stage, split into the same micro-batches as the rows:
             # each stage masks by documents of tokens it never sees (every rank has the rows).
             run(*inputs, target=tokens[:, 1:], losses=losses, return_outputs=False,

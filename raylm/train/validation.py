@@ -15,7 +15,7 @@ from raylm.data.stream import TokenStream
 from raylm.data.tokenizer import bits_per_byte, token_byte_lengths, tokenizer_from_json
 from raylm.downstream.scoring import Scorer
 from raylm.train.spec import RunSpec
-from raylm.train.step import ParallelModel, autocast
+from raylm.train.step import ParallelModel
 
 VAL_SEED = 0  # the validation rows' order: the same for every data.seed
 
@@ -90,7 +90,7 @@ class TaskScores:
         device = model.world.device
 
         def logits(ids: torch.Tensor) -> torch.Tensor:
-            with autocast(cfg, device):
+            with model.autocast():
                 out = part(ids.to(device))
             return out.full_tensor() if isinstance(out, DTensor) else out  # loss_parallel: sharded by vocabulary
 

@@ -35,6 +35,7 @@ def test_dp_shard_is_inferred_from_the_world_size() -> None:
     (dict(tp=2, pp=2), 6, "world size 6 is not divisible by dp_replicate=1 x tp=2 x pp=2 = 4"),
     (dict(dp_shard=0), 2, "parallel.dp_shard must be >= 1 or -1"),
     (dict(cpu_offload=True), 2, "cpu_offload needs FSDP2"),
+    (dict(one_rank_fsdp=True), 1, "one_rank_fsdp needs FSDP2: set parallel.sharding"),
     (dict(sequence_parallel=True), 2, "need parallel.tp > 1"),
     (dict(pp=2, pp_schedule="interleaved_1f1b"), 2, "set pp_virtual_stages >= 2"),
     (dict(pp=2, pp_schedule="1f1b", pp_virtual_stages=2), 2, "set pp_virtual_stages=1"),

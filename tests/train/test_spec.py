@@ -146,3 +146,17 @@ def test_a_run_longer_than_an_epoch_says_so_at_the_start(tiny_dataset, capsys):
             f"({rows:,} rows); each epoch after the first trains the same samples again") in capsys.readouterr().out
     resolve_run(tiny_config(tiny_dataset, f"train.steps={rows // 8}"), announce=True)
     assert "epochs of" not in capsys.readouterr().out
+
+
+def test_compile_is_resolved_on_with_gpus_and_off_on_cpu(tiny_dataset):
+    """train.compile=None becomes a bool where the run is resolved: off on CPU (no speedup for 20-25 s of
+    compiling), on with GPUs; an explicit value stays as given, and a sweep's trial resolves it too."""
+    assert tiny_config(tiny_dataset).train.compile is None
+    cpu = resolve_run(tiny_config(tiny_dataset))
+    assert cpu.config.train.compile is False
+    assert resolve_run(tiny_config(tiny_dataset, "parallel.use_gpu=true")).config.train.compile is True
+    assert resolve_run(tiny_config(tiny_dataset, "parallel.use_gpu=true",
+                                   "train.compile=false")).config.train.compile is False
+    trial = cpu.with_config(tiny_config(tiny_dataset, "parallel.use_gpu=true"))
+    assert trial.config.train.compile is True
+    assert RunSpec.from_dict(trial.to_dict()).config.train.compile is True  # as the workers receive it

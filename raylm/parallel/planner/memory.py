@@ -14,8 +14,10 @@ splitting; Adam keeps two moments, m and v):
 | amp       | 4      | 4     | 4+4      | -      | 16Ψ   | 16-bit      | fp32 weights under bf16 autocast (*) |
 | fp32      | 4      | 4     | 4+4      | -      | 16Ψ   | 32-bit      | everything fp32                 |
 
-(*) raylm's `train.precision: bf16`. Autocast also keeps the bf16 copy of every weight it cast,
-saved for backward, whatever the sharding: 2Ψ more, counted with the buffers.
+(*) raylm's `train.precision: bf16`, and what a one-GPU run without FSDP2 makes of
+`parallel.param_dtype: bf16` (`ParallelDims.amp`): `estimate_memory` counts mixed, bf16 and fp16 as
+amp there. Autocast also keeps the bf16 copy of every weight it cast, saved for backward, whatever
+the sharding: 2Ψ more, counted with the buffers.
 
 What the data-parallel shard degree D = `dp_shard` divides (with HSDP only the shard dimension
 counts; replicas each hold a full shard set):
@@ -99,6 +101,14 @@ def get_precision(precision: str | Precision) -> Precision:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     return PRECISIONS[precision]
+
+
+def applied_precision(precision: str | Precision, dims: ParallelDims) -> Precision:
+    """The precision a layout trains `precision` in: 16-bit parameters are FSDP2's cast, so where
+    no wrapper casts them (one GPU without FSDP2, `ParallelDims.amp`) the weights and AdamW stay
+    fp32 under autocast, as `amp` counts them."""
+    prec = get_precision(precision)
+    return PRECISIONS["amp"] if dims.amp and prec.param_bytes == 2 else prec
 
 
 def layout_dims(parallel: ParallelConfig) -> ParallelDims:
@@ -324,13 +334,14 @@ def estimate_memory(model_cfg: ModelConfig, parallel: ParallelConfig, precision:
                     dims: Optional[ParallelDims] = None) -> MemoryEstimate:
     """Per-GPU memory of the layout `parallel` (over its num_workers GPUs) on its worst pipeline stage.
 
-    `n_microbatches` (per optimizer step and data-parallel rank) bounds the microbatches 1F1B
-    keeps in flight; None assumes at least pp. `flash_attention` (SDPA's GPU kernels, which
-    raylm's attention uses) keeps no s x s attention scores. `dims`: the layout's degrees when
-    the caller has resolved them (`layout_dims` otherwise).
+    `precision` as the layout applies it (`applied_precision`). `n_microbatches` (per optimizer
+    step and data-parallel rank) bounds the microbatches 1F1B keeps in flight; None assumes at
+    least pp. `flash_attention` (SDPA's GPU kernels, which raylm's attention uses) keeps no s x s
+    attention scores. `dims`: the layout's degrees when the caller has resolved them
+    (`layout_dims` otherwise).
     """
     dims = dims or layout_dims(parallel)
-    prec = get_precision(precision)
+    prec = applied_precision(precision, dims)
     shape = model_shape(model_cfg)
     seq_len = seq_len or model_cfg.max_seq_len
     m = n_microbatches or dims.pp

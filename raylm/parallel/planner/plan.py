@@ -14,6 +14,10 @@ A layout is the `ParallelConfig` a run uses: num_workers = the GPUs, concrete de
 tp > 1 sequence and loss parallelism on; `plan` adds the activation checkpointing mode and the
 dtypes of its precision, and the recommended `parallel:` block is a dump of those fields.
 
+One GPU is estimated as raylm builds it (`ParallelDims.fsdp`, `ParallelDims.amp`): no FSDP2
+wrapper, and a 16-bit param_dtype as autocast over fp32 weights and AdamW state (the `amp`
+precision's bytes, whatever precision was asked for); the block's comments say so.
+
 A layout is feasible when raylm can run it (`raylm.parallel.layout.check_layout` accepts
 it: e.g. tp divides the MLP width and vocabulary, no pipeline with tied embeddings), its per-GPU
 total is at most (1 - headroom) of the GPU's memory (headroom 10% by default, for the CUDA
@@ -224,16 +228,26 @@ def format_table(rows: Sequence[PlanRow], top: Optional[int] = 10) -> str:
     return "\n".join(lines)
 
 
-def precision_settings(precision: str) -> tuple[dict[str, str], list[str]]:
+def precision_settings(precision: str, one_gpu: bool = False) -> tuple[dict[str, str], list[str]]:
     """The ParallelConfig dtypes that train as `precision` is estimated, and notes on what lies
-    outside them."""
+    outside them; `one_gpu` (`ParallelDims.amp`: one rank, no FSDP2) notes instead what raylm
+    builds there."""
     dtypes, notes = {}, []
     if precision in ("mixed", "bf16"):  # 2-byte gradients, as the estimate counts them
         dtypes.update(param_dtype="bf16", reduce_dtype="bf16")
-    if precision == "bf16":
-        notes.append("raylm keeps fp32 master weights and AdamW state: expect the `mixed` estimate")
     elif precision == "fp16":
         dtypes["param_dtype"] = "fp16"
+    if one_gpu:
+        notes.append("one GPU: no FSDP2 wrapper (its per-block hooks cost more host time than a small model's "
+                     "blocks take on a GPU, and one rank has nothing to shard); parallel.one_rank_fsdp: true asks "
+                     "for one (the multi-GPU layout)")
+        if "param_dtype" in dtypes:
+            notes.append(f"param_dtype: {dtypes['param_dtype']} runs as {dtypes['param_dtype']} autocast over fp32 "
+                         "weights and AdamW state: estimated as `amp`"
+                         + (", with dynamic loss scaling" if precision == "fp16" else ""))
+    if precision == "bf16" and not one_gpu:
+        notes.append("raylm keeps fp32 master weights and AdamW state: expect the `mixed` estimate")
+    elif precision == "fp16" and not one_gpu:
         notes.append("raylm scales the fp16 loss dynamically and reduces gradients in fp32 (2 bytes each more)")
     elif precision == "amp":
         notes.append("with train.precision: bf16 (autocast over fp32 weights)")
@@ -252,15 +266,15 @@ def parallel_settings(layout: ParallelConfig) -> dict:
         block["activation_checkpointing"] = layout.activation_checkpointing
         if layout.activation_checkpointing == "every_k":
             block["ac_every"] = layout.ac_every
-    block.update((name, getattr(layout, name)) for name in ("param_dtype", "reduce_dtype")
-                 if getattr(layout, name) != "fp32")
+    reduced = ("param_dtype",) if layout_dims(layout).amp else ("param_dtype", "reduce_dtype")  # one GPU reduces nothing
+    block.update((name, getattr(layout, name)) for name in reduced if getattr(layout, name) != "fp32")
     return block
 
 
 def parallel_block_yaml(row: PlanRow, precision: str = "mixed") -> str:
     """The `parallel:` block for `row` in ParallelConfig's keys, the estimate and the notes on
     `precision` as comments."""
-    block, (_, notes) = parallel_settings(row.layout), precision_settings(precision)
+    block, (_, notes) = parallel_settings(row.layout), precision_settings(precision, layout_dims(row.layout).amp)
     header = [f"raylm plan: {row.memory.total / 1e9:.1f} GB per GPU, step ~{row.step_s:.2f} s "
               f"({row.n_microbatches} micro-batches per rank)", *notes]
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump({"parallel": block}, sort_keys=False)

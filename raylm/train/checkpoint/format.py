@@ -123,8 +123,11 @@ def _state_dict_options():
 def _states(model: "ParallelModel", optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from raylm.parallel.float8 import plain_weights
+
     # model.model spans all of this rank's parts (pipeline chunks) under the plain model's names.
-    return get_state_dict(model.model, optimizer, options=_state_dict_options())
+    model_sd, optim_sd = get_state_dict(model.model, optimizer, options=_state_dict_options())
+    return plain_weights(model_sd), optim_sd
 
 
 def _then(future: Future, fn) -> Future:
