@@ -35,6 +35,7 @@ from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.errors import DivergedError, Preempted
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
+from raylm.parallel.float8 import after_optimizer_step
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.policy import Checkpointer
@@ -313,7 +314,13 @@ class Trainer:
         loss, grad_norm = self.forward_backward(batch)
         record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram)
         step_where(self.optimizer, apply)
+        self._weights_changed()
         return record
+
+    def _weights_changed(self) -> None:
+        """After every update (taken or withheld) and every restore of the weights: float8's scales
+        for FSDP2's float8 all-gather, precomputed from the weights as they now are."""
+        after_optimizer_step(self.model.parts)
 
     def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
@@ -527,18 +534,21 @@ class Trainer:
             return "skipped"
         held = guard.hold(state)
         self.optimizer.step()
+        self._weights_changed()
         after = guard.canary_loss()
         noise = bool(record[judge.NOISE])
         if not guard.damaged(after, before, tolerance=0.0 if noise else None):
             guard.hard_batch(step, samples, before, after)
             return "stepped"
         guard.undo(held)
+        self._weights_changed()
         if noise:
             guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
                              unigram=guard.unigram)
             return "skipped"
         apply_lr(self.optimizer, lr * self.cfg.guard.lr_factor)
         self.optimizer.step()
+        self._weights_changed()
         cut = guard.canary_loss()
         if guard.helped(cut, before):
             guard.lr_cut(step, state, lr, before, cut)
@@ -549,6 +559,7 @@ class Trainer:
             self.step_lr = lr * self.cfg.guard.lr_factor  # for this step alone
             return "stepped"
         guard.undo(held)
+        self._weights_changed()
         guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
         return "skipped"
 
@@ -569,6 +580,7 @@ class Trainer:
     def _roll_back(self, step: int, consumed_until: int, lr: float) -> None:
         self._abandon(step)
         self.guard.roll_back(step, self.state, consumed_until, lr)
+        self._weights_changed()
         self.checkpointer.abandon_after(self.state.step)
         self.judge.resume()
         self.judge.load(*self.guard.history())
