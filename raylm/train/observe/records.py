@@ -1,8 +1,9 @@
 """A run's JSON-lines records: the file names, and how they are read, appended and rewritten.
 
-A kill or a full disk can cut a line short, and a later append must not glue its line onto the
-torn one. So readers drop a line that is not one JSON object (a torn last line above all) and say
-which, by file and line; appends start on a line of their own; rewrites replace the file whole.
+A kill can cut a line short, and a later append must not glue its line onto the torn one. So
+readers drop a line that is not one JSON object (a torn last line above all) and say which, by
+file and line; appends start on a line of their own, and one that a full disk refuses leaves the
+file as it was; rewrites replace the file whole.
 No torch here: the driver and Ray Train's controller read and append them without importing
 the training code.
 """
@@ -90,8 +91,7 @@ def append_line(path: str, row: dict) -> None:
     """Append one row to a local JSON-lines record.
 
     A full disk must not stop training (checkpoints have their own policy): the row is kept, with
-    one warning, and written with the next row that fits, in order. A line cut short by the full
-    disk is dropped by readers; the rows after it start on a line of their own.
+    one warning, and written with the next row that fits, in order; the file keeps no part of it.
     """
     _unwritten.setdefault(path, []).append(json.dumps(row).encode() + b"\n")
     write_unwritten(path)
@@ -105,12 +105,7 @@ def write_unwritten(path: str) -> bool:
         return True
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a+b") as f:  # appends go to the end; the last byte is read in place
-            end, torn = f.seek(0, os.SEEK_END), False
-            if end:
-                f.seek(end - 1)
-                torn = f.read(1) != b"\n"
-            f.write((b"\n" if torn else b"") + b"".join(pending))
+        _append_whole(path, b"".join(pending))
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -120,6 +115,27 @@ def write_unwritten(path: str) -> bool:
         return False
     pending.clear()
     return True
+
+
+def _append_whole(path: str, lines: bytes) -> None:
+    """Append `lines` to `path` whole, or leave the file as it was: a full disk takes the bytes
+    that fit in the file's last block and refuses the rest, and the part line left behind stopped
+    every JSON-lines reader but raylm's (jq, pandas) in the middle of the file. A file that ends
+    torn (a kill mid-write) is left so; the lines start on a line of their own."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        if end and os.pread(fd, 1, end - 1) != b"\n":
+            lines = b"\n" + lines
+        written = memoryview(lines)
+        try:
+            while written:
+                written = written[os.write(fd, written):]
+        except BaseException:  # a Ctrl-C mid-write too: no part line left behind
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def append_event(path: str, event: dict) -> None:

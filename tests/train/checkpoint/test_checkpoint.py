@@ -3,9 +3,7 @@
 import contextlib
 import json
 import os
-import subprocess
 import tempfile
-import uuid
 from typing import Iterator
 
 import pytest
@@ -20,6 +18,7 @@ from raylm.train.loop import train, train_local
 from raylm.train.observe.records import read_jsonl
 from raylm.train.spec import resolve_run
 from tests.support.checkpoints import flip_byte
+from tests.support.filesystems import tmpfs
 from tests.train.test_loop import losses, tiny_config
 
 
@@ -95,22 +94,10 @@ def test_retention_keeps_the_last_k_and_every_mth(tiny_dataset, tmp_path):
     assert checkpoint.latest_complete(str(tmp_path)) == str(tmp_path / "checkpoint_00000010")
 
 
-def _tmpfs(tmp_path, size: str):
-    mount = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
-    yield mount
-    if subprocess.run(["umount", str(mount)]).returncode != 0:
-        subprocess.run(["umount", "-l", str(mount)], check=True)  # detach now, free when unused
-
-
 @pytest.fixture
 def tiny_filesystem(tmp_path):
     """A real 256 KiB filesystem (tmpfs): too small for a checkpoint of the test model."""
-    yield from _tmpfs(tmp_path, "256k")
+    yield from tmpfs(tmp_path, "256k")
 
 
 def test_full_disk_stops_training_with_a_clear_error(tiny_dataset, tiny_filesystem, tmp_path):
@@ -151,7 +138,7 @@ class FillDisk(Hook):
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A real 8 MiB filesystem (tmpfs): room for the test model's checkpoints, until filled."""
-    yield from _tmpfs(tmp_path, "8m")
+    yield from tmpfs(tmp_path, "8m")
 
 
 def test_a_full_disk_is_loud_loses_no_record_and_saves_again_once_freed(tiny_dataset, small_filesystem, capsys):

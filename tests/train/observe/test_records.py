@@ -1,12 +1,19 @@
 """The run's JSON-lines records survive a line cut short by a kill or a full disk: readers drop it
-and say so, appends start a line of their own, and a run whose metrics.jsonl ends torn resumes."""
+and say so, appends start a line of their own, an append a full disk refuses leaves the file as it
+was and is written once there is space, and a run whose metrics.jsonl ends torn resumes."""
 
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
+
+from cluster.chaos import fill_filesystem
 from raylm.train.loop import train_local
-from raylm.train.observe.records import append_event, read_jsonl, read_records, rewrite_records
+from raylm.train.observe.records import (append_event, append_line, read_jsonl, read_records, rewrite_records,
+                                         write_unwritten)
+from tests.support.filesystems import tmpfs
 from tests.train.test_loop import tiny_config
 
 
@@ -50,3 +57,31 @@ def test_a_run_whose_metrics_end_torn_resumes_and_records_the_dropped_line(tiny_
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     (dropped,) = [e for e in events if e["event"] == "record_dropped"]
     assert "metrics.jsonl line 4: torn" in dropped["line"]
+
+
+@pytest.fixture
+def full_filesystem(tmp_path):
+    yield from tmpfs(tmp_path, "256k")
+
+
+def test_an_append_a_full_disk_refuses_leaves_no_part_line_and_is_written_once_there_is_space(full_filesystem):
+    """The quick drill's events.jsonl held the part of an event that a full disk had let through,
+    in the middle of the file, the whole event on the next line: jq and pandas stop at such a
+    line. The disk here is a real one, full to its last byte; what a record's last block still
+    holds is all an append can take, and a row longer than that is cut there."""
+    before = {}
+    for name, append in (("metrics.jsonl", append_line), ("events.jsonl", append_event)):
+        append(str(full_filesystem / name), {"step": 1})
+        before[name] = (full_filesystem / name).read_bytes()
+    stray = full_filesystem / "stray"
+    fill_filesystem(stray)
+    long_row = {"step": 2, "note": "x" * 8192}  # more than the rest of a 4 KiB block
+    for name, append in (("metrics.jsonl", append_line), ("events.jsonl", append_event)):
+        append(str(full_filesystem / name), long_row)
+        assert (full_filesystem / name).read_bytes() == before[name]  # as it was
+    os.remove(stray)
+    for name in ("metrics.jsonl", "events.jsonl"):
+        assert write_unwritten(str(full_filesystem / name))
+        # Every line one JSON object, as a plain JSON-lines reader requires.
+        lines = (full_filesystem / name).read_text().splitlines()
+        assert [json.loads(line) for line in lines] == [{"step": 1}, long_row]
