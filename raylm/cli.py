@@ -296,10 +296,26 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2))
 
 
+def _version() -> str:
+    """raylm's version and those of the libraries that decide what a run does, read from the
+    installed packages' metadata: importing torch and Ray would take seconds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"raylm {of('raylm')} (ray {of('ray')}, torch {of('torch')}, "
+            f"Python {'.'.join(map(str, sys.version_info[:3]))})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
 
     parser = _Parser(prog="raylm", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prepare", help="tokenize and pack text into Parquet shards (a Ray Data job)")

@@ -4,6 +4,8 @@ wrapper, which holds even a Ctrl-C met while a checkpoint was read or written)."
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import ray.exceptions
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
@@ -77,3 +79,13 @@ def test_a_file_given_for_a_directory_is_named_as_a_file(tmp_path, argv, wanted)
     assert_clean_refusal(outcome, str(given))
     assert outcome.status == 2 and "[Errno" not in outcome.stderr, outcome.stderr
     assert f"{given}" in outcome.stderr and wanted in outcome.stderr, outcome.stderr
+
+
+def test_version_names_raylm_and_the_libraries_that_decide_a_run():
+    """`raylm --version` was "the following arguments are required: command", exit 2."""
+    from importlib.metadata import version
+
+    outcome = run_main("--version")
+    assert outcome.status == 0, outcome.stderr
+    assert outcome.stdout == (f"raylm {version('raylm')} (ray {version('ray')}, torch {version('torch')}, "
+                              f"Python {'.'.join(map(str, sys.version_info[:3]))})\n")
