@@ -32,13 +32,15 @@ class StepClock:
         self.ticks = 0  # ticks so far: the collectives this clock made
         self.last: tuple[int, float] | None = None  # (boundaries seen, time) at the last tick
         self.seen = 0  # step boundaries so far (a step the guard rolled back or skipped is none)
+        self.ticked = False  # whether the last boundary was a tick (the ranks' one collective)
 
     def add(self, name: str, due: Callable[[], bool]) -> None:
         self.timers[name] = due
 
     def tick(self) -> frozenset[str]:
         self.seen += 1
-        if self.countdown > 0:
+        self.ticked = self.countdown <= 0
+        if not self.ticked:
             self.countdown -= 1
             return frozenset()
         names = sorted(self.timers)

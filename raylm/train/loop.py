@@ -94,7 +94,8 @@ class QueuedStep:
     rng: tuple[torch.Tensor, Optional[torch.Tensor]]  # the RNG before its forward: the host computes it again from there
     data_wait: float  # seconds the loop waited for its batch
     mark: object  # the device's timeline once its update was queued (Timeline.mark)
-    due: frozenset[str]  # the step clock's timers due at its boundary
+    due: frozenset[str]  # the step clock's timers due at its boundary that need the model as it leaves it
+    notice: Optional[Notice]  # the cluster takes nodes back: stop after this step
 
 
 def _rng_state() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -157,7 +158,7 @@ class Trainer:
             self.clock.add("report", lambda: time.monotonic() - self.last_report >= cfg.train.report_every_s)
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops),
-                       restored_world_size=self.restored_world_size)
+                       restored_world_size=self.restored_world_size, restore_read_bytes=self.restore_read_bytes)
         self.logger = MetricsLogger(cfg, env.run_dir, world)
         probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
         if cfg.train.profile is not None:  # only then: the other steps pay nothing
@@ -185,15 +186,24 @@ class Trainer:
 
     def _restore(self) -> TrainState:
         """The run state of the newest usable checkpoint (model and optimizer loaded), or a fresh one."""
-        env, cfg = self.env, self.cfg
-        with env.restore_dir(cfg.checkpoint.on_unusable == "start_over") as restore:
-            if restore is None:
-                return TrainState()
-            saved = checkpoint.load(restore, self.model, self.optimizer, self.world, self.spec.tokenizer_sha256)
+        env, cfg, world = self.env, self.cfg, self.world
+        read_before = checkpoint.bytes_read()
+
+        def load(uri: str) -> tuple[str, dict]:
+            return uri, checkpoint.load(uri, self.model, self.optimizer, world, self.spec.tokenizer_sha256, cfg.storage)
+        restored = env.restore(load, cfg.checkpoint.on_unusable == "start_over")
+        state = TrainState()
+        if restored is not None:
+            uri, saved = restored
             state, self.restored_world_size = TrainState.from_saved(saved), saved["world_size"]
-            if self.world.rank == 0 and (changes := changes_since(restore, cfg)):
+            if world.rank == 0 and (changes := changes_since(uri, cfg, cfg.storage)):
                 record_config_change(env.run_dir, state.step, changes)  # an operator's change mid-flight, as OPT's
-            return state
+        # Every rank's reads of the checkpoint, for the `resumed` event: its share, not the whole.
+        self.restore_read_bytes = [checkpoint.bytes_read() - read_before]
+        if world.world_size > 1:
+            self.restore_read_bytes = [0] * world.world_size
+            dist.all_gather_object(self.restore_read_bytes, checkpoint.bytes_read() - read_before)
+        return state
 
     def train(self) -> dict:
         """The steps from the run's current state to its last; returns the last step's metrics."""
@@ -296,7 +306,16 @@ class Trainer:
         rng = _rng_state()
         record = self._step(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        queued = QueuedStep(batch, raw, lr, record, rng, data_wait, self.timeline.mark(), self.clock.tick())
+        mark = self.timeline.mark()
+        self.checkpointer.step_began()
+        due = self.clock.tick()
+        notice = None
+        if self.clock.ticked:  # the ranks' one collective of this boundary, about a second apart
+            poll_start = time.perf_counter()
+            self.checkpointer.poll()
+            self.checkpoint_s += time.perf_counter() - poll_start
+            notice = self.env.preemption_notice() if "preemption" in due else None
+        queued = QueuedStep(batch, raw, lr, record, rng, data_wait, mark, due - {"preemption"}, notice)
         self.queued.append(queued)
         return queued
 
@@ -350,7 +369,8 @@ class Trainer:
         done = step + 1  # the run's step once this one is trained
         every = lambda n: bool(n) and done % n == 0  # noqa: E731
         guard = self.guard
-        return (every(self.read_every) or done >= self.last or bool(queued.due) or step < self.read_each_until
+        return (every(self.read_every) or done >= self.last or bool(queued.due) or queued.notice is not None
+                or step < self.read_each_until
                 or self.checkpointer.due(done, self.last) or every(cfg.train.eval_every)
                 or (self.tasks is not None and every(cfg.train.eval_tasks.every_steps))
                 or self.scaler is not None
@@ -366,9 +386,6 @@ class Trainer:
         queued, self.queued = self.queued, []
         if not queued:
             return
-        poll_start = time.perf_counter()
-        self.checkpointer.poll()
-        self.checkpoint_s += time.perf_counter() - poll_start
         records = self.timeline.read(torch.stack([q.record for q in queued]))
         now = time.time()
         for i, (q, record) in enumerate(zip(queued, records)):
@@ -440,8 +457,8 @@ class Trainer:
         """A committed step's metrics, evaluation, hooks, checkpoint, report and preemption."""
         self.metrics = self._step_metrics(q, loss, grad_norm, step_time, end_time)
         self._after_step(q.batch.step, self.metrics, q.due)
-        if "preemption" in q.due and self.state.step < self.last and (notice := self.env.preemption_notice()):
-            self._stop_for_preemption(notice, self.metrics)
+        if q.notice is not None and self.state.step < self.last:
+            self._stop_for_preemption(q.notice, self.metrics)
 
     # -- a withheld step: the host decides ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ again behind it."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -111,3 +112,85 @@ def test_a_stream_the_quarantine_made_stale_starts_again_after_the_steps_in_flig
     assert window == each
     rows = lambda run: [r["samples"] for r in read_jsonl(os.path.join(tmp_path, run, "metrics.jsonl"))]  # noqa: E731
     assert rows("window") == rows("each")
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+               "broadcast_object_list", "reduce_scatter_tensor", "barrier", "gather", "scatter")
+
+
+class CostsPerStep(Hook):
+    """Per step (from its queueing to the next one's): host syncs, and the collectives the loop
+    makes beside the step's own (the model's gradient reductions and loss mean in forward and
+    backward, whose count is the layout's)."""
+
+    def __init__(self, calls: list):
+        self.calls, self.syncs, self.collectives, self.step = calls, {}, {}, None
+
+    def on_train_start(self, run):
+        self.counter = HostSyncCounter(run.world.device)
+        self.counter.start()
+
+    def on_step_begin(self, run, step):
+        self._close()
+        self.counter.count, self.step = 0, step
+
+    def _close(self):
+        if self.step is not None:
+            self.syncs[self.step], self.collectives[self.step] = self.counter.count, list(self.calls)
+        self.calls.clear()
+
+    def on_train_end(self, run, metrics):
+        self._close()
+        self.counter.stop()
+
+
+def _steady_costs(dataset: str, run_dir: str) -> tuple[dict, dict]:
+    import torch.distributed as dist
+
+    from raylm.train import clock, loop
+    from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor
+
+    # The clock's tick (its collective, about a second apart) at the first boundary alone.
+    loop.StepClock = lambda world: clock.StepClock(world, tick_s=3600.0)
+    calls, counting, loop_thread = [], [True], threading.get_ident()
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            # The loop's own; an async save's writer runs collectives of its own group in the background.
+            if counting[0] and threading.get_ident() == loop_thread:
+                calls.append(_name)
+            return _original(*args, **kwargs)
+        setattr(dist, name, counted)
+    forward_backward = loop.Trainer.forward_backward
+
+    def own_collectives_uncounted(self, batch):
+        counting[0] = False
+        try:
+            return forward_backward(self, batch)
+        finally:
+            counting[0] = True
+    loop.Trainer.forward_backward = own_collectives_uncounted
+    costs = CostsPerStep(calls)
+    hooks = (LocalTimeProbe(), StragglerMonitor(f"node-{dist.get_rank()}", k=3.0), costs)  # as raylm's workers
+    train_local(tiny_config(dataset, "train.steps=24", "train.read_every=8", "train.log_every=8",
+                            "parallel.sharding=full", "checkpoint.every_steps=8", "checkpoint.async_save=true",
+                            *QUIET[:1], *QUIET[2:]), run_dir, hooks=hooks)
+    return costs.syncs, costs.collectives
+
+
+def test_a_steady_step_on_two_ranks_makes_no_collective_and_no_host_sync_beside_its_own(tiny_dataset, tmp_path):
+    """FSDP2 on two gloo ranks, the straggler monitor on, an async save in flight: between reads a
+    step makes no host sync and no collective but its forward and backward's; the straggler times
+    are gathered every 5 steps in one collective, the save polled at the clock's ticks."""
+    from tests.support.distributed import run_distributed
+
+    for syncs, collectives in run_distributed(_steady_costs, 2, tiny_dataset, str(tmp_path / "run")):
+        reads = {s for s in syncs if (s + 1) % 8 == 0}
+        steady = [s for s in syncs if s >= 2 and s not in reads]  # past the first boundary's tick
+        assert len(steady) == 19 and len(reads) == 3
+        assert {s: syncs[s] for s in steady} == dict.fromkeys(steady, 0)
+        assert {s: collectives[s] for s in steady} == dict.fromkeys(steady, [])
+        assert all(syncs[s] >= 1 for s in reads)  # the read itself, then its commits' (straggler gathers, saves)
+        # The straggler monitor's times of 5 steps in one gather, not one a step.
+        assert sum(names.count("all_gather") for names in collectives.values()) == 24 // 5

@@ -92,7 +92,7 @@ class _Pending:
     stack: ExitStack
     entries: Future  # this rank's FileEntry per file, once written and hashed
     metrics: dict
-    steps_during_write: int = 0  # training steps that began while it was being written
+    steps_during_write: int = 0  # training steps that began before it was published
 
 
 class Checkpointer:
@@ -176,15 +176,16 @@ class Checkpointer:
                 _backoff(attempt)
         self._failed(step, error)
 
-    def poll(self) -> None:
-        """Called before each step: publish the async save in flight if every rank has finished
-        writing it; otherwise the step runs while it is written."""
-        if self.pending is None:
-            return
-        if self.world.agree(self.pending.entries.done(), "all"):
-            self.wait()
-        else:
+    def step_began(self) -> None:
+        """A training step began before the async save in flight was published (no collective)."""
+        if self.pending is not None:
             self.pending.steps_during_write += 1
+
+    def poll(self) -> None:
+        """At the step clock's ticks (every rank at the same boundary): publish the async save in
+        flight once every rank has finished writing it; the steps run while it is written."""
+        if self.pending is not None and self.world.agree(self.pending.entries.done(), "all"):
+            self.wait()
 
     def wait(self) -> None:
         """Finish the async save in flight, if any (blocking)."""

@@ -15,7 +15,6 @@ import logging
 import statistics
 import threading
 import time
-from collections import deque
 from typing import Optional
 
 import torch
@@ -156,15 +155,16 @@ def self_test(device: torch.device, node_id: str, *, timeout_s: float = 60.0, al
 class StragglerMonitor(Hook):
     """Report ranks whose step time exceeds `k` × the median over ranks, with their node.
 
-    Each step every rank all-gathers one float (its `metrics[time_key]`); rank 0 takes each
-    rank's median over the last `window` steps (one slow step, e.g. a GC pause, is not a
-    straggler) and compares it with the median over ranks: the lower median, so that with two
-    ranks the reference is the faster one rather than their mean. A flagged rank goes into
-    `metrics["stragglers"]` on rank 0 (a list of events: rank, node_id, step, seconds, median,
-    ratio) and a warning; it is not reported again for `repeat_after` steps. A rank is reported
-    only when its excess over the reference is also at least `min_share` of the run's step time
-    (rank 0's median step_time over the window): a 15 ms gap is a large ratio of a small rank-local
-    time, and costs a step of seconds nothing.
+    Every rank keeps its own times (`metrics[time_key]`); every `window` steps the ranks gather
+    them in one tensor, one collective and, on rank 0, one host sync, and rank 0 takes each rank's
+    median over those steps (one slow step, e.g. a GC pause, is not a straggler) and compares it
+    with the median over ranks: the lower median, so that with two ranks the reference is the
+    faster one rather than their mean. A flagged rank goes into `metrics["stragglers"]` on rank 0
+    (a list of events: rank, node_id, step, seconds, median, ratio) and a warning; it is not
+    reported again for `repeat_after` steps. A rank is reported only when its excess over the
+    reference is also at least `min_share` of the run's step time (rank 0's median step_time over
+    the window): a 15 ms gap is a large ratio of a small rank-local time, and costs a step of
+    seconds nothing.
 
     What `time_key` should measure: the loop's "step_time" is wall-clock from step to step,
     and in synchronous data parallel training the gradient collectives make every rank wait
@@ -180,8 +180,8 @@ class StragglerMonitor(Hook):
         self.node_id, self.k, self.window = node_id, k, window
         self.repeat_after, self.time_key, self.min_share = repeat_after, time_key, min_share
         self.node_ids: list[str] = [node_id]
-        self.recent: deque[list[float]] = deque(maxlen=window)  # per step: every rank's time
-        self.step_times: deque[float] = deque(maxlen=window)  # rank 0's step_time
+        self.mine: list[float] = []  # this rank's times since the last gather
+        self.step_times: list[float] = []  # rank 0's step_time over the same steps
         self.reported: dict[int, int] = {}  # rank -> step of its last report
         self.events: list[dict] = []  # everything reported (rank 0), for tests and summaries
         self.active = False
@@ -195,21 +195,21 @@ class StragglerMonitor(Hook):
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if not self.active:
             return
-        mine = torch.tensor([float(metrics[self.time_key])], device=run.world.device)
+        self.mine.append(float(metrics[self.time_key]))
+        self.step_times.append(float(metrics.get("step_time", 0.0)))
+        if len(self.mine) < self.window:
+            return
+        mine = torch.tensor(self.mine, device=run.world.device)
         times = [torch.empty_like(mine) for _ in range(run.world.world_size)]
         dist.all_gather(times, mine)
+        step_times, self.mine, self.step_times = self.step_times, [], []
         if run.world.rank != 0:
             return
-        self.recent.append([t.item() for t in times])
-        self.step_times.append(float(metrics.get("step_time", 0.0)))
-        if len(self.recent) < self.window:
-            return
-        typical = [statistics.median(step_times[r] for step_times in self.recent)
-                   for r in range(run.world.world_size)]
+        typical = [statistics.median(rank_times) for rank_times in torch.stack(times).tolist()]
         reference = statistics.median_low(typical)
         if reference <= 0:
             return
-        matters = self.min_share * statistics.median(self.step_times)
+        matters = self.min_share * statistics.median(step_times)
         found = []
         for rank, seconds in enumerate(typical):
             if seconds > self.k * reference and seconds - reference >= matters \
