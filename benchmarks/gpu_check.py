@@ -18,7 +18,7 @@ one GPU by default and what nanoGPT does; sections 1, 3, 5 and 6 measure it.
    FSDP2 layout, the whole model in the one-GPU layout). MFU = FLOPs per token x tokens/s / peak,
    FLOPs per token = 6N + 12·L·d·T (`raylm.model.sizes.flops_per_token`; N = the blocks' weight
    matrices and the head's d·vocab), peak = `raylm.train.observe.metrics.peak_flops`
-   (`raylm.hardware.GPU_PEAK_FLOPS`: 989 TFLOP/s dense bf16 for an H100 or H200).
+   (`raylm.hardware.GPU_MODELS`: 989 TFLOP/s dense bf16 for an H100 SXM or an H200).
 2. loop: `raylm.train.loop.train_local` (resolve, preflight and train in this process, no Ray) on
    the same shape and batch, eager, reading a prepared Parquet dataset this script writes (random
    byte tokens, `model.vocab_size=128256`), guard on, metrics and TensorBoard,

@@ -30,8 +30,9 @@ class Run:
     seq_len: int
     global_batch: int
     flops_per_token: float
-    peak_flops: float  # per device
+    peak_flops: Optional[float]  # per device; None: a GPU model without a known peak
     restored_world_size: Optional[int] = None  # of the checkpoint the run resumed from (None: a fresh start)
+    restore_read_bytes: list[int] = field(default_factory=list)  # each rank's reads of that checkpoint
     history: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent steps' metrics, for hooks
 
 

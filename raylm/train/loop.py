@@ -159,6 +159,9 @@ class Trainer:
         self.run = Run(cfg, world, self.model, self.optimizer, self.state, spec.seq_len, spec.global_batch,
                        flops_per_token(cfg.model, spec.seq_len), peak_flops(world.device, cfg.train.peak_tflops),
                        restored_world_size=self.restored_world_size, restore_read_bytes=self.restore_read_bytes)
+        if self.run.peak_flops is None and world.rank == 0:
+            print(f"raylm: no peak FLOP/s known for {torch.cuda.get_device_name(world.device)!r}: MFU is left out of "
+                  "the metrics; set train.peak_tflops (the GPU's dense bf16 peak) to have it", flush=True)
         self.logger = MetricsLogger(cfg, env.run_dir, world)
         probes = (NormsProbe(cfg.guard.norms_every),) if cfg.guard.norms_every else ()
         if cfg.train.profile is not None:  # only then: the other steps pay nothing
@@ -626,8 +629,9 @@ class Trainer:
                    "global_batch": batch.global_batch,
                    "position": state.position, "tokens": state.tokens_seen, "time": end_time,
                    "step_time": step_time, "data_wait": q.data_wait, "checkpoint_s": self.checkpoint_s,
-                   "tokens_per_s": tokens_per_s,
-                   "mfu": run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)}
+                   "tokens_per_s": tokens_per_s}
+        if run.peak_flops:
+            metrics["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)
         self.checkpoint_s = 0.0
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import yaml
 
 from raylm.config import ConfigError, ModelConfig, ParallelConfig, load_config
-from raylm.hardware import GPU_PEAK_FLOPS
+from raylm.hardware import A100_FLOPS
 from raylm.config.presets import MODEL_SIZES, preset
 from raylm.model.sizes import count_params, flops_per_token
 from raylm.parallel.planner.memory import (CHECKPOINTING, SHARDINGS, CommEstimate, MemoryEstimate,
@@ -63,7 +63,7 @@ CHECKPOINTING_CHOICES = (*CHECKPOINTING, "auto")
 class Hardware:
     """Per-GPU rates for the step-time proxy; defaults are an A100 node (NVLink 3, HDR 200 Gb/s per GPU)."""
 
-    peak_flops: float = GPU_PEAK_FLOPS["A100"]
+    peak_flops: float = A100_FLOPS
     """Dense bf16 FLOP/s."""
     intra_node_bw: float = 200e9
     """Bytes/s one GPU sends in a collective inside a node (bus bandwidth)."""

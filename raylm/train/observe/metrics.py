@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from raylm.config import Config
-from raylm.hardware import GPU_PEAK_FLOPS
+from raylm.hardware import gpu_peak_flops
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook, Run
@@ -32,15 +32,14 @@ def _measured_cpu_flops(n: int = 512, repeats: int = 20) -> float:
     return 2 * n ** 3 / best
 
 
-def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> float:
+def peak_flops(device: torch.device, override_tflops: Optional[float] = None) -> Optional[float]:
+    """MFU's denominator: `override_tflops` (train.peak_tflops), the table's peak for this GPU
+    model (raylm.hardware), or a CPU's measured matmul rate; None for a GPU not in the table."""
     if override_tflops:
         return override_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value
-        raise ValueError(f"unknown GPU {name!r}: set train.peak_tflops for MFU")
+        props = torch.cuda.get_device_properties(device)
+        return gpu_peak_flops(props.name, props.multi_processor_count)
     return _measured_cpu_flops()
 
 
@@ -79,16 +78,17 @@ class MetricsLogger(Hook):
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
         if self.rank0 and (run.state.step > 0 or os.path.exists(self.path) and os.path.getsize(self.path) > 0):
-            self._record_resume(run.state.step, run.restored_world_size)
+            self._record_resume(run.state.step, run.restored_world_size, run.restore_read_bytes)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
             print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
 
-    def _record_resume(self, restored_step: int, restored_world_size: Optional[int]) -> None:
-        """Drop the metrics of steps that will be trained again, and log how many were lost and
-        whether the worker group changed size (an elastic shrink or grow-back)."""
+    def _record_resume(self, restored_step: int, restored_world_size: Optional[int], read_bytes: list[int]) -> None:
+        """Drop the metrics of steps that will be trained again, and log how many were lost,
+        whether the worker group changed size (an elastic shrink or grow-back) and what each rank
+        read of the checkpoint."""
         path = self.path
         events = os.path.join(os.path.dirname(path), EVENTS_FILE)
         rows, dropped = read_records(path)
@@ -104,17 +104,19 @@ class MetricsLogger(Hook):
         world_size = self.world.world_size
         append_event(events, {"event": "resumed", "time": time.time(), "from_step": restored_step,
                               "steps_lost": lost, "world_size": world_size,
-                              "from_world_size": restored_world_size})
+                              "from_world_size": restored_world_size, "read_bytes_per_rank": read_bytes})
         resized = f" (resized from {restored_world_size})" if restored_world_size not in (None, world_size) else ""
+        read = f"; read {max(read_bytes) / 2**20:.1f} MiB of the checkpoint per rank at most" if read_bytes else ""
         print(f"raylm: resumed at step {restored_step} on {world_size} worker(s){resized}; "
-              f"{lost} step(s) of work lost", flush=True)
+              f"{lost} step(s) of work lost{read}", flush=True)
 
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if not self.rank0:
             return
         ema = lambda old, new: new if old is None else 0.9 * old + 0.1 * new  # noqa: E731
         self.tokens_per_s_ema = ema(self.tokens_per_s_ema, metrics["tokens_per_s"])
-        self.mfu_ema = ema(self.mfu_ema, metrics["mfu"])
+        if "mfu" in metrics:  # absent on a GPU model without a known peak
+            self.mfu_ema = ema(self.mfu_ema, metrics["mfu"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
         append_line(self.path, metrics)
         scalars = {k: float(v) for k, v in metrics.items()
@@ -132,9 +134,10 @@ class MetricsLogger(Hook):
         if metrics["step"] % self.cfg.train.log_every == 0 or metrics["step"] == steps or "val_loss" in metrics:
             eta = format_duration(self.step_time_ema * (steps - metrics["step"]))
             val = f" | val {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+            mfu = "mfu n/a (train.peak_tflops)" if self.mfu_ema is None else f"mfu {100 * self.mfu_ema:.2f}%"
             print(f"step {metrics['step']:>6}/{steps} | loss {metrics['loss']:.4f}{val} | "
                   f"lr {metrics['lr']:.2e} | gnorm {metrics['grad_norm']:.3f} | "
-                  f"{self.tokens_per_s_ema:,.0f} tok/s | mfu {100 * self.mfu_ema:.2f}% | eta {eta}",
+                  f"{self.tokens_per_s_ema:,.0f} tok/s | {mfu} | eta {eta}",
                   flush=True)
 
     def on_train_end(self, run: Run, metrics: dict) -> None:

@@ -26,3 +26,12 @@ def test_the_progress_lines_mfu_follows_its_smoothed_throughput(tmp_path, capsys
         shown = re.search(r"\| ([\d,]+) tok/s \| mfu ([\d.]+)%", line)
         tokens_per_s, mfu = float(shown.group(1).replace(",", "")), float(shown.group(2)) / 100
         assert abs(mfu - flops_per_token * tokens_per_s / peak) < 1e-4, line
+
+
+def test_a_gpu_model_without_a_known_peak_has_no_mfu_and_its_line_says_how_to_give_one(tmp_path, capsys):
+    cfg = load_config(None, ["train.tensorboard=false", "train.log_every=1", "train.steps=2", "schedule.warmup_steps=1"])
+    logger = MetricsLogger(cfg, str(tmp_path), World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    logger.on_step_end(None, 1, {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "time": 0.0,
+                                 "step_time": 0.1, "tokens_per_s": 9_000})
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert "mfu n/a (train.peak_tflops)" in line
