@@ -22,13 +22,16 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from raylm.config import CONFIG_FILE, StorageConfig
 from raylm.data import storage
 from raylm.errors import RecordError
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, PROFILE_DIR, read_records
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer norms
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
@@ -252,8 +255,8 @@ def _series(run: RunRecord, key: str) -> tuple[list, list]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _figure(runs: list[RunRecord], panels: list[tuple[str, list[str]]], title: str, log_y: bool = False) -> bytes:
-    """PNG of one or more stacked panels (y label, metric keys), every run overlaid."""
+def _figure(runs: list[RunRecord], panels: list[tuple[str, list[str]]], title: str, log_y: bool = False) -> "Figure":
+    """One or more stacked panels (y label, metric keys), every run overlaid."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
 
     fig = Figure(figsize=(9, 3.2 * len(panels)), layout="constrained")
@@ -263,7 +266,9 @@ def _figure(runs: list[RunRecord], panels: list[tuple[str, list[str]]], title: s
             for key in keys:
                 steps, values = _series(run, key)
                 if steps:
-                    marker = "o" if key == "val_loss" else None
+                    # Evaluations come every train.eval_every steps: points, joined. A line through
+                    # one point draws nothing (a run evaluated once, a run of one step).
+                    marker = "o" if key.startswith("val_") or len(steps) == 1 else None
                     ax.plot(steps, values, RUN_STYLES[i % len(RUN_STYLES)], marker=marker, markersize=3,
                             label=f"{run.label}: {key}" if len(runs) > 1 or len(keys) > 1 else key)
         _mark_events(ax, runs)
@@ -277,6 +282,10 @@ def _figure(runs: list[RunRecord], panels: list[tuple[str, list[str]]], title: s
             ax.legend(unique.values(), unique.keys(), fontsize=7, loc="best")
     axes[0].set_title(title)
     axes[-1].set_xlabel("step")
+    return fig
+
+
+def _png(fig: "Figure") -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
@@ -298,7 +307,7 @@ def figures(runs: list[RunRecord]) -> dict[str, tuple[str, bytes]]:
         panels = [(label, [k for k in keys if k in have]) for label, keys in panels]
         panels = [p for p in panels if p[1]]
         if panels:
-            out[name] = (caption, _figure(runs, panels, caption, log_y))
+            out[name] = (caption, _png(_figure(runs, panels, caption, log_y)))
     return out
 
 

@@ -149,3 +149,22 @@ def test_report_names_the_record_lines_it_leaves_out_and_refuses_a_run_with_no_r
         outcome = run_main("report", str(run))
         assert_clean_refusal(outcome, f"{metrics} holds no row to report")
         assert outcome.status == 2
+
+
+def test_a_series_of_one_point_is_drawn_as_a_point(tmp_path):
+    """A run evaluated once has one val_bpb: drawn as a line through one point, its figure showed
+    nothing. So with a run of a single step and its loss. Every series drawn must show."""
+    from raylm.report import _figure, load_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "lr": 0.001, "val_loss": 2.9, "val_bpb": 4.2}\n')
+    outcome = run_main("report", str(run))
+    assert outcome.status == 0, outcome.stderr
+    assert {"loss.png", "bits_per_byte.png", "lr.png"} <= set(os.listdir(run / "report"))
+    record = load_run(str(run), "run")
+    figure = _figure([record], [("loss", ["loss", "val_loss"]), ("bits/byte", ["val_bpb"]), ("lr", ["lr"])], "t")
+    lines = [line for ax in figure.axes for line in ax.get_lines()]
+    assert len(lines) == 4
+    for line in lines:
+        assert len(line.get_xdata()) == 1 and line.get_marker() not in (None, "", "None", " "), line.get_label()

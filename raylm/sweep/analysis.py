@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -102,15 +103,18 @@ class Laws:
             params, tokens, self.confidence)
 
 
-def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int) -> Predictor:
+def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int,
+                  log: Optional[Callable[[str], None]] = None) -> Predictor:
     """`name`'s form fitted to these rungs (ValueError when they cannot determine it). The local
-    form takes the rungs of the largest `fit.local_sizes` sizes only: it describes the ladder's top end."""
+    form takes the rungs of the largest `fit.local_sizes` sizes only: it describes the ladder's top end.
+    `log` is told how the Chinchilla form's bootstrap refits progress (minutes on a small machine)."""
     if name == CHINCHILLA:
         if len(bests) < 5:
             raise ValueError(f"{len(bests)} rungs; the Chinchilla form has 5 constants and needs at least 5")
         n, d, loss = ([b[k] for b in bests] for k in ("params", "tokens", "loss"))
         p = fit.fit_parametric(n, d, loss, delta=sweep.fit.huber_delta)
-        boots = fit.bootstrap_parametric(n, d, loss, p, resamples, sweep.fit.seed, sweep.fit.huber_delta) \
+        boots = fit.bootstrap_parametric(n, d, loss, p, resamples, sweep.fit.seed, sweep.fit.huber_delta,
+                                         _progress(f"fit: {name}: bootstrap refits", resamples, log)) \
             if resamples else []
         return Predictor(name, CHINCHILLA_FORM, p.fit, boots)
     sizes = sorted({b["params"] for b in bests})
@@ -119,6 +123,26 @@ def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: i
     n, d, loss = ([b[k] for b in points] for k in ("params", "tokens", "loss"))
     local = fit.fit_local(n, d, loss)
     return Predictor(name, LOCAL_FORM, local, fit.bootstrap_local(n, d, loss, resamples, sweep.fit.seed))
+
+
+PROGRESS_EVERY_S = 10.0
+
+
+def _progress(what: str, total: int, log: Optional[Callable[[str], None]]) -> Optional[Callable[[int], None]]:
+    """A counter's reporter that tells `log` of `what` at its start, every PROGRESS_EVERY_S and at
+    its end (`total`); None without a `log`."""
+    if log is None:
+        return None
+    start = last = time.monotonic()
+    log(f"{what}: 0/{total}")
+
+    def report(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= PROGRESS_EVERY_S:
+            last = now
+            log(f"{what}: {done}/{total} ({now - start:.0f} s)")
+    return report
 
 
 def cross_validate(bests: list[dict], sweep: SweepConfig) -> dict[str, dict]:
@@ -178,9 +202,11 @@ def _safe(f: Callable[[], dict]) -> dict:
         return {"error": str(e)}
 
 
-def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = ()) -> tuple[dict, Laws]:
+def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = (),
+            log: Optional[Callable[[str], None]] = None) -> tuple[dict, Laws]:
     """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`);
-    with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase)."""
+    with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
+    `log` is told how the slow fits progress."""
     bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
     result: dict = {"params_count": sweep.fit.params, "rungs": bests}
     per_size: dict[int, list[dict]] = defaultdict(list)
@@ -206,7 +232,7 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
     parametric, boots, predictors = None, [], {}
     for name in PREDICTORS:
         try:
-            predictors[name] = fit_predictor(name, bests, sweep, sweep.fit.bootstrap)
+            predictors[name] = fit_predictor(name, bests, sweep, sweep.fit.bootstrap, log)
         except (ValueError, np.linalg.LinAlgError) as e:
             result.setdefault("predictors", {})[name] = {"error": str(e)}
     if CHINCHILLA in predictors:

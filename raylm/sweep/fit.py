@@ -113,9 +113,11 @@ def fit_parametric(params: Sequence[float], tokens: Sequence[float], losses: Seq
 
 
 def bootstrap_parametric(params: Sequence[float], tokens: Sequence[float], losses: Sequence[float],
-                         base: ParametricFit, resamples: int, seed: int = 0, delta: float = 1e-3) -> list[Parametric]:
+                         base: ParametricFit, resamples: int, seed: int = 0, delta: float = 1e-3,
+                         progress: Optional[Callable[[int], None]] = None) -> list[Parametric]:
     """Refits on `resamples` resamplings of the points (with replacement), each from the full fit's
-    best solutions. Resampling is by multiplicity weights: the same points, counted 0..k times."""
+    best solutions. Resampling is by multiplicity weights: the same points, counted 0..k times.
+    `progress` is told the number of refits done after each (hundreds of L-BFGS runs: minutes)."""
     x, y = np.log(np.asarray(params, float)), np.log(np.asarray(tokens, float))
     log_loss = np.log(np.asarray(losses, float))
     rng = np.random.default_rng(seed)
@@ -126,6 +128,8 @@ def bootstrap_parametric(params: Sequence[float], tokens: Sequence[float], losse
         args = (x, y, log_loss, delta, counts)
         best = min((_minimize(s, args) for s in base.starts), key=lambda r: r[0])
         fits.append(Parametric.from_theta(best[1]))
+        if progress is not None:
+            progress(len(fits))
     return fits
 
 

@@ -17,7 +17,7 @@ import logging
 import math
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import yaml
@@ -84,7 +84,7 @@ def resolve(path: str, overrides: list[str]) -> Plan:
     ladder.check_budgets(sweep, spec.config, rungs)
     unique_tokens = sum(m.splits["train"].unique_tokens for m in spec.datasets.manifests)
     for line in ladder.check_repetition(sweep, rungs, unique_tokens):
-        print(f"raylm: {line}", flush=True)
+        _say(line)
     ladder.check_fittable(sweep, rungs)
     batches = ladder.batch_sizes(sweep, spec.config)
     probe_lr = sweep.lr.grid[0] if sweep.lr.grid else sweep.lr.low
@@ -507,7 +507,7 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     completed = [r for r in rows if r["status"] == COMPLETED]
     noisy = noise_rung(completed, ladder.held_out_rung(plan.rungs).budget) if sweep.check else None
     seed_rows = _seeds_phase(plan, rows, noisy, trials, int(concurrency))
-    result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows)
+    result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows, log=_say)
     result = {"sweep": plan.directory, "asha": _asha_savings(rows), **result}
     check_rows = []
     if sweep.check and laws.predictors:
@@ -578,9 +578,13 @@ def read_trials(directory: str) -> list[dict]:
     return rows
 
 
-def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:
+def _say(line: str) -> None:
+    print(f"raylm: {line}", flush=True)
+
+
+def fit_ladder(directory: str, log: Optional[Callable[[str], None]] = None) -> tuple[list[dict], dict, analysis.Laws]:
     """The ladder's fits from the sweep directory alone (sweep.yaml, trials.csv): its trials, the
-    fits' record and the laws they make, with no data and no Ray."""
+    fits' record and the laws they make, with no data and no Ray; `log` is told how they progress."""
     record_path = os.path.join(directory, SWEEP_FILE)
     if not os.path.exists(record_path):
         raise ConfigError(f"{directory} holds no {SWEEP_FILE}: not a sweep directory")
@@ -591,8 +595,11 @@ def fit_ladder(directory: str) -> tuple[list[dict], dict, analysis.Laws]:
     sizes = {int(r["size"]): ladder.Size(int(r["size"]), TRIALS_FILE, None, r["params"], r["params_non_embedding"],
                                          r["params_total"], r["flops_per_token"])
              for r in rows if r["phase"] != "check-repeats"}
-    result, laws = analysis.analyze([r for r in rows if r["phase"] == "ladder"], [sizes[i] for i in sorted(sizes)],
-                                    sweep, [r for r in rows if r["phase"] == "seeds"])
+    ladder_rows = [r for r in rows if r["phase"] == "ladder"]
+    if log is not None:
+        log(f"fitting {len(ladder_rows)} ladder trials of {len(sizes)} sizes from {os.path.join(directory, TRIALS_FILE)}")
+    result, laws = analysis.analyze(ladder_rows, [sizes[i] for i in sorted(sizes)], sweep,
+                                    [r for r in rows if r["phase"] == "seeds"], log)
     return rows, result, laws
 
 
@@ -600,7 +607,7 @@ def refit(directory: str) -> dict:
     """fit.json again from the sweep directory alone (sweep.yaml, trials.csv, check_plan.json): the
     fits, the choice of predictor, the noise floor and the check, with no data and no Ray. The
     recommendation is carried over as the sweep made it: placing it needs the base run's data."""
-    rows, result, laws = fit_ladder(directory)
+    rows, result, laws = fit_ladder(directory, _say)
     ladder_rows = [r for r in rows if r["phase"] == "ladder"]
     previous = {}
     if os.path.exists(os.path.join(directory, FIT_FILE)):

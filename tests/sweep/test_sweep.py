@@ -381,3 +381,20 @@ def test_a_refit_of_a_damaged_trials_csv_names_its_line_and_keeps_fit_json(tmp_p
         main(["sweep", "--refit", str(directory)])
     assert exited.value.code == 2 and "trials.csv line 4: val_loss='n/a' is not a number" in capsys.readouterr().err
     assert (directory / "fit.json").read_bytes() == before
+
+
+def test_a_refit_says_how_its_bootstrap_progresses(tmp_path, capsys):
+    """`raylm sweep --refit` was silent for minutes on a loaded machine while it bootstrapped the
+    Chinchilla fit (200 L-BFGS refits): it says what it fits, and how many refits are done."""
+    from raylm.cli import main
+
+    directory = stdlib_record(tmp_path)
+    record = directory / "sweep.yaml"
+    record.write_text(record.read_text().replace("    bootstrap: 200\n", "    bootstrap: 12\n"))
+    main(["sweep", "--refit", str(directory)])
+    out = capsys.readouterr().out
+    progress = [line for line in out.splitlines() if line.startswith("raylm: fit")]
+    assert progress[0] == f"raylm: fitting 36 ladder trials of 4 sizes from {directory / 'trials.csv'}"
+    assert progress[1] == "raylm: fit: chinchilla: bootstrap refits: 0/12"
+    assert progress[-1].startswith("raylm: fit: chinchilla: bootstrap refits: 12/12 (")
+    assert out.index(progress[-1]) < out.index(f"sweep {directory}:")  # before the summary
