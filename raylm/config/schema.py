@@ -82,9 +82,12 @@ class DataConfig:
     training process. auto: `ray` on a joined cluster, `local` on a Ray that raylm starts on this
     machine (a reader actor would cost a one-machine run seconds of start-up and buy nothing)
     and in runs without Ray."""
-    verify: bool = True
-    """Check every shard's checksum and row count on the driver before training starts
-    (reads the dataset once; turn off for datasets too large to read up front)."""
+    verify: Union[bool, Literal["once"]] = "once"
+    """Check every shard's checksum and row count on the driver before training starts. once: the
+    first start reads the dataset and records the verification beside it (verified.json); a later
+    run or resubmit finds it unchanged (the same manifest; each file of the size and modification
+    time it had) and reads nothing but a listing. true: at every start. false: never (the stream
+    still refuses a shard that holds fewer rows than its manifest lists)."""
     prefetch_chunks: int = 4
     shard_cache_mb: int = 1024
     """Each reading process keeps whole shards in memory when the split fits in this many MiB

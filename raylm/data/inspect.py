@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Optional
 
 import numpy as np
@@ -10,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylm.config import StorageConfig
-from raylm.data.manifest import (TOKENS_COLUMN, DatasetError, Manifest, ShardInfo,
+from raylm.data.manifest import (TOKENS_COLUMN, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
                                  load_dataset_tokenizer, load_manifest)
-from raylm.data.storage import StorageError, join, read_bytes
+from raylm.data.storage import StorageError, StorageNotFoundError, file_versions, join, read_bytes, write_bytes
 
 _STATS_MAX_ROWS = 4096
 _TOP_TOKENS = 10
@@ -135,3 +136,32 @@ def verify_or_raise(uri: str, storage: Optional[StorageConfig], manifest: Manife
     if problems:
         raise DatasetError(f"{uri} failed verification ({len(problems)} problems):\n  "
                            + "\n  ".join(problems))
+
+
+def _record(uri: str, storage: Optional[StorageConfig], manifest: Manifest) -> dict:
+    """What a verification vouches for: the manifest, and the size and modification time of each
+    file it read (the shards, the tokenizer), from one listing."""
+    listed = file_versions(uri, storage)
+    names = [shard.file for split in manifest.splits.values() for shard in split.shards] + [manifest.tokenizer.file]
+    return {"manifest_sha256": hashlib.sha256(manifest.to_json().encode()).hexdigest(),
+            "files": {name: listed.get(name) for name in names}}
+
+
+def verify_once(uri: str, storage: Optional[StorageConfig], manifest: Manifest) -> bool:
+    """`verify_or_raise`, unless a verification of this dataset, unchanged since (the same
+    manifest; each file of the size and modification time it had), is recorded beside it
+    (VERIFIED_FILE): then nothing is read but a listing. After a verification, the record is
+    written when the dataset's location takes it. True when the dataset was read."""
+    record = _record(uri, storage, manifest)
+    try:
+        if json.loads(read_bytes(join(uri, VERIFIED_FILE), storage)) == record:
+            return False
+    except (StorageNotFoundError, ValueError):  # none yet, or not one of ours: verify
+        pass
+    verify_or_raise(uri, storage, manifest)
+    try:
+        write_bytes(join(uri, VERIFIED_FILE), json.dumps(record, indent=1).encode(), storage)
+    except StorageError as e:  # a read-only dataset: verified again next time
+        print(f"raylm: {uri} is sound, but the verification could not be recorded beside it ({e}): "
+              "the next run verifies it again", flush=True)
+    return True

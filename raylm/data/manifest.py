@@ -40,6 +40,7 @@ from raylm.errors import DeterministicError
 
 FORMAT = "raylm.prepared/1"
 MANIFEST_FILE = "manifest.json"
+VERIFIED_FILE = "verified.json"  # beside a dataset: its last verification, and what it found the files to be
 TOKEN_DTYPE = "int32"
 TOKENS_COLUMN = "tokens"
 ROW_GROUP_ROWS = 64

@@ -37,8 +37,8 @@ import ray
 from raylm.config import ConfigError, StorageConfig
 from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sources, check_sources, find_sources,
                                iter_documents)
-from raylm.data.manifest import (MANIFEST_FILE, SPLITS, DatasetError, Manifest, ShardInfo, SplitInfo,
-                                 TokenizerInfo, shard_bytes)
+from raylm.data.manifest import (MANIFEST_FILE, SPLITS, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
+                                 SplitInfo, TokenizerInfo, shard_bytes)
 from raylm.data.storage import claim_output, join, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.ray_runtime import start_ray
@@ -105,7 +105,7 @@ _SHARD_NAME = re.compile(r"(train|val)-\d{5}\.parquet")
 
 def _dataset_file(name: str) -> bool:
     """Whether `name` is one a prepare writes at the top of its output."""
-    return name in (MANIFEST_FILE, TOKENIZER_FILE) or _SHARD_NAME.fullmatch(name) is not None
+    return name in (MANIFEST_FILE, TOKENIZER_FILE, VERIFIED_FILE) or _SHARD_NAME.fullmatch(name) is not None
 
 
 def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, output: str, seq_len: int,

@@ -451,6 +451,14 @@ def list_dir(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
     return sorted(info.base_name for info in _listing(uri, storage, recursive=False)[1])
 
 
+def file_versions(uri: str, storage: Optional[StorageConfig] = None) -> dict[str, list[int]]:
+    """[size, modification time in ns] of every file below `uri` by relative path, from one listing
+    (a rewritten file, an S3 object put again, gets a new time)."""
+    path, infos = _listing(uri, storage, recursive=True)
+    start = len(path.rstrip("/")) + 1
+    return {info.path[start:]: [info.size, info.mtime_ns] for info in infos if info.type == pafs.FileType.File}
+
+
 def list_files(uri: str, storage: Optional[StorageConfig] = None) -> list[str]:
     """Paths relative to `uri` of every file below it, sorted; empty if it does not exist."""
     path, infos = _listing(uri, storage, recursive=True)

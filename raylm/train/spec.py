@@ -22,7 +22,7 @@ from typing import Optional
 
 from raylm.config import Config, ConfigError, config_from_dict, config_to_dict, global_batch_sequences
 from raylm.data import storage
-from raylm.data.inspect import verify_or_raise
+from raylm.data.inspect import verify_once, verify_or_raise
 from raylm.data.manifest import Manifest, load_dataset_tokenizer
 from raylm.data.storage import StorageError
 from raylm.data.stream import BatchSchedule, Datasets
@@ -115,16 +115,19 @@ def check_config(cfg: Config) -> None:
 def resolve_run(cfg: Config, announce: bool = False, sizes: Optional[range] = None) -> RunSpec:
     """Read `cfg`'s dataset manifests, fill in what the data decides, check the model and resolve
     the layout for every world size (`sizes`, by default the run's own: `world_sizes`) with the
-    batch split, then verify every shard when data.verify (the one slow part, last). `announce`
+    batch split, then verify every shard as data.verify says (the one slow part, last). `announce`
     prints what was filled in (on the driver)."""
     cfg = _resolve_defaults(_absolute_paths(cfg))
     datasets = Datasets.load(cfg.data, cfg.storage)
     cfg = _fill_from_data(cfg, datasets.manifest, announce)
     _check_val_split(cfg, datasets)
     layouts = resolve_layouts(cfg, datasets.manifest.seq_len, sizes)
-    if cfg.data.verify:
-        for uri, manifest in zip(datasets.uris, datasets.manifests):
+    for uri, manifest in zip(datasets.uris, datasets.manifests):
+        if cfg.data.verify is True:
             verify_or_raise(uri, cfg.storage, manifest)
+        elif cfg.data.verify == "once" and not verify_once(uri, cfg.storage, manifest) and announce:
+            print(f"raylm: {uri}: verified before and unchanged since: not read again (data.verify=true reads "
+                  "it at every start)", flush=True)
     tokenizer = load_dataset_tokenizer(datasets.uris[0], cfg.storage, datasets.manifest)
     spec = RunSpec(cfg, datasets, tokenizer.to_json(), layouts)
     if announce:

@@ -108,3 +108,49 @@ def test_a_manifest_naming_a_file_outside_the_dataset_is_refused(damaged, name):
     with pytest.raises(DatasetError, match="points outside the dataset"):
         load_manifest(damaged)
     assert any("points outside the dataset" in p for p in verify_dataset(damaged))
+
+
+def _shard_reads(monkeypatch) -> list[str]:
+    """The shards `verify_dataset` reads, as they are read."""
+    from raylm.data import inspect
+
+    reads, shard_problems = [], inspect._shard_problems
+    monkeypatch.setattr(inspect, "_shard_problems", lambda uri, *a: reads.append(uri) or shard_problems(uri, *a))
+    return reads
+
+
+def test_a_dataset_verified_once_is_not_read_again_until_a_file_changes(damaged, monkeypatch, capsys):
+    from raylm.data.inspect import VERIFIED_FILE, verify_once
+
+    manifest, reads = load_manifest(damaged), _shard_reads(monkeypatch)
+    shards = [shard.file for split in manifest.splits.values() for shard in split.shards]
+    assert verify_once(damaged, None, manifest) and len(reads) == len(shards)  # read, and recorded
+    assert os.path.exists(os.path.join(damaged, VERIFIED_FILE))
+    reads.clear()
+    assert not verify_once(damaged, None, manifest) and reads == []  # unchanged: a listing, nothing read
+    # A shard written again (a new modification time) is read again, and its damage found.
+    path = os.path.join(damaged, shards[0])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(DatasetError, match=shards[0]):
+        verify_once(damaged, None, manifest)
+
+
+def test_a_dataset_whose_location_takes_no_record_is_verified_each_time(dataset, tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from raylm.data.inspect import verify_once
+    from tests.support.filesystems import tmpfs
+
+    mounts = tmpfs(tmp_path, "16m")
+    read_only = str(shutil.copytree(dataset, next(mounts) / "prepared"))
+    subprocess.run(["mount", "-o", "remount,ro", os.path.dirname(read_only)], check=True)
+    manifest, reads = load_manifest(read_only), _shard_reads(monkeypatch)
+    try:
+        assert verify_once(read_only, None, manifest) and verify_once(read_only, None, manifest)
+    finally:
+        next(mounts, None)  # unmount
+    shards = sum(len(split.shards) for split in manifest.splits.values())
+    assert "could not be recorded" in capsys.readouterr().out and len(reads) == 2 * shards
