@@ -210,7 +210,7 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
         start_autoscaling_coordinator(elastic=bool(parallel.min_workers))
     storage.write_bytes(storage.join(uri, CONFIG_FILE), config_to_yaml(cfg).encode(), cfg.storage)
     # Ray Train's record of the checkpoints an invocation of an earlier raylm reported (this one
-    # reports none to Ray). raylm resumes from its own (open_latest) and prunes them itself; Ray,
+    # reports none to Ray). raylm resumes from its own (load_latest) and prunes them itself; Ray,
     # finding a pruned one missing, would refuse to start the run again: a resubmitted job would
     # fail every time.
     storage.delete_file(storage.join(uri, RAY_CHECKPOINT_SNAPSHOT), cfg.storage)

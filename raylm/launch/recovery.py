@@ -98,7 +98,7 @@ class RecoveryLog(UserCallback):
                      "restart_from": None}
             print("raylm: the run stops: a restart cannot cure this failure", flush=True)
         else:
-            # What the restarted workers restore (RayTrainEnv.restore_dir): the newest complete
+            # What the restarted workers restore (RayTrainEnv.restore): the newest complete
             # checkpoint on storage, which can be newer than the last one Ray's controller polled.
             restart_from = self._restart_from()
             event = {"event": "failure", "time": time.time(), "cause": cause, "restart_from": restart_from}

@@ -10,7 +10,7 @@ import re
 import shutil
 import socket
 import tempfile
-from typing import ContextManager, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional, TypeVar
 
 import torch
 
@@ -23,12 +23,13 @@ from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self
 from raylm.train.loop import train
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
 from raylm.train.resilience.preemption import Notice
-from raylm.train.checkpoint.resume import open_latest
+from raylm.train.checkpoint.resume import load_latest
 from raylm.train.spec import RunSpec, local_run_dir, run_uri
 from raylm.train.lease import process_alive
 
 
 STAGING_PREFIX = "raylm-ckpt-"
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -61,7 +62,8 @@ class RayTrainEnv:
     """Each rank copies its part of a checkpoint to the run directory; once rank 0 has written
     the manifest, every rank reports the step's metrics with `ray.train.report`. Every
     start of the worker group, the first and each restart after a failure or resize, resumes
-    from the newest complete checkpoint in the run directory. Not `ray.train.get_checkpoint()`:
+    from the newest complete checkpoint in the run directory, each rank reading its part where it
+    lies (ranged reads on S3; nothing is downloaded whole). Not `ray.train.get_checkpoint()`:
     Ray learns of a reported checkpoint only at its controller's next poll, so a worker killed
     just after a save would lose a checkpoint that is complete on storage."""
 
@@ -75,21 +77,13 @@ class RayTrainEnv:
 
         return ray.train.torch.get_device()
 
-    @contextlib.contextmanager
-    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
-        import ray.train
-
-        def fetch(uri: str) -> ContextManager[str]:  # a download from S3; local ones in place
-            fs, path = storage.filesystem_for(uri, self.cfg.storage)
-            return ray.train.Checkpoint(path, filesystem=fs).as_directory()
-
+    def restore(self, load: Callable[[str], T], allow_none_usable: bool = False) -> Optional[T]:
         world = World.current(self.device())
         if world.rank == 0 and storage.is_s3(self.checkpoint_root):
             self._take_records_from_storage()
         events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
-        with open_latest(self.checkpoint_root, self.cfg.storage, fetch, lambda ok: world.agree(ok, "all"),
-                         allow_none_usable, events) as directory:
-            yield directory
+        return load_latest(self.checkpoint_root, load, self.cfg.storage, lambda ok: world.agree(ok, "all"),
+                           allow_none_usable, events)
 
     def _take_records_from_storage(self) -> None:
         """A run on S3 keeps its records in a local mirror, uploaded whole with each checkpoint.

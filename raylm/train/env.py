@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import ContextManager, Iterator, Optional, Protocol
+from typing import Callable, ContextManager, Iterator, Optional, Protocol, TypeVar
 
 import torch
 
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.resume import open_latest
+from raylm.train.checkpoint.resume import load_latest
 from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.resilience.preemption import Notice
+
+T = TypeVar("T")
 
 
 class TrainEnv(Protocol):
@@ -24,9 +26,10 @@ class TrainEnv(Protocol):
     def device(self) -> torch.device:
         """The device this rank trains on."""
 
-    def restore_dir(self, allow_none_usable: bool = False) -> ContextManager[Optional[str]]:
-        """A local directory holding the newest usable checkpoint to resume from (every rank the
-        same), or None; finished checkpoints all unusable are an error unless allowed."""
+    def restore(self, load: Callable[[str], T], allow_none_usable: bool = False) -> Optional[T]:
+        """`load(uri)` of the newest usable checkpoint (a local path or s3:// URI, read where it
+        lies), on every rank together, or None when there is none; finished checkpoints all
+        unusable are an error unless allowed (`raylm.train.checkpoint.resume.load_latest`)."""
 
     def staging_dir(self, step: int) -> ContextManager[str]:
         """A local directory for this rank's part of the checkpoint of `step`."""
@@ -49,9 +52,9 @@ class TrainEnv(Protocol):
 class LocalEnv:
     """Checkpoints go straight into `run_dir/checkpoint_<step, 8 digits>` (all ranks share the disk).
 
-    Resuming takes the newest checkpoint whose files all match its manifest (checksums
-    included); rank 0 reports each one passed over (stderr and events.jsonl). Finished
-    checkpoints that are all unusable stop the run unless `allow_none_usable`."""
+    Resuming takes the newest checkpoint whose files match its manifest (checksums included, of
+    what each rank reads); rank 0 reports each one passed over (stderr and events.jsonl).
+    Finished checkpoints that are all unusable stop the run unless `allow_none_usable`."""
 
     def __init__(self, run_dir: str, use_gpu: bool = False):
         self.run_dir, self.use_gpu = run_dir, use_gpu
@@ -63,13 +66,11 @@ class LocalEnv:
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cpu")
 
-    @contextlib.contextmanager
-    def restore_dir(self, allow_none_usable: bool = False) -> Iterator[Optional[str]]:
+    def restore(self, load: Callable[[str], T], allow_none_usable: bool = False) -> Optional[T]:
         world = World.current(self.device())
         events = os.path.join(self.run_dir, EVENTS_FILE) if world.rank == 0 else None
-        with open_latest(self.run_dir, agree=lambda ok: world.agree(ok, "all"),
-                         allow_none_usable=allow_none_usable, events_path=events) as directory:
-            yield directory
+        return load_latest(self.run_dir, load, agree=lambda ok: world.agree(ok, "all"),
+                           allow_none_usable=allow_none_usable, events_path=events)
 
     @contextlib.contextmanager
     def staging_dir(self, step: int) -> Iterator[str]:

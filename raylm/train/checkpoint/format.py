@@ -7,13 +7,18 @@ A checkpoint directory, `checkpoint_<step, 8 digits>`, holds
 - from rank 0: `train_state.json` (step, data position, tokenizer hash, world size) and the
   `files` the loop hands over (`config.yaml`, `tokenizer.json`);
 - `checkpoint_manifest.json`, written by `finalize` once every other file is published: each
-  file's size and sha256. A directory without it is an unfinished save, never resumed from.
+  file's size and sha256, and the sha256 of each of its blocks (`block_bytes` long). A directory
+  without it is an unfinished save, never resumed from.
 
-Reading never runs code from storage: `load` first checks every file against the manifest
-(sizes and checksums), then reads JSON, and DCP's metadata, state and the RNG file through
-`raylm.train.checkpoint.safe_load` (a restricted unpickler, `torch.load(weights_only=True)`).
-Discovery (`scan`, `latest_complete`) is cheap: every file's size, checksums of the small
-files it parses; choosing the checkpoint to resume from is `raylm.train.checkpoint.resume`'s.
+Reading never runs code from storage, and a rank reads only what it loads: in `load`, rank 0
+reads the manifest, the train state and DCP's metadata for every rank, and each rank its RNG
+file, each checked whole against the manifest, then the blocks of the shards its load plan needs,
+each checked before anything in it is deserialized (`raylm.train.checkpoint.blocks`). DCP's
+metadata and state and the RNG file go through `raylm.train.checkpoint.safe_load` (a restricted
+unpickler, `torch.load(weights_only=True)`). Discovery (`scan`, `latest_complete`) is cheap:
+every file's size, checksums of the small files it parses; choosing the checkpoint to resume
+from is `raylm.train.checkpoint.resume`'s. Generation and export read whole checkpoints and
+check every file first (`check_sound`).
 
 torch is imported by the functions that read or write state, not by this module: the driver
 looks for checkpoints before any of its processes needs torch, and a new run has none to read.
@@ -21,7 +26,9 @@ looks for checkpoints before any of its processes needs torch, and a new run has
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -29,7 +36,7 @@ import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raylm.config import StorageConfig
 from raylm.data import storage
@@ -38,6 +45,8 @@ from raylm.errors import DeterministicError
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
 
     from raylm.parallel.world import World
     from raylm.train.step import ParallelModel
@@ -46,11 +55,27 @@ PREFIX = "checkpoint_"
 TRAIN_STATE = "train_state.json"
 MANIFEST = "checkpoint_manifest.json"
 _HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
+# A file's blocks: at most 16 per file up to 8 MiB each, so that a rank reading a small part of
+# another rank's file (the replicated entries at its start) reads little of it, while the manifest
+# of a 2 TB checkpoint lists about 250,000 of them (17 MB).
+_MIN_BLOCK, _MAX_BLOCK, _BLOCKS_PER_FILE = 64 << 10, 8 << 20, 16
 _MAX_RANKS = 1 << 20  # far beyond any world size; a train_state.json claiming more is corrupt
 
 
 class CheckpointError(DeterministicError, ValueError):
     """A checkpoint that cannot be used as it is; the message names it and the file."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are not what its manifest records, or that lacks a file it needs:
+    resuming passes over it for the previous one. Raised on every rank together by `load`."""
+
+    def __init__(self, uri: str, problem: str):
+        super().__init__(f"checkpoint {uri} cannot be used: {problem}")
+        self.uri, self.problem = uri, problem
+
+    def __reduce__(self):  # crosses ranks pickled, inside DCP's gathered failures
+        return type(self), (self.uri, self.problem)
 
 
 class UnusableCheckpointsError(CheckpointError):
@@ -87,14 +112,56 @@ def _rng_name(rank: int) -> str:
 class FileEntry:
     size: int
     sha256: Optional[str]  # None only in manifests written before checksums were recorded
+    block_bytes: Optional[int] = None  # None (and no block_sha256) in manifests written before blocks were
+    block_sha256: Optional[tuple[str, ...]] = None
 
 
-def _sha256(uri: str, storage_cfg: Optional[StorageConfig] = None) -> str:
-    digest = hashlib.sha256()
-    with storage.open_input(uri, storage_cfg) as f:
-        while block := f.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+def block_bytes(size: int) -> int:
+    """The length of the blocks a file of `size` bytes is hashed in (the last one may be shorter)."""
+    return min(_MAX_BLOCK, max(_MIN_BLOCK, -(-size // _BLOCKS_PER_FILE)))
+
+
+def _digests(f: Any, length: int) -> tuple[str, tuple[str, ...]]:
+    """The sha256 of the file `f` reads, whole and of each block of `length` bytes, in one pass."""
+    whole, blocks = hashlib.sha256(), []
+    while block := f.read(length):
+        whole.update(block)
+        blocks.append(hashlib.sha256(block).hexdigest())
+    return whole.hexdigest(), tuple(blocks)
+
+
+def _file_entry(path: str) -> FileEntry:
+    """A local file's size, sha256 and block hashes."""
+    size = os.path.getsize(path)
+    length = block_bytes(size)
+    with open(path, "rb") as f:
+        whole, blocks = _digests(f, length)
+    return FileEntry(size, whole, length, blocks)
+
+
+# Bytes this process has read from checkpoints: what a resume cost (the `resumed` event).
+_read_lock = threading.Lock()
+_read_total = 0
+
+
+def bytes_read() -> int:
+    """Bytes read from checkpoint files by this process so far (discovery, loads)."""
+    return _read_total
+
+
+def count_read(n: int) -> None:
+    global _read_total
+    with _read_lock:
+        _read_total += n
+
+
+def read_file(uri: str, storage_cfg: Optional[StorageConfig] = None) -> bytes:
+    """The bytes of a checkpoint's file, counted in `bytes_read`."""
+    data = storage.read_bytes(uri, storage_cfg)
+    count_read(len(data))
+    return data
+
+
 
 
 def _owner(name: str) -> int:
@@ -104,8 +171,8 @@ def _owner(name: str) -> int:
 
 
 def own_entries(directory: str, rank: int) -> dict[str, FileEntry]:
-    """Size and sha256 of the files of `directory` that `rank` wrote (ranks may share it)."""
-    return {name: FileEntry(os.path.getsize(os.path.join(directory, name)), _sha256(os.path.join(directory, name)))
+    """Size, sha256 and block hashes of the files of `directory` that `rank` wrote (ranks may share it)."""
+    return {name: _file_entry(os.path.join(directory, name))
             for name in storage.list_files(directory) if _owner(name) == rank and name != MANIFEST}
 
 
@@ -158,15 +225,16 @@ def save(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimize
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from raylm.train.checkpoint.blocks import SavePlanner
     from raylm.train.checkpoint.safe_load import rng_state
 
     model_sd, optim_sd = _states(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if asynchronous:
         written = dcp.async_save(state, checkpoint_id=directory, process_group=async_group,
-                                 no_dist=not dist.is_initialized())
+                                 no_dist=not dist.is_initialized(), planner=SavePlanner())
     else:
-        dcp.save(state, checkpoint_id=directory)
+        dcp.save(state, checkpoint_id=directory, planner=SavePlanner())
     rng = os.path.join(directory, _rng_name(world.rank))
     os.makedirs(os.path.dirname(rng), exist_ok=True)
     torch.save(rng_state(), rng)
@@ -196,27 +264,10 @@ def finalize(uri: str, entries: dict[str, FileEntry], storage_cfg: Optional[Stor
     storage.write_bytes(storage.join(uri, MANIFEST), json.dumps(manifest, indent=1).encode(), storage_cfg)
 
 
-# Local directories this process has checked in full, with the size and mtime of each file
-# then: resuming checks the checkpoint it hands out, and `load` need not hash it again.
-_SOUND: dict[str, tuple] = {}
-
-
-def _fingerprint(directory: str) -> tuple:
-    stats = {name: os.stat(os.path.join(directory, name)) for name in storage.list_files(directory)}
-    return tuple((name, st.st_size, st.st_mtime_ns) for name, st in stats.items())
-
-
 def local_problem(directory: str) -> Optional[str]:
     """`_problem` with every checksum for a local directory (none needed without a manifest,
     a `save` nobody finalized, as in tests that save and load in place: it must be whole)."""
-    directory = os.path.abspath(directory)
-    if _SOUND.get(directory) == _fingerprint(directory):
-        return None
-    problem = _problem(directory, None, checksums=True,
-                       require_manifest=os.path.exists(os.path.join(directory, MANIFEST)))
-    if problem is None:
-        _SOUND[directory] = _fingerprint(directory)
-    return problem
+    return _problem(directory, None, checksums=True, require_manifest=os.path.exists(os.path.join(directory, MANIFEST)))
 
 
 def check_sound(directory: str, name: Optional[str] = None, require_manifest: bool = False) -> None:
@@ -231,32 +282,144 @@ def check_sound(directory: str, name: Optional[str] = None, require_manifest: bo
         raise CheckpointError(f"checkpoint {name or directory} cannot be used: {problem}")
 
 
-def load(directory: str, model: "ParallelModel", optimizer: torch.optim.Optimizer, world: "World",
-         tokenizer_sha256: str) -> dict:
-    """Restore model, optimizer and this rank's RNG from the local `directory`; returns the
-    train state. Every file is checked (`check_sound`) before anything is deserialized."""
+@dataclass
+class _Shared:
+    """What every rank reads of a checkpoint before its state, checked against the manifest."""
+
+    manifest: Optional[dict[str, FileEntry]]  # None: a save nobody finalized (tests that load in place)
+    state: dict
+    metadata: Metadata
+
+
+def _checked_bytes(uri: str, name: str, manifest: Optional[dict[str, FileEntry]],
+                   storage_cfg: Optional[StorageConfig]) -> bytes:
+    """File `name` of the checkpoint, whole, matching its manifest entry (size, sha256)."""
+    entry = manifest.get(name) if manifest is not None else None
+    if manifest is not None and entry is None:
+        raise CheckpointError(f"no {name} in the manifest")
+    try:
+        data = read_file(storage.join(uri, name), storage_cfg)
+    except storage.StorageNotFoundError:
+        raise CheckpointError(f"{name} is missing, though {MANIFEST} lists it" if entry
+                              else f"no {name} (the save did not finish)") from None
+    if entry is None:
+        return data
+    if len(data) != entry.size:
+        raise CheckpointError(f"{name} is {len(data)} bytes, {MANIFEST} records {entry.size}")
+    if entry.sha256 is not None and (actual := hashlib.sha256(data).hexdigest()) != entry.sha256:
+        raise CheckpointError(checksum_problem(name, actual, entry.sha256))
+    return data
+
+
+def checksum_problem(name: str, actual: str, recorded: str, where: str = "") -> str:
+    """How a file (or, `where`, a range of it) that does not match its manifest entry is named."""
+    return f"{name} has sha256 {actual[:16]}...{where}, {MANIFEST} records {recorded[:16]}..."
+
+
+def _read_shared(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[bytes], bytes, bytes]:
+    """The manifest (None without one), train state and DCP metadata, as checked bytes."""
+    from raylm.train.checkpoint.safe_load import METADATA_FILE
+
+    raw_manifest = None
+    with contextlib.suppress(storage.StorageNotFoundError):
+        raw_manifest = read_file(storage.join(uri, MANIFEST), storage_cfg)
+    manifest = _parse_manifest(raw_manifest) if raw_manifest is not None else None
+    return (raw_manifest, _checked_bytes(uri, TRAIN_STATE, manifest, storage_cfg),
+            _checked_bytes(uri, METADATA_FILE, manifest, storage_cfg))
+
+
+def _parse_shared(uri: str, raw: tuple[Optional[bytes], bytes, bytes], world_size: int,
+                  storage_cfg: Optional[StorageConfig]) -> _Shared:
+    """`_read_shared`'s files parsed, and every file they name there (the shards; each rank's RNG
+    file, in the same world size)."""
+    from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
+
+    raw_manifest, raw_state, raw_metadata = raw
+    manifest = _parse_manifest(raw_manifest) if raw_manifest is not None else None
+    state = _parse_train_state(raw_state)
+    try:
+        metadata = read_metadata(raw_metadata)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{METADATA_FILE} is not valid DCP metadata: {e}") from e
+    present = set(manifest) if manifest is not None else set(storage.list_files(uri, storage_cfg))
+    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    if state["world_size"] == world_size:
+        needed |= {_rng_name(r) for r in range(world_size)}
+    if missing := sorted(needed - present):
+        raise CheckpointError(f"missing {', '.join(missing[:5])}")
+    return _Shared(manifest, state, metadata)
+
+
+def _shared(uri: str, world: "World", storage_cfg: Optional[StorageConfig]) -> _Shared:
+    """What every rank needs of the checkpoint at `uri`, read from storage once: by rank 0, and
+    broadcast (on 992 ranks of OPT-175B, DCP's metadata alone is some 400 MB). Raises
+    CorruptCheckpointError on every rank when rank 0 finds it wrong."""
+    import torch.distributed as dist
+
+    raw, shared, problem = None, None, None
+    if world.rank == 0:
+        try:
+            raw = _read_shared(uri, storage_cfg)
+            shared = _parse_shared(uri, raw, world.world_size, storage_cfg)
+        except CheckpointError as e:
+            problem = str(e)
+    if world.world_size > 1:
+        box = [None, problem] if problem else [raw, None]
+        dist.broadcast_object_list(box, src=0, device=world.device)
+        raw, problem = box
+    if problem:
+        raise CorruptCheckpointError(uri, problem)
+    return shared or _parse_shared(uri, raw, world.world_size, storage_cfg)
+
+
+def _read_rng(uri: str, rank: int, manifest: Optional[dict[str, FileEntry]],
+              storage_cfg: Optional[StorageConfig]) -> dict:
     import torch
+
+    name = _rng_name(rank)
+    try:
+        return torch.load(io.BytesIO(_checked_bytes(uri, name, manifest, storage_cfg)), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{name} is not an RNG state: {_first_lines(e)}") from e
+
+
+def load(uri: str, model: "ParallelModel", optimizer: torch.optim.Optimizer, world: "World",
+         tokenizer_sha256: str, storage_cfg: Optional[StorageConfig] = None) -> dict:
+    """Restore model, optimizer and this rank's RNG from the checkpoint at `uri` (local or
+    s3://), on every rank together; returns the train state.
+
+    Each rank reads only what it loads (see the module docstring), and checks every byte before
+    it is deserialized; the files every rank needs are read by rank 0 and broadcast. A checkpoint
+    whose files do not match the manifest, or that lacks one it needs, raises
+    CorruptCheckpointError on every rank, whichever rank found it: resuming passes over it, and
+    the next checkpoint's load overwrites all that this one loaded. Another tokenizer, or state
+    that cannot be read, is a CheckpointError (on every rank too)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from raylm.train.checkpoint.blocks import BlockReader
     from raylm.train.checkpoint.safe_load import set_rng_state
 
-    check_sound(directory)
-    state = _read_train_state(directory, None)
+    shared = _shared(uri, world, storage_cfg)
+    state = shared.state
+    rng = None
+    # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
+    if state["world_size"] == world.world_size:
+        problem = None
+        try:
+            rng = _read_rng(uri, world.rank, shared.manifest, storage_cfg)
+        except CheckpointError as e:
+            problem = str(e)
+        if not world.agree(problem is None, "all"):
+            raise CorruptCheckpointError(uri, problem or "another rank found it unusable")
     if state["tokenizer_sha256"] != tokenizer_sha256:
-        raise CheckpointError(f"checkpoint {directory} was trained with tokenizer {state['tokenizer_sha256'][:12]} "
+        raise CheckpointError(f"checkpoint {uri} was trained with tokenizer {state['tokenizer_sha256'][:12]} "
                               f"but the dataset uses {tokenizer_sha256[:12]}: refusing to mix tokenizers")
     model_sd, optim_sd = _states(model, optimizer)
-    _read_state({"model": model_sd, "optim": optim_sd}, directory)
+    _read_state({"model": model_sd, "optim": optim_sd}, BlockReader(uri, shared.metadata, shared.manifest, storage_cfg))
     set_state_dict(model.model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_state_dict_options())
-    rng = os.path.join(directory, _rng_name(world.rank))
-    # A rank that did not exist at save time (a larger world) keeps its freshly seeded RNG.
-    if os.path.exists(rng) and state["world_size"] == world.world_size:
-        try:
-            set_rng_state(torch.load(rng, weights_only=True))
-        except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"checkpoint {directory}: {_rng_name(world.rank)} is not an RNG state: "
-                                  f"{_first_lines(e)}") from e
+    if rng is not None:
+        set_rng_state(rng)
     return state
 
 
@@ -265,10 +428,12 @@ def load_model_weights(directory: str, model: torch.nn.Module, check: bool = Tru
     `check=False` when the caller has just run `check_sound` itself."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from raylm.train.checkpoint.safe_load import SafeReader
+
     if check:
         check_sound(directory)
     sd = get_model_state_dict(model, options=StateDictOptions())
-    _read_state({"model": sd}, directory)
+    _read_state({"model": sd}, SafeReader(directory))
     model.load_state_dict(sd)
 
 
@@ -279,18 +444,24 @@ def _first_lines(error: BaseException) -> str:
     return " ".join(lines[:1] + named[:1])[:400]
 
 
-def _read_state(state: dict, directory: str) -> None:
-    """dcp.load through the safe reader and planner; a failure on any rank is a CheckpointError."""
+def _read_state(state: dict, reader: FileSystemReader) -> None:
+    """dcp.load through `reader` and the safe planner. DCP gathers every rank's failure and raises
+    them on all: a file that does not match its manifest is a CorruptCheckpointError, storage
+    that failed is its own error (a restart may cure it), anything else a CheckpointError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from raylm.train.checkpoint.safe_load import SafeLoadPlanner, SafeReader
+    from raylm.train.checkpoint.safe_load import SafeLoadPlanner
 
     try:
-        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as e:  # a BaseException: it would pass `except Exception` handlers
-        rank, (error, _) = next(iter(e.failures.items()))
-        raise CheckpointError(f"checkpoint {directory}: its state cannot be read (rank {rank}: "
+        failures = sorted((rank, error) for rank, (error, _) in e.failures.items())
+        for kind in (CorruptCheckpointError, OSError):
+            if found := next((error for _, error in failures if isinstance(error, kind)), None):
+                raise found from e
+        rank, error = failures[0]
+        raise CheckpointError(f"checkpoint {reader.checkpoint_id}: its state cannot be read (rank {rank}: "
                               f"{type(error).__name__}: {_first_lines(error)})") from e
 
 
@@ -301,8 +472,7 @@ def _parse_manifest(raw: bytes) -> dict[str, FileEntry]:
 
     try:
         listed = json.loads(raw)["files"]
-        entries = {name: FileEntry(e, None) if type(e) is int else FileEntry(int(e["size"]), str(e["sha256"]))
-                   for name, e in listed.items()}
+        entries = {name: _parse_entry(e) for name, e in listed.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{MANIFEST} is not a valid manifest ({type(e).__name__}: {e})") from e
     outside = [name for name in entries if not is_inside(name)]
@@ -311,10 +481,22 @@ def _parse_manifest(raw: bytes) -> dict[str, FileEntry]:
     return entries
 
 
+def _parse_entry(e) -> FileEntry:
+    if type(e) is int:
+        return FileEntry(e, None)
+    size, sha256 = int(e["size"]), str(e["sha256"])
+    if e.get("block_sha256") is None:  # written before blocks were hashed: checked whole
+        return FileEntry(size, sha256)
+    length, blocks = int(e["block_bytes"]), tuple(map(str, e["block_sha256"]))
+    if length <= 0 or len(blocks) != -(-size // length):
+        raise ValueError(f"{len(blocks)} block hashes of {length} bytes for a file of {size}")
+    return FileEntry(size, sha256, length, blocks)
+
+
 def read_manifest(uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict[str, FileEntry]:
     """The files the manifest at `uri` lists; CheckpointError when it is missing or unparseable."""
     try:
-        raw = storage.read_bytes(storage.join(uri, MANIFEST), storage_cfg)
+        raw = read_file(storage.join(uri, MANIFEST), storage_cfg)
     except FileNotFoundError as e:
         raise CheckpointError(f"no {MANIFEST} (the save did not finish)") from e
     return _parse_manifest(raw)
@@ -329,16 +511,25 @@ def file_problem(uri: str, name: str, entry: FileEntry, storage_cfg: Optional[St
         return f"{name} is missing, though {MANIFEST} lists it"
     if size != entry.size:
         return f"{name} is {size} bytes, {MANIFEST} records {entry.size}"
-    if checksum and entry.sha256 is not None:
-        actual = _sha256(storage.join(uri, name), storage_cfg)
-        if actual != entry.sha256:
-            return f"{name} has sha256 {actual[:16]}..., {MANIFEST} records {entry.sha256[:16]}..."
+    if not checksum or entry.sha256 is None:
+        return None
+    length = entry.block_bytes or _HASH_BLOCK
+    with storage.open_input(storage.join(uri, name), storage_cfg) as f:
+        actual, blocks = _digests(f, length)
+    count_read(size)
+    if actual != entry.sha256:
+        return checksum_problem(name, actual, entry.sha256)
+    # The blocks too: resuming checks them, not the whole, and they must describe the same bytes.
+    for i, (block, recorded) in enumerate(zip(blocks, entry.block_sha256 or ())):
+        if block != recorded:
+            where = f" in bytes {i * length}-{min((i + 1) * length, size) - 1}"
+            return checksum_problem(name, block, recorded, where)
     return None
 
 
-def _read_train_state(uri: str, storage_cfg: Optional[StorageConfig]) -> dict:
+def _parse_train_state(raw: bytes) -> dict:
     try:
-        state = json.loads(storage.read_bytes(storage.join(uri, TRAIN_STATE), storage_cfg))
+        state = json.loads(raw)
         step, world_size = state["step"], state["world_size"]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{TRAIN_STATE} is not valid ({type(e).__name__}: {e})") from e
@@ -372,9 +563,9 @@ def _problem(uri: str, storage_cfg: Optional[StorageConfig], checksums: bool, re
         for name in (METADATA_FILE, TRAIN_STATE):
             if name not in present:
                 return f"no {name}" + (" in the manifest" if manifest is not None else " (the save did not finish)")
-        world_size = _read_train_state(uri, storage_cfg)["world_size"]
+        world_size = _parse_train_state(read_file(storage.join(uri, TRAIN_STATE), storage_cfg))["world_size"]
         try:
-            metadata = read_metadata(storage.read_bytes(storage.join(uri, METADATA_FILE), storage_cfg))
+            metadata = read_metadata(read_file(storage.join(uri, METADATA_FILE), storage_cfg))
         except pickle.UnpicklingError as e:
             return f"{METADATA_FILE} is not valid DCP metadata: {e}"
     except CheckpointError as e:

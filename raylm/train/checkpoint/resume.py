@@ -1,9 +1,9 @@
 """Resuming: which checkpoint to resume from, and what may change when a run resumes.
 
-`open_latest` hands out the newest checkpoint whose every file matches its manifest (checksums
-included), passing over corrupt ones by name (stderr and a "checkpoint_skipped" event); when
-finished checkpoints exist and none is usable it refuses rather than start again from step 0.
-`latest_usable` is the same choice by the cheap checks, for the driver.
+`load_latest` loads the newest checkpoint whose files match its manifest (checksums included,
+of what each rank reads), passing over corrupt ones by name (stderr and a "checkpoint_skipped"
+event); when finished checkpoints exist and none is usable it refuses rather than start again
+from step 0. `latest_usable` is the same choice by the cheap checks, for the driver.
 
 What may change: DCP loads by name and ignores entries the new model does not ask for, so a
 model with fewer layers, or the same tensors split into other heads, would load silently and
@@ -32,19 +32,19 @@ not the saved tensors' meaning), max_seq_len with RoPE (no weights depend on it)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
 import time
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import yaml
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_changes, config_to_dict
 from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.format import TRAIN_STATE, CheckpointError, UnusableCheckpointsError
+from raylm.train.checkpoint.format import (TRAIN_STATE, CheckpointError, CorruptCheckpointError,
+                                           UnusableCheckpointsError)
 from raylm.train.observe.records import EVENTS_FILE, append_event
 
 CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume
@@ -91,7 +91,7 @@ def read_saved_config(checkpoint_uri: str, storage_cfg: Optional[StorageConfig] 
     """The config tree saved in the checkpoint at `checkpoint_uri` (local or s3://)."""
     uri = storage.join(checkpoint_uri, CONFIG_FILE)
     try:
-        tree = yaml.safe_load(storage.read_bytes(uri, storage_cfg))
+        tree = yaml.safe_load(checkpoint.read_file(uri, storage_cfg))
     except yaml.YAMLError as e:
         raise CheckpointError(f"{uri} is not valid YAML: {e}") from e
     if not isinstance(tree, dict):
@@ -218,30 +218,28 @@ def latest_usable(run_uri: str, storage_cfg: Optional[StorageConfig] = None, all
     return latest
 
 
-@contextlib.contextmanager
-def open_latest(run_uri: str, storage_cfg: Optional[StorageConfig] = None,
-                fetch: Callable[[str], ContextManager[str]] = contextlib.nullcontext,
+T = TypeVar("T")
+
+
+def load_latest(run_uri: str, load: Callable[[str], T], storage_cfg: Optional[StorageConfig] = None,
                 agree: Callable[[bool], bool] = lambda ok: ok, allow_none_usable: bool = False,
-                events_path: Optional[str] = None) -> Iterator[Optional[str]]:
-    """The checkpoint to resume from, as a local directory whose every file matches its
-    manifest, checksums included; None when the run has none. As `latest_usable`, and a
-    checkpoint whose files do not match (a corrupted shard of the right size) is passed over
-    for the previous one too. `fetch(uri)` gives a local directory for a checkpoint (a download
-    from s3://; local ones are used in place); `agree(ok)` is one decision for every rank
-    (World.agree(ok, "all")), so that all ranks resume from the same checkpoint.
+                events_path: Optional[str] = None) -> Optional[T]:
+    """`load(uri)` of the newest checkpoint of the run that loads, called on every rank together;
+    None when the run has none. As `latest_usable`, and a checkpoint that `load` finds corrupt
+    (CorruptCheckpointError, raised on every rank together: a file that does not match its
+    manifest, whichever rank read it) is passed over for the previous one. `agree(ok)` is one
+    decision for every rank (World.agree(ok, "all")): a save unfinished for one rank is for all.
     """
     skipped: list[tuple[str, str]] = []
     for uri in checkpoint.checkpoint_uris(run_uri, storage_cfg):
-        if not storage.exists(storage.join(uri, checkpoint.MANIFEST), storage_cfg):
+        if not agree(storage.exists(storage.join(uri, checkpoint.MANIFEST), storage_cfg)):
             continue  # an unfinished save
-        problem = checkpoint.incomplete_reason(uri, storage_cfg)
-        if agree(problem is None):
-            with fetch(uri) as directory:
-                problem = checkpoint.local_problem(directory)
-                if agree(problem is None):
-                    _report(run_uri, skipped, True, allow_none_usable, events_path)
-                    yield directory
-                    return
-        skipped.append((uri, problem or "another rank found it unusable"))
+        try:
+            loaded = load(uri)
+        except CorruptCheckpointError as e:
+            skipped.append((uri, e.problem))
+            continue
+        _report(run_uri, skipped, True, allow_none_usable, events_path)
+        return loaded
     _report(run_uri, skipped, False, allow_none_usable, events_path)
-    yield None
+    return None

@@ -32,6 +32,16 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+def resume(run, allow_none_usable: bool = False):
+    """The checkpoint a resume of `run` loads (its uri), loaded as the training loop does."""
+    model, optimizer = build(tiny_config())
+
+    def load(uri: str) -> str:
+        checkpoint.load(uri, model, optimizer, World.current(), TOKENIZER_SHA)
+        return uri
+    return LocalEnv(str(run)).restore(load, allow_none_usable)
+
+
 @pytest.fixture
 def run(tmp_path):
     """A run with finished checkpoints at steps 2 and 4."""
@@ -105,8 +115,7 @@ def test_corrupt_checkpoints_are_skipped_by_name_with_an_event(tmp_path, capsys)
     assert latest_usable(str(run), events_path=str(events)) == str(ckpt[10])
     assert not events.exists()
     # Resuming checks the checksums of what it loads, and falls back past every unusable one.
-    with LocalEnv(str(run)).restore_dir() as restored:
-        assert restored == str(ckpt[2])
+    assert resume(run) == str(ckpt[2])
     rows = [json.loads(line) for line in events.read_text().splitlines()]
     assert [r["event"] for r in rows] == ["checkpoint_skipped"] * 4
     reasons = {r["uri"]: r["reason"] for r in rows}
@@ -130,17 +139,14 @@ def test_checkpoints_that_are_all_unusable_are_refused_not_restarted_from_step_0
     for step in (2, 4):
         assert f"checkpoint_{step:08d}: train_state.json has sha256" in message
     with pytest.raises(UnusableCheckpointsError, match="none is usable"):
-        with LocalEnv(str(run)).restore_dir():
-            pass
+        resume(run)
     # Explicitly allowed: a fresh start beside them.
     assert latest_usable(str(run), allow_none_usable=True) is None
-    with LocalEnv(str(run)).restore_dir(allow_none_usable=True) as restored:
-        assert restored is None
+    assert resume(run, allow_none_usable=True) is None
 
 
 def test_unfinished_saves_alone_are_no_reason_to_refuse(run):
     for step in (2, 4):
         os.remove(run / f"checkpoint_{step:08d}" / checkpoint.MANIFEST)  # crashed while writing
     assert latest_usable(str(run)) is None
-    with LocalEnv(str(run)).restore_dir() as restored:
-        assert restored is None
+    assert resume(run) is None
