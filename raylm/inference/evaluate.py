@@ -173,6 +173,12 @@ def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
     manifest = load_manifest(data_uri, storage_cfg)
     if split not in manifest.splits:
         raise DatasetError(f"{data_uri} has no split {split!r} (splits: {', '.join(manifest.splits)})")
+    if not manifest.splits[split].rows:
+        why = "prepared with --val-fraction 0" if split == "val" and not manifest.val_fraction else \
+            f"too little of the text went to it for a row of {manifest.seq_len} tokens"
+        others = " or ".join(f"--split {name}" for name, info in manifest.splits.items() if info.rows)
+        raise DatasetError(f"{data_uri}: its {split} split is empty ({why}): nothing to evaluate; give {others}, "
+                           f"or prepare the data again with a {split} split")
     if state["tokenizer_sha256"] != manifest.tokenizer.sha256:
         raise DatasetError(f"{data_uri} was tokenized with tokenizer {manifest.tokenizer.sha256[:12]} "
                            f"({manifest.tokenizer.kind}) but checkpoint {uri} was trained with "

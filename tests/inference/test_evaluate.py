@@ -141,3 +141,15 @@ def test_an_output_it_cannot_write_is_refused_before_any_work(trained_run, tiny_
         assert_clean_refusal(outcome, message)
         assert outcome.status == 2 and "part(s)" not in outcome.stdout
     assert os.listdir(tmp_path) == ["a-file"] and not os.path.exists(f"{tmp_path}.parts")
+
+
+def test_an_empty_split_is_refused_naming_it_before_any_work(ray_session, trained_run, tmp_path):
+    """A dataset prepared with --val-fraction 0 evaluated on its (empty) val split ended in a
+    ZeroDivisionError traceback, after Ray had started; `raylm train` refuses the same dataset by name."""
+    no_val = str(tmp_path / "no-val")
+    prepare_dataset([write_corpus(tmp_path / "text", documents=20)], no_val, seq_len=32, val_fraction=0.0)
+    output = tmp_path / "r.json"
+    outcome = run_main("eval", trained_run, "--data", no_val, "--output", str(output))
+    assert_clean_refusal(outcome, f"{no_val}: its val split is empty (prepared with --val-fraction 0)")
+    assert outcome.status == 2 and "give --split train" in outcome.stderr
+    assert "part(s)" not in outcome.stdout and not output.exists() and not (tmp_path / "r.parts").exists()
