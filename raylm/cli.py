@@ -471,8 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-fewshot", type=_non_negative_int, help="--tasks: few-shot examples (default: each task's)")
     p.add_argument("--output", help="result JSON (default: eval-<split>.json; with --tasks eval-tasks.json, lm-eval's "
                    "results); pieces in <stem>.parts/, which the same command run again reuses")
-    p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default: as many as the "
-                   "cluster's CPUs allow)")
+    p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default, and at most: as "
+                   "many as the cluster's nodes hold at once)")
     p.add_argument("--cpus-per-worker", type=_positive_int, default=1, help="CPUs (and torch threads) per actor")
     p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0, help="GPUs per actor (it evaluates on one when given)")
     p.add_argument("--rows-per-part", type=_positive_int, default=256, help="rows per unit of work and of resumption")

@@ -288,6 +288,28 @@ def _stop_autoscaler_monitor() -> None:
         node.kill_monitor(check_alive=False)
 
 
+def placeable(need: dict[str, float]) -> tuple[int, str]:
+    """How many workers that each need `need` (a resource -> its amount: CPU, GPU) the alive nodes
+    of the Ray this process is connected to hold at once, by each node's total resources; and the
+    largest node's resources in words ("2 CPUs", with GPUs when `need` has them), for a message
+    about a worker no node can hold. A worker beyond that count waits for a node that may never
+    come: an actor pool hands it work all the same, and the work waits with it."""
+    import ray
+
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    fits = sum(min(math.floor(resources.get(name, 0) / amount + 1e-9) for name, amount in need.items() if amount > 0)
+               for resources in nodes)
+
+    def count(n: float, what: str) -> str:
+        return f"{n:g} {what}" + ("" if n == 1 else "s")
+
+    largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
+    has = count(largest.get("CPU", 0), "CPU")
+    if need.get("GPU"):
+        has += f" and {count(largest.get('GPU', 0), 'GPU')}"
+    return fits, has
+
+
 def local_num_cpus(num_workers: int, cpus_per_worker: float) -> int:
     """Logical CPUs of a local Ray for a run: the workers' reservations plus room for the Ray
     Data readers (one per rank)."""

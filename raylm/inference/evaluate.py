@@ -191,6 +191,26 @@ def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
     return uri, state, manifest
 
 
+def worker_count(asked: Optional[int], cpus_per_worker: int, gpus_per_worker: float,
+                 log: Callable[[str], None]) -> int:
+    """The Ray actors an evaluation runs on the Ray this process is connected to: `asked`
+    (--workers), else as many as its nodes hold; never more than they hold at once. An actor
+    beyond that was handed its share of the work up front and never started: the evaluation
+    waited for it for good. A worker no node can hold is refused, naming the flags."""
+    from raylm.ray_runtime import placeable
+
+    fits, has = placeable({"CPU": cpus_per_worker, "GPU": gpus_per_worker})
+    flags = f"--cpus-per-worker {cpus_per_worker}" + (f" --gpus-per-worker {gpus_per_worker:g}" if gpus_per_worker else "")
+    if not fits:
+        raise ConfigError(f"{flags}: no node of this Ray cluster can hold one eval worker (the largest node has {has}; "
+                          "nodes an autoscaler has yet to start do not count): ask for less, or start a node that fits")
+    if asked is not None and asked > fits:
+        log(f"raylm eval: --workers {asked}: this Ray cluster holds {fits} worker(s) of {flags} at once; "
+            f"evaluating with {fits}")
+        return fits
+    return asked or fits
+
+
 def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Optional[str] = None,
              workers: Optional[int] = None, rows_per_part: int = 256, batch_rows: int = 8,
              storage_cfg: Optional[StorageConfig] = None, ray_address: Optional[str] = None,
@@ -218,8 +238,7 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     log(f"raylm eval: {len(parts)} part(s) of {split}, {len(parts) - len(pending)} already done")
     if pending:
         start_ray(ray_address)
-        cluster_cpus = int(ray.cluster_resources().get("CPU", 1))
-        workers = min(workers or max(1, cluster_cpus // cpus_per_worker), len(pending))
+        workers = min(worker_count(workers, cpus_per_worker, gpus_per_worker, log), len(pending))
         token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
         actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)
         pool = ActorPool([actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key,

@@ -14,7 +14,7 @@ import torch
 from raylm.config import StorageConfig, saved_config
 from raylm.data import storage
 from raylm.downstream.scoring import Scorer
-from raylm.inference.evaluate import check_output, parts_dir as _parts_dir
+from raylm.inference.evaluate import check_output, parts_dir as _parts_dir, worker_count
 from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
@@ -115,7 +115,7 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     saved = SavedChunks(_parts_dir(output), key, storage_cfg)
 
     start_ray(ray_address)
-    workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
+    workers = worker_count(workers, cpus_per_worker, gpus_per_worker, log)
     actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
     pool = ActorPool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)])
     log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")

@@ -21,7 +21,7 @@ from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
-from raylm.ray_runtime import joins_cluster, local_num_cpus, sigterm_as_ctrl_c, start_ray
+from raylm.ray_runtime import joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, merged_lines, read_jsonl
@@ -242,21 +242,11 @@ def no_node_fits_a_worker(parallel: ParallelConfig) -> Optional[str]:
     """Why no node of the joined cluster can hold one worker now, or None. Ray Train waits for one
     without a word on the console (its controller's log says it has resources for 0 workers); an
     autoscaler may yet add a node that fits, so this is said, not refused."""
-    import ray
-
-    need = {"CPU": parallel.cpus_per_worker, **({"GPU": 1.0} if parallel.use_gpu else {})}
-    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    if any(all(resources.get(k, 0) >= v for k, v in need.items()) for resources in nodes):
+    fits, has = placeable({"CPU": parallel.cpus_per_worker, "GPU": 1.0 if parallel.use_gpu else 0.0})
+    if fits:
         return None
-
-    def count(n: float, what: str) -> str:
-        return f"{n:g} {what}" + ("" if n == 1 else "s")
-
-    largest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
-    has = count(largest.get("CPU", 0), "CPU")
-    if parallel.use_gpu:
-        has += f" and {count(largest.get('GPU', 0), 'GPU')}"
-    wants = count(parallel.cpus_per_worker, "CPU") + (" and a GPU" if parallel.use_gpu else "")
+    cpus = parallel.cpus_per_worker
+    wants = f"{cpus:g} CPU{'' if cpus == 1 else 's'}" + (" and a GPU" if parallel.use_gpu else "")
     return (f"no node of this Ray cluster can hold one worker now: each needs {wants} "
             f"(parallel.cpus_per_worker, parallel.use_gpu), the largest node has {has}; the run waits "
             "until a node that fits joins")

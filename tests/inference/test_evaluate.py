@@ -21,6 +21,7 @@ from raylm.inference.load import load_for_inference
 from raylm.data.tokenizer import ByteTokenizer, train_bpe
 from raylm.train.loop import train_local
 from tests.support.cli import assert_clean_refusal, run_main
+from tests.downstream.test_lm_eval import TASK, write_task
 from tests.inference.test_generate import damage_newest
 from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
@@ -153,3 +154,24 @@ def test_an_empty_split_is_refused_naming_it_before_any_work(ray_session, traine
     assert_clean_refusal(outcome, f"{no_val}: its val split is empty (prepared with --val-fraction 0)")
     assert outcome.status == 2 and "give --split train" in outcome.stderr
     assert "part(s)" not in outcome.stdout and not output.exists() and not (tmp_path / "r.parts").exists()
+
+
+@pytest.mark.timeout(180, method="thread")  # a regression hangs in Ray's wait, where no signal reaches Python
+def test_more_workers_than_the_cluster_holds_are_capped_and_none_that_fits_is_refused(
+        ray_session, trained_run, tiny_dataset, tmp_path):
+    """`--workers 3` on 2 CPUs hung for good after 7 of 8 parts: the actor Ray could never place
+    had been handed a part up front. The session's Ray is one node of 4 CPUs: workers of 2 CPUs,
+    two at once. A worker no node holds (more CPUs, a GPU) is refused by its flag, before any."""
+    output = tmp_path / "r.json"
+    outcome = run_main("eval", trained_run, "--data", tiny_dataset, "--output", str(output), "--workers", "3",
+                       "--cpus-per-worker", "2", "--rows-per-part", "16")
+    assert outcome.status == 0, outcome.stderr[-3000:]
+    assert ("raylm eval: --workers 3: this Ray cluster holds 2 worker(s) of --cpus-per-worker 2 at once; "
+            "evaluating with 2") in outcome.stdout
+    assert json.loads(output.read_text())["workers"] == 2
+    for flags, named in ((["--cpus-per-worker", "8"], "--cpus-per-worker 8: no node"),
+                         (["--gpus-per-worker", "1"], "--cpus-per-worker 1 --gpus-per-worker 1: no node")):
+        for command in (["--data", tiny_dataset], ["--tasks", TASK, "--include-path", write_task(tmp_path / "tasks")]):
+            refused = run_main("eval", trained_run, *command, "--output", str(tmp_path / "n.json"), *flags)
+            assert_clean_refusal(refused, named)
+            assert refused.status == 2 and "the largest node has 4 CPUs" in refused.stderr
