@@ -13,7 +13,10 @@ Imported only where tasks are evaluated: lm_eval and its dependencies take secon
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Callable, Optional, Union
+
+import yaml
 
 from raylm.data.tokenizer import Tokenizer
 from raylm.downstream.scoring import Pair, Prompt
@@ -97,9 +100,38 @@ def task_manager(tasks: list[str], include_path: Optional[str], field: str = "--
     unknown = [t for t in tasks if t not in known and "*" not in t and not os.path.isfile(t)]
     if unknown:
         where = f" nor defined under include path {include_path}" if include_path else ""
+        advice = " (`lm-eval ls tasks` lists them)"
+        if unreadable := _unreadable_task_files(include_path) if include_path else []:
+            advice = (f"; lm-eval passed over {len(unreadable)} file(s) there that do not parse as YAML, which may "
+                      f"define it: {'; '.join(unreadable[:3])}{' ...' if len(unreadable) > 3 else ''}")
         raise ConfigError(f"{field}: unknown task(s) {', '.join(map(repr, unknown))}: not one of lm-eval's tasks"
-                          f"{where} (`lm-eval ls tasks` lists them)")
+                          f"{where}{advice}")
     return manager
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """YAML as lm-eval's task files write it: `!function module.name` names a Python function."""
+
+
+_TaskYamlLoader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def _unreadable_task_files(include_path: str) -> list[str]:
+    """Each `*.yaml` under `include_path` that does not parse, with the parser's line and column:
+    lm-eval's task index passes over such a file without a word, and the task it defines is then
+    reported as unknown."""
+    problems = []
+    for path in sorted(Path(include_path).glob("**/*.yaml")):
+        try:
+            yaml.load(path.read_text(errors="replace"), Loader=_TaskYamlLoader)
+        except yaml.MarkedYAMLError as e:
+            where = f"line {e.problem_mark.line + 1}, column {e.problem_mark.column + 1}" if e.problem_mark else ""
+            started = f" ({e.context} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})" \
+                if e.context and e.context_mark else ""
+            problems.append(f"{path} {where}: {e.problem}{started}")
+        except yaml.YAMLError as e:
+            problems.append(f"{path}: {' '.join(str(e).split())}")
+    return problems
 
 
 def run_tasks(lm: RaylmLM, tasks: list[str], manager: TaskManager, limit: Limit = None,

@@ -249,3 +249,16 @@ def test_sharded_ranks_score_tasks_together(tiny_dataset, task_dir, tmp_path, la
     [row] = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if f"{TASK}/acc" in r]
     model, tokenizer, _ = load_for_inference(str(run_dir))
     assert row["step"] == 2 and row[f"{TASK}/acc"] == pytest.approx(hand_accuracy(model, tokenizer, DOCS), abs=1e-12)
+
+
+def test_a_task_yaml_that_does_not_parse_is_named_with_its_parse_error(run, tmp_path):
+    """A user trial: a task file with a YAML error was reported as "not defined under include
+    path": lm-eval's index passes over a file it cannot read without a word."""
+    directory = write_task(tmp_path / "tasks")
+    definition = Path(directory) / f"{TASK}.yaml"
+    definition.write_text(definition.read_text().replace("test_split: test", "test_split: [test"))
+    outcome = run_main("eval", run, "--tasks", TASK, "--include-path", directory, "--output", str(tmp_path / "r.json"))
+    assert_clean_refusal(outcome, str(definition))
+    assert outcome.status == 2
+    assert (f"{definition} line 7, column 12: expected ',' or ']', but got ':' (while parsing a flow sequence at "
+            "line 6, column 13)") in outcome.stderr
