@@ -15,7 +15,7 @@ from raylm.config.describe import describe_fields
 from raylm.data.storage import StorageError
 from raylm.errors import DeterministicError, RunInterrupted
 from raylm.launch.submit import SubmitError, check_job_config
-from raylm.ray_runtime import in_ray_job, sigterm_as_ctrl_c
+from raylm.ray_runtime import RayStartError, in_ray_job, sigterm_as_ctrl_c
 
 
 def _storage(args: argparse.Namespace) -> StorageConfig:
@@ -513,6 +513,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             message, code = f"raylm: error: {error}", error.exit_code
         elif isinstance(error, (StorageError, FileNotFoundError, FileExistsError, SubmitError)):
             message, code = f"raylm: error: {error}", 2
+        elif isinstance(error, RayStartError):  # the machine's state, not the user's input
+            message, code = f"raylm: error: {error}", 1
         elif isinstance(error, RunInterrupted) and sigterm and error.exit_code == 130:  # a sweep's, by Tune
             message, code = f"raylm: stopped by SIGTERM: {error}", 128 + signal.SIGTERM
         elif isinstance(error, RunInterrupted):

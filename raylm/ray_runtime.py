@@ -131,6 +131,19 @@ def ray_job_id() -> Optional[str]:
         return None
 
 
+class RayStartError(RuntimeError):
+    """The local Ray did not start: its daemons missed Ray's start-up deadlines (a machine under
+    load: Ray waits 30 s for its GCS and its raylet) or failed. Not the user's input, and no fault
+    of a run: the same command may start it once the load drops (exit status 1)."""
+
+    def __init__(self, cause: BaseException):
+        first = " ".join(str(cause).split())[:300] or type(cause).__name__
+        super().__init__(f"the local Ray did not start ({first}); its logs are under "
+                         f"{os.path.join(tempfile.gettempdir(), 'ray', 'session_latest', 'logs')}. On a loaded machine "
+                         "its daemons can miss Ray's start-up deadlines: run the command again once the load drops, or "
+                         "start Ray yourself (ray start --head) and give its address (run.ray_address, --ray-address)")
+
+
 def joins_cluster(address: Optional[str] = None) -> bool:
     """Whether `start_ray(address)` joins a running cluster rather than starting one."""
     if address == "local":
@@ -165,9 +178,16 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         # Ray; beside another (a sweep and a run on one laptop) it found two and died.
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
-    with _daemons_in_a_process_group_of_their_own(), _signals_held_while_starting():
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
-                 runtime_env={"env_vars": env_vars}, **dashboard_options)
+    try:
+        with _daemons_in_a_process_group_of_their_own(), _signals_held_while_starting():
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=dashboard,
+                     runtime_env={"env_vars": env_vars}, **dashboard_options)
+    except (RuntimeError, OSError) as e:  # what Ray raises when its daemons miss their start-up deadlines
+        raise RayStartError(e) from e
+    except Exception as e:
+        if type(e) is not Exception:  # Ray raises a plain Exception when the raylet never registers
+            raise
+        raise RayStartError(e) from e
     # Once per process, however many Rays it starts; runs before Ray's own hook, registered at import.
     atexit.unregister(_stop_autoscaler_monitor)
     atexit.register(_stop_autoscaler_monitor)

@@ -5,11 +5,15 @@ cluster's tests refuse a client without the token; every Ray of the suite runs w
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 
 import pytest
 
 from raylm.ray_runtime import ensure_auth_token, joins_cluster
+from tests.support.processes import session_processes
 
 
 @pytest.fixture
@@ -68,3 +72,26 @@ def test_a_local_rays_workers_run_at_normal_priority(ray_session):
         return os.nice(0)
 
     assert ray_session.get(niceness.remote()) == 0
+
+
+def test_a_local_ray_that_misses_its_start_up_deadline_is_one_line_and_leaves_nothing(tmp_path):
+    """A local Ray starting under load missed Ray's deadline for its GCS and the command ended in
+    Ray's raw traceback. Ray's own setting for that deadline, at 0 s, makes every start miss it."""
+    text = tmp_path / "a.txt"
+    text.write_text("The king rode to the castle by the river.\n" * 20)
+    output = tmp_path / "data"
+    env = {**os.environ, "RAY_gcs_server_port_wait_time_s": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("RAY_ADDRESS", None)
+    with subprocess.Popen([sys.executable, "-m", "raylm.cli", "prepare", "--input", str(text), "--output", str(output),
+                           "--seq-len", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            left = session_processes(proc.pid)
+            for pid, _, _ in left:
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert err.startswith("raylm: error: the local Ray did not start (Timed out waiting for file "), err[-3000:]
+    assert "Traceback" not in err and "run the command again once the load drops" in err
+    assert not left and not output.exists()
