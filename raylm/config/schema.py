@@ -277,7 +277,9 @@ class CheckpointConfig:
     """Attempts to write a checkpoint (with backoff) before the failure counts."""
     allow_failures: bool = False
     """Keep training when a checkpoint cannot be written, warning on every step until one
-    succeeds. Off (the default): training stops with the error; it never goes on silently."""
+    succeeds; a run whose final checkpoint cannot be written still fails at its end, naming the
+    steps no checkpoint holds. Off (the default): training stops with the error; it never goes
+    on silently."""
 
 
 @dataclass

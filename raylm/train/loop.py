@@ -287,6 +287,7 @@ class Trainer:
             if self._read_due(queued):
                 self._read()
         self.checkpointer.wait()
+        self.checkpointer.require_final(self.state.step)
         return self.metrics
 
     def _measure_cpu_peak(self) -> None:
@@ -700,8 +701,8 @@ class Trainer:
         besides each step's `unprotected_steps` metric (the checkpointer records the events)."""
         saver = self.checkpointer
         if saver.failing_since is not None and self.world.rank == 0:
-            print(f"WARNING: no checkpoint has been written since step {saver.failing_since} "
-                  f"({saver.last_error}): this run is not protected against failures "
+            print(f"WARNING: no checkpoint could be written since step {saver.failing_since} ({saver.last_error}): "
+                  f"a failure now loses {saver.unsaved}; this run is not protected against failures "
                   "(checkpoint.allow_failures=true)", flush=True)
 
 

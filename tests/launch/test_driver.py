@@ -15,6 +15,8 @@ import pytest
 from raylm.config import ConfigError, load_config
 from raylm.data.prepare import prepare_dataset
 from raylm.launch.driver import launch
+from tests.support.cli import run_main
+from tests.support.filesystems import tmpfs
 from tests.support.fixtures import write_corpus
 from tests.support.processes import session_processes, signal_when
 
@@ -184,3 +186,27 @@ def test_a_sigterm_or_ctrl_c_before_training_starts_ends_the_run_as_one_during_t
     assert f"raylm: {stopped} before training started: the same command starts it again" in err
     assert not left, left
     assert not run.exists(), os.listdir(run)  # the lease released, and nothing else was written
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    yield from tmpfs(tmp_path, "256k")
+
+
+def test_a_run_whose_final_save_failed_ends_with_an_error_not_done(tiny_dataset, tiny_filesystem):
+    """A user trial: with checkpoint.allow_failures on a full disk, every save failed, the final
+    one included; `raylm train` printed `done: step 10` and exited 0, the weights nowhere. The run
+    directory here is on a real 256 KiB filesystem, too small for a checkpoint of the model."""
+    storage = tiny_filesystem
+    overrides = [f"data.path={tiny_dataset}", f"run.storage_path={storage}", "run.name=unsaved", "data.chunk_rows=8",
+                 "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+                 "train.global_batch_size=8", "train.micro_batch_size=2", "schedule.warmup_steps=2",
+                 "parallel.num_workers=1", "run.max_failures=0", "train.steps=4", "checkpoint.every_steps=2",
+                 "train.eval_every=0", "train.tensorboard=false", "checkpoint.allow_failures=true",
+                 "checkpoint.write_attempts=1"]
+    outcome = run_main("train", *overrides)
+    assert outcome.status == 1, outcome.stdout[-2000:] + outcome.stderr[-2000:]
+    assert "done:" not in outcome.stdout
+    assert (f"raylm: error: step 4: the run trained to its end, but no checkpoint has been written to "
+            f"{storage / 'unsaved'} since step 2 (") in outcome.stderr
+    assert "the final one included: all its steps (it has no checkpoint) are lost" in outcome.stderr

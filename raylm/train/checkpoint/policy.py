@@ -113,6 +113,7 @@ class Checkpointer:
         self.failing_since: Optional[int] = None  # the step of the first failed save since the last good one
         self.published_step: Optional[int] = None  # the step of the newest checkpoint published here
         self.last_error = ""
+        self.unsaved = ""  # while saves fail: the steps no checkpoint holds, from the newest one standing
         self.distributed = dist.is_available() and dist.is_initialized()
         self.pending: Optional[_Pending] = None
         self.async_group: Optional[dist.ProcessGroup] = None
@@ -238,8 +239,43 @@ class Checkpointer:
         if not self.cfg.allow_failures:
             raise CheckpointWriteError(f"{where}. Training stops so that it never runs unprotected; free space "
                                        "or fix storage, then resume") from error
+        if self.failing_since is None:
+            self.unsaved = self._unsaved_steps()
         self.failing_since, self.last_error = self.failing_since or step, str(reason)
         self._record("checkpoint_failed", step, error=self.last_error)
+
+    def _unsaved_steps(self) -> str:
+        """The steps no checkpoint holds once saves fail, in words: those since the newest
+        checkpoint that stands (this run's, or the one it resumed from), or all of a run that has
+        none. Rank 0 looks, for every rank."""
+        newest = self.published_step
+        if newest is None:
+            found = -1  # none; -2: storage could not be listed
+            if self.world.rank == 0:
+                try:
+                    uri = checkpoint.latest_complete(self.env.checkpoint_root, self.storage_cfg)
+                    found = checkpoint.step_of(os.path.basename(uri.rstrip("/"))) if uri else -1
+                except OSError:
+                    found = -2
+            (found,) = self.world.from_rank0([found])
+            if found == -2:
+                return f"the steps since its newest checkpoint ({self.env.checkpoint_root} could not be listed)"
+            newest = None if found < 0 else found
+        return "all its steps (it has no checkpoint)" if newest is None else \
+            f"the steps since step {newest} (its newest checkpoint)"
+
+    def require_final(self, step: int) -> None:
+        """At the run's end, after the last save: a run whose final checkpoint could not be written
+        must not end as if it had (`checkpoint.allow_failures` let it train on): its weights are
+        nowhere, and the same command would train the steps since the newest checkpoint again.
+        Raises CheckpointWriteError, saying what was lost."""
+        if self.failing_since is None:
+            return
+        raise CheckpointWriteError(
+            f"step {step}: the run trained to its end, but no checkpoint has been written to "
+            f"{self.env.checkpoint_root} since step {self.failing_since} ({self.last_error}), the final one "
+            f"included: {self.unsaved} are lost. Free space or fix storage, then run the same command again: it "
+            "trains them again")
 
     def _record(self, event: str, step: int, **fields) -> None:
         """An event of the run going unprotected (checkpoint.allow_failures) or protected again."""

@@ -110,14 +110,23 @@ def test_full_disk_stops_training_with_a_clear_error(tiny_dataset, tiny_filesyst
     assert checkpoint.latest_complete(str(run)) is None
 
 
-def test_allowed_failures_continue_but_warn_every_step(tiny_dataset, tiny_filesystem, capsys):
+def test_allowed_failures_train_on_warning_every_step_but_a_final_save_that_fails_fails_the_run(
+        tiny_dataset, tiny_filesystem, capsys):
+    """A user trial: every save of the run failed on a full disk, the final one included, and the
+    run said `done` and exited 0; its weights were nowhere, and its warning spoke of a checkpoint
+    "since step 5" when none had ever been written."""
     run = tiny_filesystem / "run"
     cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=3", "train.eval_every=0",
                       "checkpoint.write_attempts=1", "checkpoint.allow_failures=true")
-    train_local(cfg, str(run))
+    with pytest.raises(CheckpointWriteError) as failed:
+        train_local(cfg, str(run))
+    assert str(failed.value).startswith(f"step 6: the run trained to its end, but no checkpoint has been written to "
+                                        f"{run} since step 3 (")
+    assert "the final one included: all its steps (it has no checkpoint) are lost" in str(failed.value)
     out = capsys.readouterr().out
-    assert max(losses(run)) == 6
-    assert out.count("WARNING: no checkpoint has been written since step 3") == 4  # steps 3, 4, 5, 6
+    assert max(losses(run)) == 6  # it trained on, loudly
+    assert out.count("WARNING: no checkpoint could be written since step 3 (") == 4  # steps 3, 4, 5, 6
+    assert out.count("a failure now loses all its steps (it has no checkpoint)") == 4
     assert checkpoint.latest_complete(str(run)) is None
 
 
@@ -162,34 +171,43 @@ def test_a_full_disk_is_loud_loses_no_record_and_saves_again_once_freed(tiny_dat
     assert checkpoints(run) == ["checkpoint_00000003", "checkpoint_00000012", "checkpoint_00000014"]
     assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000014")
     out = capsys.readouterr().out
-    assert out.count("WARNING: no checkpoint has been written since step 6") == 6  # steps 6 .. 11
+    assert out.count("WARNING: no checkpoint could be written since step 6 (") == 6  # steps 6 .. 11
+    assert out.count("a failure now loses the steps since step 3 (its newest checkpoint)") == 6
 
 
 class FreeDisk(Hook):
-    """The stray file goes at the beginning of each step in `steps`, or once training ends."""
+    """The stray file goes at the beginning of each step in `steps`."""
 
-    def __init__(self, stray: str, steps: set[int], at_end: bool = False):
-        self.stray, self.steps, self.at_end = stray, steps, at_end
+    def __init__(self, stray: str, steps: set[int]):
+        self.stray, self.steps = stray, steps
 
     def on_step_begin(self, run, step):
         if step in self.steps:
             os.remove(self.stray)
 
-    def on_train_end(self, run, metrics):
-        if self.at_end:
-            os.remove(self.stray)
+
+class FreeDiskAndFail(FreeDisk):
+    """The stray file goes at the beginning of `step`, and the step fails."""
+
+    def on_step_begin(self, run, step):
+        super().on_step_begin(run, step)
+        if step in self.steps:
+            raise RuntimeError(f"injected failure at step {step}")
 
 
 def test_rows_a_full_disk_held_back_are_written_if_space_returns_before_the_run_ends(
-        tiny_dataset, small_filesystem):
+        tiny_dataset, small_filesystem, capsys):
+    """The disk fills as step 5 begins and is freed as step 15 fails: the rows held back (those past
+    what the last block of metrics.jsonl still held) are written as the run ends."""
     run = small_filesystem / "run"
-    cfg = tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.eval_every=0",
+    cfg = tiny_config(tiny_dataset, "train.steps=16", "checkpoint.every_steps=0", "train.eval_every=0",
                       "checkpoint.write_attempts=1", "checkpoint.allow_failures=true")
     hooks = (FillDisk(str(small_filesystem), fill=4, free=-1),
-             FreeDisk(str(small_filesystem / "stray"), set(), at_end=True))
-    train_local(cfg, str(run), hooks=hooks)
-    assert [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))] == [1, 2, 3, 4, 5, 6]
-    assert [e["step"] for e in read_jsonl(str(run / "events.jsonl")) if e["event"] == "checkpoint_failed"] == [6]
+             FreeDiskAndFail(str(small_filesystem / "stray"), {14}))
+    with pytest.raises(RuntimeError, match="injected failure at step 14"):
+        train_local(cfg, str(run), hooks=hooks)
+    assert f"WARNING: {run / 'metrics.jsonl'}: the disk is full" in capsys.readouterr().out
+    assert [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))] == list(range(1, 15))
 
 
 class UploadingEnv(LocalEnv):
