@@ -365,6 +365,8 @@ class StorageConfig:
 @dataclass
 class RunConfig:
     name: str = "raylm"
+    """The run's directory under storage_path, e.g. demo or sweep/trials/a; never one that is or lies
+    inside a checkpoint, a prepared dataset or another run's directory."""
     storage_path: str = "runs"
     """Where run directories live: a local directory or s3:// URI."""
     ray_address: Optional[str] = None

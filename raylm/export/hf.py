@@ -35,6 +35,7 @@ from raylm.model.transformer import Transformer
 from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.optim import build_optimizer
+from raylm.train.place import refuse_a_place_of_another
 from raylm.train.checkpoint.resume import read_saved_config
 from raylm.train.state import TrainState
 
@@ -218,6 +219,7 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
     seq_len = seq_len or min(model_cfg.max_seq_len, DEFAULT_SEQ_LEN)
     if not 0 < seq_len <= model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} must be in [1, {model_cfg.max_seq_len}] (the model's context)")
+    refuse_a_place_of_another(output, storage_cfg, "--output")
     replace = storage.claim_output(output, "an imported run", _imported_run_file, overwrite, storage_cfg)
 
     absolute = output if storage.is_s3(output) else os.path.abspath(output)

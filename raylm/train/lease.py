@@ -2,7 +2,8 @@
 
 Two runs of the same `run.name` and `run.storage_path` would resume from each other's
 checkpoints and interleave their records. So a run takes `run.lease` in its directory before any
-worker starts and keeps its heartbeat fresh while it trains:
+worker starts (a directory of its own: `raylm.train.place`) and keeps its heartbeat fresh while
+it trains:
 
     {"owner": "raylm train", "host": ..., "pid": ..., "started": ..., "ray_job": ..., "heartbeat": ...,
      "token": ...}
@@ -35,6 +36,7 @@ from raylm.data.storage import ConditionFailedError, StorageNotFoundError
 from raylm.errors import DeterministicError
 from raylm.ray_runtime import ray_job_id
 from raylm.train.observe.records import EVENTS_FILE, append_event
+from raylm.train.place import refuse_a_place_of_another
 
 LEASE_FILE = "run.lease"
 LOCK_FILE = f"{LEASE_FILE}.lock"  # beside a local lease: the file lock of `storage.write_if`
@@ -54,7 +56,7 @@ class RunLease:
 
     def __init__(self, run_uri: str, storage_cfg: Optional[StorageConfig], timeout_s: float,
                  owner: str = "raylm train", events_dir: Optional[str] = None):
-        self.uri = storage.join(run_uri, LEASE_FILE)
+        self.run_uri, self.uri = run_uri, storage.join(run_uri, LEASE_FILE)
         self.storage_cfg, self.timeout_s, self.owner = storage_cfg, timeout_s, owner
         self.events_path = os.path.join(events_dir or run_uri, EVENTS_FILE) if events_dir or not storage.is_s3(
             run_uri) else None
@@ -82,7 +84,9 @@ class RunLease:
             raise LeaseLostError(self.lost) from None
 
     def acquire(self) -> None:
-        """Take the lease, or a stale one over; LeaseHeldError while another run holds it."""
+        """Take the lease, or a stale one over; LeaseHeldError while another run holds it, and
+        ConfigError for a directory that is not the run's to take (`raylm.train.place`)."""
+        refuse_a_place_of_another(self.run_uri, self.storage_cfg)
         try:
             data, tag = storage.read_tagged(self.uri, self.storage_cfg)
         except StorageNotFoundError:

@@ -290,6 +290,12 @@ def test_import_refuses_a_broken_model_by_file_and_never_writes_over_a_trained_r
     outcome = run_main("import", str(source), "--output", str(run), "--overwrite")
     assert_clean_refusal(outcome, "metrics.jsonl")
     assert (run / "metrics.jsonl").exists() and checkpoint.latest_complete(str(run))
+    # Nor into the run, or its checkpoint, where the run's pruning would delete it.
+    for inside, what in ((run / "checkpoint_00000000" / "child", f"lies inside {run / 'checkpoint_00000000'}, a checkpoint"),
+                         (run / "child", f"lies inside {run}, the directory of another run")):
+        outcome = run_main("import", str(source), "--output", str(inside))
+        assert_clean_refusal(outcome, f"the run directory {inside} (--output) {what}")
+        assert outcome.status == 2 and not inside.exists()
 
     config = json.loads((source / "config.json").read_text())
     del config["hidden_size"]

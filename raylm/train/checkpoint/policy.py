@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from raylm.config import CheckpointConfig, StorageConfig
+from raylm.config import CONFIG_FILE, CheckpointConfig, StorageConfig
 from raylm.data import storage
+from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.format import CheckpointWriteError, FileEntry
 from raylm.train.observe.records import EVENTS_FILE, append_event
@@ -53,6 +55,37 @@ def _check_space(uri: str, needed: int) -> None:
     if free is not None and free < needed:
         raise OSError(28, f"not enough free space for a checkpoint at {uri}: {free / 1e6:.1f} MB free, "
                           f"about {needed / 1e6:.1f} MB needed")
+
+
+# The files a save writes (format.save, and the loop's `files`): what a checkpoint that never got its
+# manifest is removed by. DCP writes .metadata through a temporary name.
+_SAVED_FILE = re.compile("|".join([r"\.metadata(\.tmp)?", r"__\d+_\d+\.distcp", r"rng/rank_\d+\.pt",
+                                   *map(re.escape, (checkpoint.TRAIN_STATE, checkpoint.MANIFEST, CONFIG_FILE,
+                                                    TOKENIZER_FILE))]))
+
+
+def remove_checkpoint(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[list[str], list[str]]:
+    """Delete the checkpoint directory at `uri` (retention, a rollback, a failed publish): the
+    files its manifest lists and the manifest, or, for a save that never got one, the files a
+    save writes. Anything else there is not the checkpoint's (a run named into it, a user's file)
+    and stays, with the directories that hold it. Returns (the names removed, the names left)."""
+    present = storage.list_files(uri, storage_cfg)
+    try:
+        listed = {*checkpoint.read_manifest(uri, storage_cfg), checkpoint.MANIFEST}
+        ours = [name for name in present if name in listed]
+    except checkpoint.CheckpointError:  # no manifest, or one that cannot be read
+        ours = [name for name in present if _SAVED_FILE.fullmatch(name)]
+    left = [name for name in present if name not in ours]
+    if not left:
+        storage.delete_dir(uri, storage_cfg)
+        return ours, left
+    for name in ours:
+        storage.delete_file(storage.join(uri, name), storage_cfg)
+    if not storage.is_s3(uri):  # the directories the files went from (rng/), where nothing is left
+        for directory, _, _ in sorted(os.walk(uri), reverse=True):
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+    return ours, left
 
 
 class CheckpointStorageUnreachable(RuntimeError):
@@ -204,7 +237,7 @@ class Checkpointer:
             later = sorted(n for n in storage.list_dir(root, self.storage_cfg)
                            if checkpoint.is_checkpoint_name(n) and checkpoint.step_of(n) > step)
             for name in later:
-                storage.delete_dir(storage.join(root, name), self.storage_cfg)
+                self._remove(storage.join(root, name), step)
             if later:
                 append_event(os.path.join(self.env.run_dir, EVENTS_FILE),
                              {"event": "checkpoints_abandoned", "time": time.time(), "step": step, "names": later})
@@ -224,6 +257,18 @@ class Checkpointer:
         else:
             pending.stack.close()
             self._failed(pending.step, error)
+
+    def _remove(self, uri: str, step: int) -> None:
+        """Rank 0 removes the checkpoint at `uri` (`remove_checkpoint`) at `step`, saying what it
+        left there, once: a directory holding only what it left has nothing to remove again."""
+        removed, left = remove_checkpoint(uri, self.storage_cfg)
+        if removed and left:
+            print(f"raylm: warning: step {step}: removed checkpoint {uri} but left {len(left)} file(s) there that it "
+                  f"does not hold ({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}): they are not raylm's to "
+                  "delete; move them out of the run's checkpoints", flush=True)
+            append_event(os.path.join(self.env.run_dir, EVENTS_FILE),
+                         {"event": "checkpoint_files_kept", "time": time.time(), "step": step, "uri": uri,
+                          "files": left[:20], "count": len(left)})
 
     def _failed(self, step: int, error: Optional[BaseException]) -> None:
         """Every rank, together: the save failed on at least one."""
@@ -319,7 +364,7 @@ class Checkpointer:
                 # Without its manifest it is never resumed from; removing it frees the space, and
                 # a storage too broken to delete it must not turn a failed save into a crash.
                 with contextlib.suppress(OSError):
-                    storage.delete_dir(uri, storage_cfg)
+                    self._remove(uri, pending.step)
             self._failed(pending.step, error)
             return
         self.env.announce(pending.step, pending.metrics)
@@ -327,7 +372,7 @@ class Checkpointer:
             try:
                 names = [n for n in storage.list_dir(root, storage_cfg) if checkpoint.is_checkpoint_name(n)]
                 for name in sorted(set(names) - checkpoint.retained(names, c.keep_last, c.keep_every)):
-                    storage.delete_dir(storage.join(root, name), storage_cfg)
+                    self._remove(storage.join(root, name), pending.step)
             except OSError as e:
                 # The new checkpoint is whole: storage that failed for a moment after it must not
                 # cost a restart. The next save prunes what is left.

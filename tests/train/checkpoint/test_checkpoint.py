@@ -307,3 +307,51 @@ def test_resume_passes_over_a_corrupted_checkpoint_for_the_previous_one(tiny_dat
     assert skipped["event"] == "checkpoint_skipped" and skipped["uri"] == str(run / "checkpoint_00000006")
     assert skipped["reason"].startswith("__0_0.distcp has sha256")
     assert resumed_event["event"] == "resumed" and resumed_event["from_step"] == 4
+
+
+class DropAFile(Hook):
+    """As step `step` + 1 begins, a file lands in the run's first checkpoint: what a run named into
+    it wrote there (`run.name=parent/checkpoint_00000001/child`, before such names were refused)."""
+
+    def __init__(self, run_dir: str, step: int):
+        self.path, self.step = os.path.join(run_dir, "checkpoint_00000001", "child", "metrics.jsonl"), step
+
+    def on_step_begin(self, run, step):
+        if step == self.step:
+            os.makedirs(os.path.dirname(self.path))
+            with open(self.path, "w") as f:
+                f.write('{"step": 1}\n')
+
+
+def test_pruning_removes_what_a_checkpoint_holds_and_names_what_else_it_finds(tiny_dataset, tmp_path, capsys):
+    """A user trial: the parent run's next save with keep_last=1 deleted the child run inside its
+    checkpoint directory with the checkpoint, without a word."""
+    run = tmp_path / "parent"
+    cfg = tiny_config(tiny_dataset, "train.steps=3", "checkpoint.every_steps=1", "checkpoint.keep_last=1",
+                      "train.eval_every=0")
+    train_local(cfg, str(run), hooks=(DropAFile(str(run), step=1),))
+    first = run / "checkpoint_00000001"
+    assert [str(p.relative_to(first)) for p in first.rglob("*")] == ["child", "child/metrics.jsonl"]
+    assert checkpoint.latest_complete(str(run)) == str(run / "checkpoint_00000003")
+    assert not (run / "checkpoint_00000002").exists()
+    out = capsys.readouterr().out
+    assert out.count(f"raylm: warning: step 2: removed checkpoint {first} but left 1 file(s) there that it does not "
+                     "hold (child/metrics.jsonl)") == 1  # once, not at every later save
+    (kept,) = [e for e in read_jsonl(str(run / "events.jsonl")) if e["event"] == "checkpoint_files_kept"]
+    assert kept["uri"] == str(first) and kept["files"] == ["child/metrics.jsonl"]
+
+
+def test_a_checkpoint_without_its_manifest_is_removed_by_the_names_a_save_writes(tmp_path):
+    """What a save cut short leaves has no manifest to say what is its: the names a save writes."""
+    from raylm.train.checkpoint.policy import remove_checkpoint
+
+    directory = tmp_path / "checkpoint_00000004"
+    for name in (".metadata.tmp", "__0_0.distcp", "__1_0.distcp", "rng/rank_00000.pt", "train_state.json",
+                 "config.yaml", "tokenizer.json", "notes.txt", "child/config.yaml"):
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text("x")
+    removed, left = remove_checkpoint(str(directory), None)
+    assert sorted(left) == ["child/config.yaml", "notes.txt"] and len(removed) == 7
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == ["child", "child/config.yaml",
+                                                                                  "notes.txt"]
+    remove_checkpoint(str(tmp_path / "checkpoint_00000005"), None)  # nothing there is fine
