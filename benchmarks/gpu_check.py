@@ -102,7 +102,7 @@ from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from raylm.train.observe.metrics import peak_flops
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_jsonl
-from raylm.train.observe.syncs import HostSyncCounter
+from raylm.train.observe.syncs import StepCosts
 from raylm.train.optim import apply_lr, build_optimizer, lr_at
 from raylm.train.step import build_model
 
@@ -255,38 +255,6 @@ def loop_overrides(data: str, steps: int) -> list[str]:
     return [f"data.path={data}", f"train.steps={steps}", f"schedule.warmup_steps={steps // 4}", "train.eval_every=0",
             "checkpoint.every_steps=0", "checkpoint.async_save=true", "train.compile=false",
             f"train.log_every={READ_EVERY}", f"train.read_every={READ_EVERY}"]
-
-
-class SyncsPerStep(Hook):
-    """Host syncs between the queueing of each step and the next (`HostSyncCounter`): the loop
-    reads the device only after steps whose number (as metrics.jsonl counts) is a multiple of
-    READ_EVERY, or the last."""
-
-    def __init__(self):
-        self.counts: dict[int, int] = {}
-        self.counter: Optional[HostSyncCounter] = None
-        self.step: Optional[int] = None
-
-    def on_train_start(self, run) -> None:
-        self.counter = HostSyncCounter(run.world.device)
-        self.counter.start()
-
-    def on_step_begin(self, run, step: int) -> None:
-        if self.step is not None:
-            self.counts[self.step] = self.counter.count
-        self.counter.count, self.step = 0, step
-
-    def on_train_end(self, run, metrics: dict) -> None:
-        self.counter.stop()
-
-    def summary(self, skip: int, last: int) -> dict:
-        """Per steady step (past `skip`): the syncs of the steps the loop did not read after, and
-        of those it did (its reads; not the last step's, which saves the checkpoint)."""
-        read = {s: n for s, n in self.counts.items() if s >= skip and (s + 1) % READ_EVERY == 0}
-        unread = {s: n for s, n in self.counts.items() if s >= skip and s not in read}
-        return {"host_syncs_per_step": statistics.mean(unread.values()) if unread else None,
-                "host_syncs_per_read": statistics.mean(read.values()) if read else None,
-                "steps_counted": len(unread), "reads_counted": len(read), "by_step": self.counts}
 
 
 def attempt(fn: Callable[[], dict]) -> dict:
@@ -453,15 +421,15 @@ class Check:
         steps = self.steps("loop", skip + 5)
         run_dir = self.scratch("loop")
         start = time.monotonic()
-        syncs = SyncsPerStep()
-        rows = self.train(self.config(shape, *loop_overrides(self.dataset(shape), steps)), run_dir, hooks=(syncs,))
+        costs = StepCosts()
+        rows = self.train(self.config(shape, *loop_overrides(self.dataset(shape), steps)), run_dir, hooks=(costs,))
         wall = time.monotonic() - start
         shutil.rmtree(run_dir)  # llama-1b's checkpoint: 15 GB
         slowest = max(rows[skip:], key=lambda row: row["step_time"])
         result = {"shape": shape.name, "steps": steps, "wall_s": wall, "step_s_sum": sum(r["step_time"] for r in rows),
                   "slowest_step": {key: slowest[key] for key in ("step", "step_time", "data_wait", "checkpoint_s")},
                   **steady([r["step_time"] for r in rows], shape.micro_batch * shape.seq_len, skip),
-                  "syncs": syncs.summary(skip, steps)}
+                  "syncs": costs.summary(range(skip, steps - 1), {s for s in range(steps) if (s + 1) % READ_EVERY == 0})}
         per_step, per_read = result["syncs"]["host_syncs_per_step"], result["syncs"]["host_syncs_per_read"]
         bare = self.results.get("mfu_eager", {}).get("tokens_per_s")
         table = [["tokens/s (median; window mean)",

@@ -37,6 +37,15 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return bool(t.item())
 
+    def max_of(self, values: list[int]) -> list[int]:
+        """The largest of every rank's `values`, element by element (one collective): rank 0's
+        values where the others give 0, or whether any rank's flag is set."""
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def from_rank0(self, values: list[int]) -> list[int]:
         """Rank 0's `values` on every rank (one collective)."""
         if self.world_size == 1:

@@ -1,8 +1,9 @@
 """Decisions by time that every rank must take at the same step boundary: a report to Ray Train
 every `train.report_every_s`, a save every `checkpoint.every_minutes`, asking the cluster whether it
-takes nodes back. Rank 0's clock decides; the ranks agree at ticks about TICK_S apart, spaced in
-steps by rank 0's recent step time, so that the steps between ticks pay no collective (asking at
-every boundary was one broadcast, and on a GPU one more host sync, per timer per step).
+takes nodes back, publishing an async save once every rank has written it. Rank 0's clock decides;
+the ranks agree at ticks about TICK_S apart, spaced in steps by rank 0's recent step time, in one
+collective and one host sync a tick, so that the steps between ticks pay none (asking at every
+boundary was one broadcast, and on a GPU one more host sync, per timer per step).
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ class StepClock:
         self.last: tuple[int, float] | None = None  # (boundaries seen, time) at the last tick
         self.seen = 0  # step boundaries so far (a step the guard rolled back or skipped is none)
         self.ticked = False  # whether the last boundary was a tick (the ranks' one collective)
+        self.any_waiting = False  # at the last tick, whether any rank waited (`tick(waiting=...)`)
 
     def add(self, name: str, due: Callable[[], bool]) -> None:
         self.timers[name] = due
 
-    def tick(self) -> frozenset[str]:
+    def tick(self, waiting: bool = False) -> frozenset[str]:
+        """`waiting`: this rank still waits on something every rank must have finished (an async
+        save being written); after a tick, `any_waiting` says whether any rank does, from the same
+        collective."""
         self.seen += 1
         self.ticked = self.countdown <= 0
         if not self.ticked:
@@ -45,8 +50,10 @@ class StepClock:
             return frozenset()
         names = sorted(self.timers)
         now = time.monotonic()
-        flags = [int(self.timers[name]()) for name in names] if self.world.rank == 0 else [0] * len(names)
-        *flags, gap = self.world.from_rank0([*flags, self._gap(now)])
+        mine = [int(self.timers[name]()) for name in names] + [self._gap(now)] if self.world.rank == 0 else \
+            [0] * (len(names) + 1)
+        *flags, gap, waiting_anywhere = self.world.max_of([*mine, int(waiting)])
+        self.any_waiting = bool(waiting_anywhere)
         self.last = (self.seen, now)
         self.countdown = gap - 1
         self.ticks += 1

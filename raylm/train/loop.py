@@ -312,11 +312,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         mark = self.timeline.mark()
         self.checkpointer.step_began()
-        due = self.clock.tick()
+        due = self.clock.tick(waiting=self.checkpointer.writing())
         notice = None
         if self.clock.ticked:  # the ranks' one collective of this boundary, about a second apart
             poll_start = time.perf_counter()
-            self.checkpointer.poll()
+            self.checkpointer.poll(self.clock.any_waiting)
             self.checkpoint_s += time.perf_counter() - poll_start
             notice = self.env.preemption_notice() if "preemption" in due else None
         queued = QueuedStep(batch, raw, lr, record, rng, data_wait, mark, due - {"preemption"}, notice)

@@ -6,15 +6,13 @@ again behind it."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
 from raylm.data.stream import Datasets
-from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
-from raylm.train.observe.syncs import HostSyncCounter
+from raylm.train.observe.syncs import StepCosts
 from tests.support.order import epoch_samples
 from tests.train.resilience.test_guard import BATCH, CONSTANT_LR, GUARD, GradientFault, Nudge, _poisoned
 from tests.train.test_loop import tiny_config
@@ -24,36 +22,21 @@ pytestmark = pytest.mark.slow
 QUIET = ("train.eval_every=0", "checkpoint.every_steps=0", "train.tensorboard=false", "guard.snapshot_every=100")
 
 
-class SyncsBetween(Hook):
-    """Host syncs from the queueing of step `first` to that of step `last` (0-based, as hooks count)."""
-
-    def __init__(self, first: int, last: int):
-        self.first, self.last, self.count = first, last, None
-
-    def on_train_start(self, run):
-        self.counter = HostSyncCounter(run.world.device)
-
-    def on_step_begin(self, run, step):
-        if step == self.first:
-            self.counter.start()
-        elif step == self.last and self.count is None:
-            self.counter.stop()
-            self.count = self.counter.count
-
-
-def _syncs(dataset: str, run_dir: str, first: int, last: int, *extra: str) -> int:
-    hook = SyncsBetween(first, last)
-    train_local(tiny_config(dataset, "train.steps=24", *QUIET, *extra), run_dir, hooks=(hook,))
-    return hook.count
+def _costs(dataset: str, run_dir: str, *extra: str) -> StepCosts:
+    costs = StepCosts()
+    train_local(tiny_config(dataset, "train.steps=24", *QUIET, *extra), run_dir, hooks=(costs,))
+    return costs
 
 
 def test_a_steady_step_makes_no_host_sync_and_a_read_one(tiny_dataset, tmp_path):
-    # Reads after steps 8, 16, 24 (as metrics.jsonl counts): steps 10..15 queue without one.
-    assert _syncs(tiny_dataset, str(tmp_path / "a"), 9, 15, "train.read_every=8", "train.log_every=8") == 0
-    # Step 16's read, the one sync of its window: every row of the window comes from it.
-    assert _syncs(tiny_dataset, str(tmp_path / "b"), 15, 17, "train.read_every=8", "train.log_every=8") == 1
+    # Reads after steps 8 and 16 (as metrics.jsonl counts; 7 and 15 as hooks do): one host sync
+    # each, every row of its window from it; the steps between queue without one (the last step's
+    # count holds the final checkpoint's).
+    costs = _costs(tiny_dataset, str(tmp_path / "a"), "train.read_every=8", "train.log_every=8")
+    assert {s: n for s, n in costs.syncs.items() if 2 <= s < 23} == {s: int(s in (7, 15)) for s in range(2, 23)}
     # On a CPU the default reads every step: it runs each operation as it is queued anyway.
-    assert _syncs(tiny_dataset, str(tmp_path / "c"), 9, 15) == 6
+    every = _costs(tiny_dataset, str(tmp_path / "b")).syncs
+    assert {every[s] for s in range(2, 23)} == {1}
     rows = read_jsonl(os.path.join(tmp_path / "a", "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, 25))  # a row for every step, written at the reads
     assert all(r["step_time"] > 0 for r in rows)
@@ -114,37 +97,7 @@ def test_a_stream_the_quarantine_made_stale_starts_again_after_the_steps_in_flig
     assert rows("window") == rows("each")
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
-               "broadcast_object_list", "reduce_scatter_tensor", "barrier", "gather", "scatter")
-
-
-class CostsPerStep(Hook):
-    """Per step (from its queueing to the next one's): host syncs, and the collectives the loop
-    makes beside the step's own (the model's gradient reductions and loss mean in forward and
-    backward, whose count is the layout's)."""
-
-    def __init__(self, calls: list):
-        self.calls, self.syncs, self.collectives, self.step = calls, {}, {}, None
-
-    def on_train_start(self, run):
-        self.counter = HostSyncCounter(run.world.device)
-        self.counter.start()
-
-    def on_step_begin(self, run, step):
-        self._close()
-        self.counter.count, self.step = 0, step
-
-    def _close(self):
-        if self.step is not None:
-            self.syncs[self.step], self.collectives[self.step] = self.counter.count, list(self.calls)
-        self.calls.clear()
-
-    def on_train_end(self, run, metrics):
-        self._close()
-        self.counter.stop()
-
-
-def _steady_costs(dataset: str, run_dir: str) -> tuple[dict, dict]:
+def _steady_costs(dataset: str, run_dir: str) -> StepCosts:
     import torch.distributed as dist
 
     from raylm.train import clock, loop
@@ -152,31 +105,12 @@ def _steady_costs(dataset: str, run_dir: str) -> tuple[dict, dict]:
 
     # The clock's tick (its collective, about a second apart) at the first boundary alone.
     loop.StepClock = lambda world: clock.StepClock(world, tick_s=3600.0)
-    calls, counting, loop_thread = [], [True], threading.get_ident()
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):
-            # The loop's own; an async save's writer runs collectives of its own group in the background.
-            if counting[0] and threading.get_ident() == loop_thread:
-                calls.append(_name)
-            return _original(*args, **kwargs)
-        setattr(dist, name, counted)
-    forward_backward = loop.Trainer.forward_backward
-
-    def own_collectives_uncounted(self, batch):
-        counting[0] = False
-        try:
-            return forward_backward(self, batch)
-        finally:
-            counting[0] = True
-    loop.Trainer.forward_backward = own_collectives_uncounted
-    costs = CostsPerStep(calls)
+    costs = StepCosts()
     hooks = (LocalTimeProbe(), StragglerMonitor(f"node-{dist.get_rank()}", k=3.0), costs)  # as raylm's workers
     train_local(tiny_config(dataset, "train.steps=24", "train.read_every=8", "train.log_every=8",
                             "parallel.sharding=full", "checkpoint.every_steps=8", "checkpoint.async_save=true",
                             *QUIET[:1], *QUIET[2:]), run_dir, hooks=hooks)
-    return costs.syncs, costs.collectives
+    return costs
 
 
 def test_a_steady_step_on_two_ranks_makes_no_collective_and_no_host_sync_beside_its_own(tiny_dataset, tmp_path):
@@ -185,12 +119,13 @@ def test_a_steady_step_on_two_ranks_makes_no_collective_and_no_host_sync_beside_
     are gathered every 5 steps in one collective, the save polled at the clock's ticks."""
     from tests.support.distributed import run_distributed
 
-    for syncs, collectives in run_distributed(_steady_costs, 2, tiny_dataset, str(tmp_path / "run")):
-        reads = {s for s in syncs if (s + 1) % 8 == 0}
-        steady = [s for s in syncs if s >= 2 and s not in reads]  # past the first boundary's tick
+    for costs in run_distributed(_steady_costs, 2, tiny_dataset, str(tmp_path / "run")):
+        reads = {s for s in costs.syncs if (s + 1) % 8 == 0}
+        steady = [s for s in costs.syncs if s >= 2 and s not in reads]  # past the first boundary's tick
         assert len(steady) == 19 and len(reads) == 3
-        assert {s: syncs[s] for s in steady} == dict.fromkeys(steady, 0)
-        assert {s: collectives[s] for s in steady} == dict.fromkeys(steady, [])
-        assert all(syncs[s] >= 1 for s in reads)  # the read itself, then its commits' (straggler gathers, saves)
+        assert {s: costs.syncs[s] for s in steady} == dict.fromkeys(steady, 0)
+        assert {s: costs.loop[s] for s in steady} == dict.fromkeys(steady, [])
+        assert all(costs.model[s] for s in steady)  # FSDP2's gathers and reductions, the loss's mean
+        assert all(costs.syncs[s] >= 1 for s in reads)  # the read itself, then its commits' (straggler gathers, saves)
         # The straggler monitor's times of 5 steps in one gather, not one a step.
-        assert sum(names.count("all_gather") for names in collectives.values()) == 24 // 5
+        assert sum(names.count("all_gather") for names in costs.loop.values()) == 24 // 5

@@ -215,10 +215,14 @@ class Checkpointer:
         if self.pending is not None:
             self.pending.steps_during_write += 1
 
-    def poll(self) -> None:
-        """At the step clock's ticks (every rank at the same boundary): publish the async save in
-        flight once every rank has finished writing it; the steps run while it is written."""
-        if self.pending is not None and self.world.agree(self.pending.entries.done(), "all"):
+    def writing(self) -> bool:
+        """Whether this rank is still writing the async save in flight (no collective)."""
+        return self.pending is not None and not self.pending.entries.done()
+
+    def poll(self, any_writing: bool) -> None:
+        """At the step clock's ticks (every rank at the same boundary, `any_writing` agreed there):
+        publish the async save in flight once no rank is writing it; the steps run while it is written."""
+        if self.pending is not None and not any_writing:
             self.wait()
 
     def wait(self) -> None:
