@@ -618,7 +618,7 @@ class Check:
                    "--vocab-size", str(m.vocab_size), "--device", self.device.type,
                    "--compile" if self.profile.compile else "--no-compile"]
         with open(log, "w") as f:
-            done = subprocess.run(command, check=False, stdout=f, stderr=subprocess.STDOUT,
+            done = subprocess.run(command, check=False, stdout=f, stderr=subprocess.STDOUT, env=baseline_env(),
                                   timeout=max(30.0, self.budget.left()))
         if done.returncode:
             raise RuntimeError(f"{script} exited with status {done.returncode}:\n{Path(log).read_text()[-2000:]}")
@@ -641,7 +641,7 @@ class Check:
                    "--always_save_checkpoint=False", f"--n_layer={m.n_layers}", f"--n_head={m.n_heads}",
                    f"--n_embd={m.d_model}", "--dropout=0.0", f"--bias={m.bias}", f"--compile={self.profile.compile}",
                    f"--device={self.device.type}", f"--out_dir={os.path.join(work, 'out')}"]
-        done = subprocess.run(command, check=False, cwd=work, capture_output=True, text=True,
+        done = subprocess.run(command, check=False, cwd=work, capture_output=True, text=True, env=baseline_env(),
                               timeout=max(30.0, self.budget.left()))
         output = done.stdout + done.stderr
         if done.returncode:
@@ -654,6 +654,13 @@ class Check:
                 "params": round(non_embedding + cfg.train.seq_len * m.d_model), "params_rounding": 5e3,
                 "autocast": "bf16", "baseline": "nanoGPT train.py" + (f" @ {commit.read_text().strip()[:7]}"
                                                                      if commit.exists() else "")}
+
+
+def baseline_env() -> dict[str, str]:
+    """This process's environment without the one-rank process group's rendezvous: nanoGPT's
+    train.py reads RANK as "launched by torchrun" and would start DDP on our MASTER_PORT."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
 
 
 def mfu_line(title: str, result: dict, peak: float) -> list[str]:
