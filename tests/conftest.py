@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator
@@ -13,6 +14,24 @@ from raylm.data.storage import ensure_bucket
 from cluster.seaweedfs import SeaweedFS, find_weed
 
 from tests.support.fixtures import *  # noqa: F401,F403 - the Ray and corpus fixtures
+
+# =============================================================================================
+# The suite's time against its budget (issue 57): `make test` on 2 cores must stay under 30
+# minutes. The 40 slowest tests are pytest's --durations=40; this adds the total, so that a
+# run that drifts past the budget says so on its last lines instead of being noticed later.
+# =============================================================================================
+
+SUITE_BUDGET_S = 30 * 60
+_conftest_loaded = time.monotonic()  # a fallback: pytest's own clock starts a little earlier
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    # The clock of pytest's own last line ("N passed in T s"), where this pytest has it.
+    start = getattr(terminalreporter, "_session_start", None)
+    took = start.elapsed().seconds if hasattr(start, "elapsed") else time.monotonic() - _conftest_loaded
+    within = "within" if took <= SUITE_BUDGET_S else "OVER"
+    terminalreporter.write_sep("=", f"suite time {took:,.0f} s ({took / 60:.1f} min): {within} the "
+                                    f"{SUITE_BUDGET_S // 60}-minute budget (issue 57)")
 
 # =============================================================================================
 # S3: one real SeaweedFS server per test session (no mocks)
