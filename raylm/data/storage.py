@@ -594,6 +594,40 @@ def local_lock(path: str) -> Iterator[None]:
                 return
 
 
+S3_LEAST_PART = 5 * 2**20  # S3's smallest part of a multipart upload, but for the last
+
+
+def put_object(uri: str, data: bytes, storage: Optional[StorageConfig] = None) -> str:
+    """Write `data` as the S3 object at `uri`, whole; returns its version's tag (ETag)."""
+    bucket, key = _bucket_key(uri)
+    try:
+        return _boto3_client(storage).put_object(Bucket=bucket, Key=key, Body=data)["ETag"]
+    except Exception as e:  # noqa: BLE001 - botocore's errors, translated
+        raise _boto3_error(e, uri, storage) from e
+
+
+def append_object(uri: str, expected: str, tail: bytes, storage: Optional[StorageConfig] = None) -> str:
+    """Append `tail` to the S3 object at `uri`, which must still be the version `expected` and hold
+    at least S3_LEAST_PART bytes: its new version is a multipart upload whose first part the
+    server copies from the old one, so only the tail travels. Returns the new version's tag;
+    ConditionFailedError when the object is no longer `expected`."""
+    client, (bucket, key) = _boto3_client(storage), _bucket_key(uri)
+    upload = None
+    try:
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        head = client.upload_part_copy(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1,
+                                       CopySource={"Bucket": bucket, "Key": key}, CopySourceIfMatch=expected)
+        rest = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=2, Body=tail)
+        parts = [{"PartNumber": 1, "ETag": head["CopyPartResult"]["ETag"]}, {"PartNumber": 2, "ETag": rest["ETag"]}]
+        return client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
+                                                MultipartUpload={"Parts": parts})["ETag"]
+    except Exception as e:  # noqa: BLE001 - botocore's errors, translated
+        if upload is not None:  # an unfinished upload keeps its parts, billed, until aborted
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+        raise _boto3_error(e, uri, storage) from e
+
+
 def _local_tag(st: os.stat_result) -> str:
     return f"{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
 

@@ -138,7 +138,7 @@ def _finished(restore: str, cfg: Config) -> Optional[str]:
 
 
 def _forget_records_of_another_run(uri: str, cfg: Config) -> None:
-    """A run on S3 keeps its records in a local mirror, uploaded whole with each checkpoint. A
+    """A run on S3 keeps its records in a local mirror, uploaded with each checkpoint. A
     mirror left by an earlier run at this URI that is gone from S3 (deleted, or another server)
     was uploaded with this run's: two runs' events in one file. A URI without config.yaml has
     held no run yet, so what its mirror holds is another run's."""

@@ -21,7 +21,7 @@ from raylm.launch.watchdog import progress_watchdog
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
-from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE
+from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, RecordsUpload
 from raylm.train.resilience.preemption import Notice
 from raylm.train.checkpoint.resume import load_latest
 from raylm.train.spec import RunSpec, local_run_dir, run_uri
@@ -71,6 +71,9 @@ class RayTrainEnv:
         self.cfg = cfg
         self.run_dir = local_run_dir(cfg)
         self.checkpoint_root = run_uri(cfg)
+        # A run on S3 keeps its records in a local mirror on rank 0's node; they reach the run here.
+        self.records = RecordsUpload(self.run_dir, self.checkpoint_root, cfg.storage) if storage.is_s3(
+            self.checkpoint_root) else None
 
     def device(self) -> torch.device:
         import ray.train.torch
@@ -86,8 +89,8 @@ class RayTrainEnv:
                            allow_none_usable, events)
 
     def _take_records_from_storage(self) -> None:
-        """A run on S3 keeps its records in a local mirror, uploaded whole with each checkpoint.
-        Rank 0 restarted on another node (a lost node, a resize) found none there, and its next
+        """A run on S3 keeps its records in a local mirror, uploaded with each checkpoint. Rank 0
+        restarted on another node (a lost node, a resize) found none there, and its next
         upload replaced the run's metrics and events on S3 with the rows since the restart. A
         mirror that does not continue the run's records on S3 is replaced by them."""
         for name in (METRICS_FILE, EVENTS_FILE):
@@ -113,11 +116,8 @@ class RayTrainEnv:
         # order waiting for it, and the next report would hang; a failed copy here is a failed save.
         uri = storage.join(self.checkpoint_root, checkpoint.dir_name(step))
         storage.copy_dir(directory, uri, self.cfg.storage)
-        if storage.is_s3(self.checkpoint_root) and ray.train.get_context().get_world_rank() == 0:
-            for name in (METRICS_FILE, EVENTS_FILE):  # the local mirror's records, beside the checkpoints
-                if os.path.exists(os.path.join(self.run_dir, name)):
-                    with open(os.path.join(self.run_dir, name), "rb") as f:
-                        storage.write_bytes(storage.join(self.checkpoint_root, name), f.read(), self.cfg.storage)
+        if self.records is not None and ray.train.get_context().get_world_rank() == 0:
+            self.records.upload()
         return uri
 
     def announce(self, step: int, metrics: dict) -> None:
@@ -146,6 +146,7 @@ class RayTrainEnv:
 
 def train_worker(loop_config: dict) -> None:
     import ray
+    import ray.train
 
     spec = RunSpec.from_dict(loop_config["run"])
     cfg = spec.config
@@ -166,3 +167,5 @@ def train_worker(loop_config: dict) -> None:
     hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
     watchdog = progress_watchdog(cfg)  # last: a hang in another hook counts against the step
     train(spec, env, (*hooks, watchdog) if watchdog else hooks)
+    if env.records is not None and ray.train.get_context().get_world_rank() == 0:
+        env.records.upload()  # what the run recorded after its last checkpoint, TensorBoard's closed files

@@ -65,9 +65,15 @@ def test_train_from_s3_with_run_on_s3_then_resume(s3_server, s3_bucket, s3_datas
     # Resumed with a checkpoint each step, two kept: SeaweedFS lists a deleted checkpoint's empty
     # directories on, and the next prune's delete of it failed the run (at step 6 here).
     launch(s3_config(s3_server, s3_dataset, runs, "run.name=r", "train.steps=6", "checkpoint.every_steps=1",
-                     "checkpoint.keep_last=2"))
+                     "checkpoint.keep_last=2", "train.tensorboard=true"))
     rows = [json.loads(line) for line in storage.read_bytes(f"{run}/metrics.jsonl", s3_server.storage).splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # TensorBoard's files are in the run on S3 as rank 0 closed them, not only in its node's /tmp.
+    board = os.path.join(local_run_dir(s3_config(s3_server, s3_dataset, runs, "run.name=r")), "tensorboard")
+    assert os.listdir(board) and storage.list_files(f"{run}/tensorboard", s3_server.storage) == sorted(os.listdir(board))
+    for name in os.listdir(board):
+        with open(os.path.join(board, name), "rb") as f:
+            assert storage.read_bytes(f"{run}/tensorboard/{name}", s3_server.storage) == f.read()
     assert checkpoint.latest_complete(run, s3_server.storage) == f"{run}/checkpoint_00000006"
     assert [n for n in storage.list_dir(run, s3_server.storage) if checkpoint.is_checkpoint_name(n)] == \
         ["checkpoint_00000005", "checkpoint_00000006"]

@@ -13,8 +13,8 @@ from raylm.hardware import gpu_peak_flops
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
 from raylm.train.hooks import Hook, Run
-from raylm.train.observe.records import (EVENTS_FILE, METRICS_FILE, append_event, append_line, read_records,
-                                        rewrite_records, write_unwritten)
+from raylm.train.observe.records import (EVENTS_FILE, METRICS_FILE, TENSORBOARD_DIR, append_event, append_line,
+                                        read_records, rewrite_records, write_unwritten)
 from raylm.train.observe.trackers import open_trackers
 
 
@@ -71,7 +71,7 @@ class MetricsLogger(Hook):
                 from tensorboard.compat.proto.summary_pb2 import Summary
                 from torch.utils.tensorboard.writer import FileWriter
 
-                self.writer = FileWriter(os.path.join(run_dir, "tensorboard"))
+                self.writer = FileWriter(os.path.join(run_dir, TENSORBOARD_DIR))
                 self.summary = Summary
             self.trackers = open_trackers(cfg, run_dir)
 

@@ -22,6 +22,7 @@ from raylm.data import storage
 METRICS_FILE = "metrics.jsonl"  # one row per step, written by rank 0 into the run directory
 EVENTS_FILE = "events.jsonl"  # failures, restarts, resizes, skipped checkpoints
 PROFILE_DIR = "profile"  # train.profile's traces and memory snapshots, a file per rank
+TENSORBOARD_DIR = "tensorboard"  # TensorBoard's event files, written by rank 0
 
 
 def read_records(uri: str, storage_cfg: Optional[StorageConfig] = None,
@@ -149,3 +150,44 @@ def rewrite_records(path: str, rows: list[dict]) -> None:
     storage.write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
 
 
+
+
+class RecordsUpload:
+    """Rank 0's local records of a run on S3 (metrics.jsonl, events.jsonl, TensorBoard's event
+    files, as far as they are on disk) copied into the run: with each checkpoint and when training
+    ends. Each copy sends what a file gained since the last one: S3 makes the new object from the
+    old one, copied by the server, and the tail (`storage.append_object`), so a checkpoint costs
+    the records' growth, not their size. A file sent whole: the first time in this process, after
+    it was rewritten (a resume drops the rows of the steps trained again: a new file), while it is
+    smaller than S3's least part, or when the object changed on S3 (the driver adds its events)."""
+
+    def __init__(self, run_dir: str, run_uri: str, storage_cfg: Optional[StorageConfig]):
+        self.run_dir, self.run_uri, self.storage_cfg = run_dir, run_uri, storage_cfg
+        self.sent: dict[str, tuple[int, int, str]] = {}  # name -> (inode, bytes sent, the object's ETag)
+        self.bytes_sent = 0  # what travelled, tails and whole files
+
+    def names(self) -> list[str]:
+        board = os.path.join(self.run_dir, TENSORBOARD_DIR)
+        boards = sorted(f"{TENSORBOARD_DIR}/{n}" for n in os.listdir(board)) if os.path.isdir(board) else []
+        return [n for n in (METRICS_FILE, EVENTS_FILE) if os.path.exists(os.path.join(self.run_dir, n))] + boards
+
+    def upload(self) -> None:
+        for name in self.names():
+            with open(os.path.join(self.run_dir, name), "rb") as f:
+                inode, size = os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_size
+                inode_sent, size_sent, tag = self.sent.get(name, (None, 0, ""))
+                uri = storage.join(self.run_uri, name)
+                if inode == inode_sent and size == size_sent:
+                    continue
+                if inode == inode_sent and storage.S3_LEAST_PART <= size_sent < size:
+                    f.seek(size_sent)
+                    tail = f.read(size - size_sent)
+                    try:
+                        self.sent[name] = (inode, size, storage.append_object(uri, tag, tail, self.storage_cfg))
+                        self.bytes_sent += len(tail)
+                        continue
+                    except storage.ConditionFailedError:
+                        f.seek(0)
+                whole = f.read(size)
+            self.sent[name] = (inode, size, storage.put_object(uri, whole, self.storage_cfg))
+            self.bytes_sent += len(whole)

@@ -85,3 +85,46 @@ def test_an_append_a_full_disk_refuses_leaves_no_part_line_and_is_written_once_t
         # Every line one JSON object, as a plain JSON-lines reader requires.
         lines = (full_filesystem / name).read_text().splitlines()
         assert [json.loads(line) for line in lines] == [{"step": 1}, long_row]
+
+
+def test_a_run_on_s3_sends_its_records_growth_not_their_size(s3_server, s3_bucket, tmp_path):
+    """Each checkpoint of a run on S3 re-uploaded its whole metrics.jsonl: at OPT's 330k steps,
+    hundreds of MB a save. Past S3's least part a copy sends the tail; the object is the file."""
+    from raylm.data import storage
+    from raylm.train.observe.records import RecordsUpload
+
+    cfg, run = s3_server.storage, f"{s3_bucket}/runs/r"
+    records = RecordsUpload(str(tmp_path), run, cfg)
+    metrics, board = tmp_path / "metrics.jsonl", tmp_path / "tensorboard"
+    board.mkdir()
+    (board / "events.out.tfevents.1").write_bytes(b"\x00tb")
+    rows = [{"step": step, "loss": 1.0 / step, "pad": "x" * 200} for step in range(1, 25_001)]
+    for row in rows:
+        append_line(str(metrics), row)
+
+    def same_on_s3() -> None:
+        for name in ("metrics.jsonl", "tensorboard/events.out.tfevents.1"):
+            assert storage.read_bytes(f"{run}/{name}", cfg) == (tmp_path / name).read_bytes()
+
+    records.upload()
+    size = metrics.stat().st_size
+    assert size > storage.S3_LEAST_PART and records.bytes_sent == size + 3
+    same_on_s3()
+    for step in range(25_001, 25_011):
+        append_line(str(metrics), {"step": step})
+    records.upload()
+    assert records.bytes_sent == size + 3 + (metrics.stat().st_size - size)  # the ten rows, nothing more
+    same_on_s3()
+    records.upload()  # nothing new: nothing sent
+    assert records.bytes_sent == metrics.stat().st_size + 3
+    # The object changed on S3 under it: the whole file replaces it, never a tail on another's bytes.
+    storage.write_bytes(f"{run}/metrics.jsonl", b'{"step": 0}\n' * (storage.S3_LEAST_PART // 12 + 1), cfg)
+    append_line(str(metrics), {"step": 25_011})
+    sent = records.bytes_sent
+    records.upload()
+    assert records.bytes_sent == sent + metrics.stat().st_size
+    same_on_s3()
+    # A resume drops the rows of the steps trained again: a new file, sent whole.
+    rewrite_records(str(metrics), rows[:24_000])
+    records.upload()
+    same_on_s3()
