@@ -204,7 +204,7 @@ def cmd_data(args: argparse.Namespace) -> None:
     if args.action == "inspect":
         print(inspect_dataset(args.uri, _storage(args)))
         return
-    problems = verify_dataset(args.uri, _storage(args))
+    problems = verify_dataset(args.uri, _storage(args), progress=True)
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:

@@ -14,6 +14,7 @@ from raylm.config import StorageConfig
 from raylm.data.manifest import (TOKENS_COLUMN, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
                                  load_dataset_tokenizer, load_manifest)
 from raylm.data.storage import StorageError, StorageNotFoundError, file_versions, join, read_bytes, write_bytes
+from raylm.progress import Progress
 
 _STATS_MAX_ROWS = 4096
 _TOP_TOKENS = 10
@@ -109,11 +110,11 @@ def _shard_problems(uri: str, shard: ShardInfo, manifest: Manifest,
 
 
 def verify_dataset(uri: str, storage: Optional[StorageConfig] = None,
-                   manifest: Optional[Manifest] = None) -> list[str]:
+                   manifest: Optional[Manifest] = None, progress: bool = False) -> list[str]:
     """Every problem found in the dataset at `uri` (empty: it is sound). Reads every shard:
     its presence, sha256, column type, row count, token range and document count are checked
     against the manifest (read here unless given), and so is the tokenizer file. Each message
-    names the file."""
+    names the file. With `progress`, the shards read are counted as they go (`raylm.progress`)."""
     if manifest is None:
         try:
             manifest = load_manifest(uri, storage)
@@ -124,9 +125,11 @@ def verify_dataset(uri: str, storage: Optional[StorageConfig] = None,
         load_dataset_tokenizer(uri, storage, manifest)
     except (DatasetError, ValueError) as e:
         problems.append(str(e))
-    for name, split in manifest.splits.items():
-        for shard in split.shards:
+    shards = [shard for split in manifest.splits.values() for shard in split.shards]
+    with Progress(f"verify {uri}", len(shards), "shards", quiet=not progress) as counter:
+        for shard in shards:
             problems += _shard_problems(join(uri, shard.file), shard, manifest, storage)
+            counter.update()
     return problems
 
 

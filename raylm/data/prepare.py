@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import time
 from functools import lru_cache
 from itertools import chain
 from typing import Iterator, Optional, Union
@@ -41,6 +40,7 @@ from raylm.data.manifest import (MANIFEST_FILE, SPLITS, VERIFIED_FILE, DatasetEr
                                  SplitInfo, TokenizerInfo, shard_bytes)
 from raylm.data.storage import claim_output, join, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
+from raylm.progress import Progress
 from raylm.ray_runtime import start_ray
 
 log = logging.getLogger(__name__)
@@ -135,32 +135,14 @@ def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, out
     return manifest
 
 
-class _Progress:
-    """One line every `every_s` seconds while documents stream in (Ray Data's own progress
-    blocks are off unless verbose: seven lines every 10 s on a console that is not a terminal)."""
-
-    def __init__(self, files: int, every_s: float = 10.0):
-        self.files, self.every_s = files, every_s
-        self.documents = self.tokens = 0
-        self.started = self.last = time.monotonic()
-
-    def add(self, batch: pa.Table) -> pa.Table:
-        self.documents += batch.num_rows
-        self.tokens += len(batch["tokens"].combine_chunks().flatten())
-        if time.monotonic() - self.last >= self.every_s:
-            self.last = time.monotonic()
-            print(f"raylm: prepare: {self.documents:,} documents, {self.tokens:,} tokens so far, "
-                  f"{self.last - self.started:.0f} s into {self.files} file(s)", flush=True)
-        return batch
-
-
 def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: int,
                   val_fraction: float, storage: Optional[StorageConfig],
                   max_documents: Optional[int], shard_rows: int) -> tuple[dict[str, SplitInfo], str]:
     """Pack each split's token stream into shards; returns the splits and the split rule."""
     packers = {split: _Packer(output, split, seq_len, shard_rows, tok.eot_id, storage) for split in SPLITS}
-    progress = _Progress(len(sources))
-    batches = map(progress.add, _tokenized_documents(sources, tok, val_fraction, storage, max_documents))
+    progress = Progress(f"prepare ({len(sources)} file(s))", unit="documents")
+    batches = map(lambda batch: _counted(progress, batch),
+                  _tokenized_documents(sources, tok, val_fraction, storage, max_documents))
     # Hold the first batches back until a second document shows this is not a one-document corpus.
     held, documents = [], 0
     for batch in batches:
@@ -186,12 +168,20 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
                     tokens = chosen["tokens"].combine_chunks()
                     packers[split].add(tokens.flatten().to_numpy(),
                                        chosen["digest"].to_numpy(), np.diff(tokens.offsets.to_numpy()))
+    progress.close()
     splits = {split: packer.finish() for split, packer in packers.items()}
     for split, info in splits.items():
         if info.duplicate_documents:
             print(f"raylm: prepare: {info.duplicate_documents:,} documents of the {split} split repeat an earlier one "
                   f"exactly ({info.duplicate_tokens:,} tokens): packed, but not counted as unique", flush=True)
     return splits, split_rule
+
+
+def _counted(progress: Progress, batch: pa.Table) -> pa.Table:
+    # Ray Data's own progress blocks are off unless verbose: seven lines every 10 s on a console
+    # that is not a terminal.
+    progress.update(batch.num_rows, tokens=len(batch["tokens"].combine_chunks().flatten()))
+    return batch
 
 
 def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: float,

@@ -17,7 +17,7 @@ import os
 from abc import ABC, abstractmethod
 from functools import cached_property
 from itertools import chain, islice
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -25,8 +25,9 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from raylm.config import ConfigError, StorageConfig
-from raylm.data.corpus import builtin_sources, check_sources, find_sources, iter_documents
+from raylm.data.corpus import Source, builtin_sources, check_sources, find_sources, iter_documents
 from raylm.data.storage import StorageError, exists, filesystem_for, is_s3, join, read_bytes, write_bytes
+from raylm.progress import Progress
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -198,14 +199,27 @@ def train_bpe(input_uris: list[str], vocab_size: int, output_uri: str,
         sources = check_sources(find_sources(input_uris, lines_as_documents, storage), storage)
     else:
         sources = builtin_sources(max_documents)
-    documents = islice(chain.from_iterable(iter_documents(s, storage) for s in sources), max_documents)
+    progress = Progress("tokenizer train: reading", len(sources), "files")
+
+    def read(source: Source) -> Iterator[str]:
+        yield from iter_documents(source, storage)
+        progress.update()
+
+    def documents() -> Iterator[str]:
+        for document in islice(chain.from_iterable(map(read, sources)), max_documents):
+            progress.update(0, documents=1)
+            yield document
+        progress.close()
+        # The merges are computed after the last document, in Rust, with nothing to count them by.
+        print(f"raylm: tokenizer train: computing the merges of {vocab_size:,} tokens", flush=True)
+
     bpe = tokenizers.Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    bpe.train_from_iterator(documents, trainer=trainer)
+    bpe.train_from_iterator(documents(), trainer=trainer)
     tokenizer = HFTokenizer(bpe.to_str(), name=output_uri)
     tokenizer.save(output_uri, storage)
     return tokenizer

@@ -21,6 +21,7 @@ import torch
 from raylm.config import StorageConfig
 from raylm.errors import DeterministicError
 from raylm.data import storage
+from raylm.progress import Progress
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,20 +72,23 @@ def _header(shard: list[Planned]) -> bytes:
 def write_sharded(directory: str, tensors: list[Planned], max_shard_bytes: int,
                   storage_cfg: Optional[StorageConfig] = None) -> list[str]:
     """Write `tensors` as model.safetensors, or as model-0000k-of-0000n.safetensors shards plus
-    model.safetensors.index.json; returns the file names written."""
+    model.safetensors.index.json; returns the file names written. Counts the tensors as they go
+    (`raylm.progress`)."""
     shards = plan_shards(tensors, max_shard_bytes)
     names = ([SINGLE_FILE] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    for name, shard in zip(names, shards):
-        with storage.open_output(storage.join(directory, name), storage_cfg) as f:
-            f.write(_header(shard))
-            for t in shard:
-                value = t.make()
-                if value.shape != t.meta.shape or value.dtype != t.meta.dtype:
-                    raise AssertionError(f"{t.name}: made {tuple(value.shape)} {value.dtype}, planned "
-                                         f"{tuple(t.meta.shape)} {t.meta.dtype}")
-                f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy())
-                del value
+    with Progress("export", len(tensors), "tensors") as progress:
+        for name, shard in zip(names, shards):
+            with storage.open_output(storage.join(directory, name), storage_cfg) as f:
+                f.write(_header(shard))
+                for t in shard:
+                    value = t.make()
+                    if value.shape != t.meta.shape or value.dtype != t.meta.dtype:
+                        raise AssertionError(f"{t.name}: made {tuple(value.shape)} {value.dtype}, planned "
+                                             f"{tuple(t.meta.shape)} {t.meta.dtype}")
+                    f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy())
+                    progress.update()
+                    del value
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
                  "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}

@@ -31,6 +31,7 @@ from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_dataset_tokenizer, load_manifest
 from raylm.inference.load import load_for_inference, resolve_checkpoint
 from raylm.data.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths
+from raylm.progress import Progress
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
 
@@ -244,9 +245,11 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
         pool = ActorPool([actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key,
                                        storage_cfg, cpus_per_worker) for _ in range(workers)])
         by_name = {part.name: part for part in pending}
-        for done, (name, result) in enumerate(pool.map_unordered(lambda a, p: a.run.remote(p), pending), 1):
-            sums[by_name[name]] = result
-            log(f"raylm eval: {done}/{len(pending)} part(s) done on {workers} worker(s)")
+        with Progress(f"eval: {split} on {workers} worker(s)", len(pending), "parts",
+                      say=lambda line: log(f"raylm: {line}")) as progress:
+            for name, result in pool.map_unordered(lambda a, p: a.run.remote(p), pending):
+                sums[by_name[name]] = result
+                progress.update()
     total = {k: sum(sums[part][k] for part in parts) for k in ("nats", "tokens", "byte_nats", "bytes")}
     if total["tokens"] != manifest.splits[split].tokens:
         raise RuntimeError(f"evaluated {total['tokens']} tokens but split {split} of {data_uri} has "

@@ -16,6 +16,7 @@ from raylm.data import storage
 from raylm.downstream.scoring import Scorer
 from raylm.inference.evaluate import check_output, parts_dir as _parts_dir, worker_count
 from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
+from raylm.progress import Progress
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
 
@@ -75,9 +76,11 @@ def _on_actors(pool, workers: int, batch_size: int, saved: SavedChunks) -> Runne
         chunks = [requests[i:i + size] for i in range(0, len(requests), size)]
         results = [saved.get(method, chunk) for chunk in chunks]
         todo = [i for i, done in enumerate(results) if done is None]
-        for i, part in zip(todo, pool.map(lambda actor, i: actor.run.remote(method, chunks[i]), todo)):
-            saved.put(method, chunks[i], part)
-            results[i] = part
+        with Progress(f"eval: {method} requests", len(todo), "chunks") as progress:
+            for i, part in zip(todo, pool.map(lambda actor, i: actor.run.remote(method, chunks[i]), todo)):
+                saved.put(method, chunks[i], part)
+                results[i] = part
+                progress.update()
         return [r for part in results for r in part]
 
     return run

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -15,6 +14,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from raylm.config import Config, ParallelConfig, config_from_dict, config_to_dict
+from raylm.progress import Progress
 from raylm.sweep import fit
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Size, build_rungs, schedule_shape, shape_for_params, steps_for
@@ -125,23 +125,17 @@ def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: i
     return Predictor(name, LOCAL_FORM, local, fit.bootstrap_local(n, d, loss, resamples, sweep.fit.seed))
 
 
-PROGRESS_EVERY_S = 10.0
-
-
 def _progress(what: str, total: int, log: Optional[Callable[[str], None]]) -> Optional[Callable[[int], None]]:
-    """A counter's reporter that tells `log` of `what` at its start, every PROGRESS_EVERY_S and at
-    its end (`total`); None without a `log`."""
+    """A counter's reporter (`raylm.progress`: a bar on a terminal, else lines through `log`) told
+    how many of `total` are done; None without a `log`."""
     if log is None:
         return None
-    start = last = time.monotonic()
-    log(f"{what}: 0/{total}")
+    progress = Progress(what, total, say=log)
 
     def report(done: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if done == total or now - last >= PROGRESS_EVERY_S:
-            last = now
-            log(f"{what}: {done}/{total} ({now - start:.0f} s)")
+        progress.update(done - progress.done)
+        if done == total:
+            progress.close()
     return report
 
 
