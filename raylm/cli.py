@@ -1,4 +1,4 @@
-"""`raylm` subcommands: prepare, tokenizer train, train, sweep, submit, generate, checkpoint verify, data inspect|verify, plan, report, export, import, eval."""
+"""`raylm` subcommands: prepare, tokenizer train, train, sweep, submit, generate, checkpoint verify, data inspect|verify, plan, report, status, export, import, eval."""
 
 from __future__ import annotations
 
@@ -251,6 +251,15 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"wrote {len(result['files']) - 1} figure(s) and {result['output']}/report.html")
 
 
+def cmd_status(args: argparse.Namespace) -> None:
+    from raylm.status import render, run_status, watch
+
+    if args.watch:
+        watch(args.run, _storage(args), args.every)
+    else:
+        print(render(run_status(args.run, _storage(args))))
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from raylm.export.hf import export_hf
     from raylm.parallel.planner.plan import parse_memory
@@ -436,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="directory for the PNGs and report.html (default: <first run>/report)")
     _add_storage_args(p)
     p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser("status", help="a run's state from its directory: running or not, step, losses, tokens/s, "
+                       "ETA, newest checkpoint, last failures and guard events (no Ray)")
+    p.add_argument("run", help="run directory (local or s3://)")
+    p.add_argument("--watch", action="store_true", help="show it again every --every seconds, until Ctrl-C")
+    p.add_argument("--every", type=_positive_float, default=5.0, help="seconds between refreshes (default: %(default)s)")
+    _add_storage_args(p)
+    p.set_defaults(fn=cmd_status)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (Llama or GPT-2)")
     p.add_argument("source", help="checkpoint directory, or run directory (its newest complete checkpoint)")

@@ -93,11 +93,11 @@ class RunLease:
             data, tag = None, None
         if data is not None:
             holder = _parse(data)
-            stale = self._why_stale(holder)
+            stale = why_stale(holder, self.timeout_s)
             if stale is None:
-                raise LeaseHeldError(f"{self.uri}: the run directory is in use by {_describe(holder)}; two runs "
-                                     "in one directory would resume from each other's checkpoints. Wait for it to "
-                                     "end, stop it, or choose another run.name")
+                raise LeaseHeldError(f"{self.uri}: the run directory is in use by {describe_holder(holder)}; two "
+                                     "runs in one directory would resume from each other's checkpoints. Wait for "
+                                     "it to end, stop it, or choose another run.name")
         if not storage.is_s3(self.uri):
             directory = os.path.dirname(os.path.abspath(self.uri))
             self._existing = storage.nearest_existing(directory)
@@ -109,7 +109,7 @@ class RunLease:
                                  "only one of two runs started together trains") from None
         if data is not None:
             self._event("lease_taken_over", previous=_parse(data), why=stale)
-            print(f"raylm: took over the run directory's lease from {_describe(_parse(data))}: {stale}", flush=True)
+            print(f"raylm: took over the run directory's lease from {describe_holder(_parse(data))}: {stale}", flush=True)
         self._thread = threading.Thread(target=self._beat, name="raylm-lease", daemon=True)
         self._thread.start()
 
@@ -154,15 +154,6 @@ class RunLease:
         except OSError:  # another process writes there now: what is left is its
             pass
 
-    def _why_stale(self, holder: dict) -> Optional[str]:
-        """Why `holder`'s lease may be taken over, or None while it holds."""
-        age = time.time() - _heartbeat(holder)
-        if age > self.timeout_s:
-            return f"its last heartbeat is {age:.0f} s old (run.lease_timeout_s={self.timeout_s:g})"
-        if holder.get("host") == socket.gethostname() and not process_alive(holder.get("pid"), holder.get("pid_start")):
-            return f"its process {holder.get('pid')} on this machine no longer runs"
-        return None
-
     def _record(self) -> bytes:
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": pid,
@@ -189,6 +180,24 @@ class RunLease:
             append_event(self.events_path, {"event": name, "time": time.time(), **fields})
 
 
+def read_holder(run_uri: str, storage_cfg: Optional[StorageConfig] = None) -> Optional[dict]:
+    """What the run directory's lease says of its holder (`raylm status`), or None: no lease."""
+    try:
+        return _parse(storage.read_bytes(storage.join(run_uri, LEASE_FILE), storage_cfg))
+    except StorageNotFoundError:
+        return None
+
+
+def why_stale(holder: dict, timeout_s: float) -> Optional[str]:
+    """Why `holder`'s lease may be taken over, or None while it holds."""
+    age = time.time() - _heartbeat(holder)
+    if age > timeout_s:
+        return f"its last heartbeat is {age:.0f} s old (run.lease_timeout_s={timeout_s:g})"
+    if holder.get("host") == socket.gethostname() and not process_alive(holder.get("pid"), holder.get("pid_start")):
+        return f"its process {holder.get('pid')} on this machine no longer runs"
+    return None
+
+
 def _parse(data: bytes) -> dict:
     try:
         holder = json.loads(data)
@@ -197,7 +206,7 @@ def _parse(data: bytes) -> dict:
     return holder if isinstance(holder, dict) else {"heartbeat": 0}
 
 
-def _describe(holder: dict) -> str:
+def describe_holder(holder: dict) -> str:
     if "garbled" in holder:
         return "an unreadable lease"
     age = time.time() - _heartbeat(holder)

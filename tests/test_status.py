@@ -1,0 +1,94 @@
+"""`raylm status RUN`: running or not, step of total, losses, tokens/s, ETA, the newest complete
+checkpoint and the last events, read from the run directory alone, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+
+import pytest
+
+from tests.support.checkpoints import make_run, run_cli
+from tests.support.cli import run_main
+from tests.support.terminal import run_on_terminal
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> str:
+    """Checkpoints at steps 2 and 4 of a tiny training."""
+    run = str(tmp_path_factory.mktemp("status") / "run")
+    make_run(run, (2, 4))
+    return run
+
+
+def _run_with_records(saved_run: str, directory, steps: int = 10, heartbeat_age_s: float | None = 0.0) -> str:
+    """A copy of `saved_run` with config.yaml (train.steps), six steps of metrics two seconds
+    apart, a failure and the resume after it, and a lease whose heartbeat is `heartbeat_age_s`
+    old (None: no lease)."""
+    run = str(directory / "run")
+    shutil.copytree(saved_run, run)
+    now = time.time()
+    with open(os.path.join(run, "config.yaml"), "w") as f:
+        f.write(f"train:\n  steps: {steps}\nrun:\n  lease_timeout_s: 120\n")
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for step in range(1, 7):
+            row = {"step": step, "time": now - 2 * (6 - step), "loss": 3.0 - 0.1 * step, "tokens_per_s": 1000.0}
+            if step == 4:
+                row["val_loss"] = 2.5
+            f.write(json.dumps(row) + "\n")
+    with open(os.path.join(run, "events.jsonl"), "w") as f:
+        f.write(json.dumps({"event": "failure", "time": now - 5, "cause": "worker died"}) + "\n")
+        f.write(json.dumps({"event": "resumed", "time": now - 4, "from_step": 4}) + "\n")
+        f.write(json.dumps({"event": "profile", "time": now - 3}) + "\n")  # not a failure, restart or guard event
+    if heartbeat_age_s is not None:
+        with open(os.path.join(run, "run.lease"), "w") as f:
+            json.dump({"owner": "raylm train", "host": socket.gethostname(), "pid": os.getpid(),
+                       "heartbeat": now - heartbeat_age_s}, f)
+    return run
+
+
+def test_a_running_run_shows_its_holder_progress_eta_checkpoint_and_last_events(saved_run, tmp_path):
+    run = _run_with_records(saved_run, tmp_path)
+    shown = run_cli("status", run)  # a fresh interpreter: no Ray, nothing but the directory
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"{run}: running (held by raylm train (host {socket.gethostname()}, pid {os.getpid()}")
+    assert lines[1] == "step 6/10, loss 2.4000, val loss 2.5000 at step 4"
+    assert lines[2] == "1,000 tokens/s, eta 0m08s"  # 2 s a step, 4 steps to go
+    assert lines[3] == f"newest complete checkpoint: {run}/checkpoint_00000004"
+    assert lines[4] == "last events:"
+    assert lines[5].startswith("  failure ") and "cause=worker died" in lines[5]
+    assert lines[6].startswith("  resumed ") and "from_step=4" in lines[6]
+    assert len(lines) == 7  # the profile event is not shown
+
+
+def test_a_stale_lease_is_a_stopped_run_that_names_how_to_go_on(saved_run, tmp_path):
+    run = _run_with_records(saved_run, tmp_path, heartbeat_age_s=1000)
+    out = run_main("status", run).stdout
+    assert out.startswith(f"{run}: stopped (a stale lease: its last heartbeat is 1000 s old "
+                          f"(run.lease_timeout_s=120); the same command resumes from {run}/checkpoint_00000004)")
+    assert "eta" not in out  # nothing runs: no ETA
+
+
+def test_a_run_whose_last_checkpoint_is_at_train_steps_is_finished(saved_run, tmp_path):
+    run = _run_with_records(saved_run, tmp_path, steps=4, heartbeat_age_s=None)
+    assert run_main("status", run).stdout.startswith(
+        f"{run}: finished (its checkpoint at step 4 is the last of train.steps=4)")
+
+
+def test_a_run_directory_without_records_and_a_missing_one(tmp_path):
+    assert run_main("status", str(tmp_path)).stdout.startswith(f"{tmp_path}: not started (no step written yet)")
+    missing = run_main("status", str(tmp_path / "nope"))
+    assert missing.status == 2 and missing.stderr == f"raylm: error: {tmp_path / 'nope'} does not exist\n"
+
+
+def test_watch_shows_it_again_until_ctrl_c(saved_run, tmp_path):
+    run = _run_with_records(saved_run, tmp_path)
+    outcome = run_on_terminal("status", run, "--watch", "--every", "0.2", timeout_s=120,
+                              interrupt_when=lambda text: text.count("newest complete checkpoint") >= 2)
+    assert outcome.status == 0, outcome.output
+    assert outcome.output.count("\x1b[H\x1b[2J") >= 2  # each time in place of the last
+    assert "Traceback" not in outcome.output
