@@ -13,8 +13,19 @@ console is Ray's own.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import logging.handlers
+import os
 import re
-from typing import Any, Callable
+import sys
+from typing import Any, Callable, Iterator
+
+from raylm.train.observe.records import RecordsUpload
+
+CONSOLE_FILE = "console.log"  # what the driver's console showed, beside the run's checkpoints
+CONSOLE_MAX_BYTES = 10 * 2**20  # then console.log.1, .2, .3: the newest 40 MiB of a long run's story
+CONSOLE_BACKUPS = 3
 
 # Where a block of noise begins: a worker's or the controller's traceback, and what introduces one.
 _BLOCK_START = re.compile(r"^(Error in training function:|Traceback \(most recent call last\):|"
@@ -75,3 +86,78 @@ def quiet_ray_console() -> None:
 
     print_worker_logs.raylm_filtered = True
     worker.print_worker_logs = print_worker_logs
+
+
+class _Tee:
+    """A text stream that also hands each complete line written to it to `keep`; everything else
+    (isatty, fileno, encoding) is the stream's own."""
+
+    def __init__(self, stream: Any, keep: Callable[[str], None]):
+        self.stream, self.keep, self.pending = stream, keep, ""
+
+    def write(self, text: str) -> int:
+        written = self.stream.write(text)
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            self.keep(line)
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+class KeptConsole:
+    """What this process prints (its own lines and those Ray relays from the workers, after
+    `quiet_ray_console`'s filter), held from the start and written to `run_dir`/console.log from
+    `keep_in` on, rotated at CONSOLE_MAX_BYTES: a job submitted with `ray job submit` leaves its
+    story beside its checkpoints, not only in the job server's logs. Held until then, so that a
+    run refused at its checks leaves no file in a directory it never trained in. Output written to
+    the file descriptors directly (Ray's C++ logs) is not in it."""
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.handler: logging.Handler | None = None
+
+    def keep(self, line: str) -> None:
+        if self.handler is None:
+            self.held.append(line)
+        else:
+            self.handler.emit(logging.makeLogRecord({"msg": line}))
+
+    def keep_in(self, run_dir: str) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.handler = logging.handlers.RotatingFileHandler(
+            os.path.join(run_dir, CONSOLE_FILE), maxBytes=CONSOLE_MAX_BYTES, backupCount=CONSOLE_BACKUPS,
+            encoding="utf-8")
+        # A line the file refuses (a full disk) is lost from the file only: logging's own report of
+        # it would be written to stderr, that is back here.
+        self.handler.handleError = lambda record: None
+        for line in self.held:
+            self.keep(line)
+        self.held = []
+
+    def close(self) -> None:
+        if self.handler is not None:
+            self.handler.close()
+
+
+@contextlib.contextmanager
+def kept_console() -> Iterator[KeptConsole]:
+    """Tee stdout and stderr into a `KeptConsole` while the block runs."""
+    console = KeptConsole()
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(sys.stdout, console.keep), _Tee(sys.stderr, console.keep)
+    try:
+        yield console
+    finally:
+        sys.stdout, sys.stderr = saved
+        console.close()
+
+
+class ConsoleUpload(RecordsUpload):
+    """The driver's console.log (and its rotated predecessors) copied into a run on S3, as rank 0
+    copies the run's records (`RecordsUpload`): the driver's machine may hold no rank."""
+
+    def names(self) -> list[str]:
+        names = [CONSOLE_FILE] + [f"{CONSOLE_FILE}.{k}" for k in range(1, CONSOLE_BACKUPS + 1)]
+        return [n for n in names if os.path.exists(os.path.join(self.run_dir, n))]

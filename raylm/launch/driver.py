@@ -19,7 +19,7 @@ from raylm.config import CONFIG_FILE, Config, ConfigError, ParallelConfig, confi
 from raylm.data import storage
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
-from raylm.launch.console import quiet_ray_console
+from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
@@ -84,7 +84,7 @@ def launch(cfg: Config) -> dict:
         # From the start, not only in `fit`: a SIGTERM while the run is checked or Ray starts ends
         # it as one during training does (by Python's default the driver died without a word, its
         # lease left to go stale).
-        with sigterm_as_ctrl_c(terminated):
+        with sigterm_as_ctrl_c(terminated), kept_console() as console:
             spec = resolve_run(with_machine_defaults(cfg), announce=True)
             cfg = spec.config
             if not storage.is_s3(uri):
@@ -103,6 +103,7 @@ def launch(cfg: Config) -> dict:
                             return {}
                         # The workers check its files' checksums as they load it (a damaged one is passed over, named).
                         print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
+                    console.keep_in(local_run_dir(cfg))  # a run that trains: its console beside it
                     trainer = _trainer(spec, uri)
                     training = True
                     _fit(trainer, cfg)
@@ -113,6 +114,8 @@ def launch(cfg: Config) -> dict:
                 finally:
                     if storage.is_s3(uri):
                         _upload_driver_events(uri, cfg)
+                        if console.handler is not None:
+                            _upload_console(uri, cfg)
     except (SystemExit, KeyboardInterrupt) as stop:
         # Ctrl-C: Ray Train's own SIGINT handler aborts the worker group, and Ray ends the driver's
         # wait with SystemExit(1), silently (KeyboardInterrupt before `fit` set that handler). A
@@ -172,6 +175,16 @@ def _upload_driver_events(uri: str, cfg: Config) -> None:
     except OSError as e:
         print(f"raylm: warning: the driver's events of this run are in {local} only: {remote} could not be "
               f"updated ({storage.redact(str(e))[:300]})", file=sys.stderr, flush=True)
+
+
+def _upload_console(uri: str, cfg: Config) -> None:
+    """The driver's console.log into the run on S3, beside the records; storage out of reach
+    leaves it in the local mirror only, with a warning, as the driver's events."""
+    try:
+        ConsoleUpload(local_run_dir(cfg), uri, cfg.storage).upload()
+    except OSError as e:
+        print(f"raylm: warning: the run's console is in {local_run_dir(cfg)} only: it could not be copied to {uri} "
+              f"({storage.redact(str(e))[:300]})", file=sys.stderr, flush=True)
 
 
 def _interruption(uri: str, cfg: Config, sigterm: bool, training: bool) -> RunInterrupted:
