@@ -1,4 +1,5 @@
-"""Step metrics: throughput and MFU, a progress line, metrics.jsonl and TensorBoard (rank 0)."""
+"""Step metrics: throughput and MFU, a progress line, metrics.jsonl and TensorBoard (rank 0); the
+trackers' names and units: `raylm.train.observe.names`."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from raylm.config import Config
 from raylm.hardware import gpu_peak_flops
 from raylm.model.sizes import count_params
 from raylm.parallel.world import World
+from raylm.progress import format_duration
 from raylm.train.hooks import Hook, Run
 from raylm.train.observe.records import (EVENTS_FILE, METRICS_FILE, TENSORBOARD_DIR, append_event, append_line,
                                         read_records, rewrite_records, write_unwritten)
+from raylm.train.observe.names import tracker_scalars
 from raylm.train.observe.trackers import open_trackers
 
 
@@ -43,13 +46,6 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
     return _measured_cpu_flops()
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
 class MetricsLogger(Hook):
     """The always-on hook, run after all others: writes each step's metrics out on rank 0."""
 
@@ -62,23 +58,26 @@ class MetricsLogger(Hook):
         self.mfu_ema: Optional[float] = None
         self.step_time_ema: Optional[float] = None
         self.path = os.path.join(run_dir, METRICS_FILE)
+        self.last_step: Optional[int] = None  # the last step written: one again or before it is trained again
         self.writer = None
         self.trackers: list = []
         self.closed = False
         if self.rank0:
             os.makedirs(run_dir, exist_ok=True)
             if cfg.train.tensorboard:
+                from tensorboard.compat.proto.event_pb2 import Event, SessionLog
                 from tensorboard.compat.proto.summary_pb2 import Summary
                 from torch.utils.tensorboard.writer import FileWriter
 
                 self.writer = FileWriter(os.path.join(run_dir, TENSORBOARD_DIR))
-                self.summary = Summary
+                self.summary, self.event, self.session_log = Summary, Event, SessionLog
             self.trackers = open_trackers(cfg, run_dir)
 
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
         if self.rank0 and (run.state.step > 0 or os.path.exists(self.path) and os.path.getsize(self.path) > 0):
             self._record_resume(run.state.step, run.restored_world_size, run.restore_read_bytes)
+            self._purge_board(run.state.step + 1)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
             print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
@@ -110,6 +109,13 @@ class MetricsLogger(Hook):
         print(f"raylm: resumed at step {restored_step} on {world_size} worker(s){resized}; "
               f"{lost} step(s) of work lost{read}", flush=True)
 
+    def _purge_board(self, step: int) -> None:
+        """TensorBoard drops what the run wrote at `step` and after, before now: the steps a
+        resume or a guard rollback trains again, which it would otherwise draw beside their
+        successors (a SessionLog START at the step: what SummaryWriter's purge_step writes)."""
+        if self.writer is not None:
+            self.writer.add_event(self.event(step=step, session_log=self.session_log(status=self.session_log.START)))
+
     def on_step_end(self, run: Run, step: int, metrics: dict) -> None:
         if not self.rank0:
             return
@@ -119,14 +125,16 @@ class MetricsLogger(Hook):
             self.mfu_ema = ema(self.mfu_ema, metrics["mfu"])
         self.step_time_ema = ema(self.step_time_ema, metrics["step_time"])
         append_line(self.path, metrics)
-        scalars = {k: float(v) for k, v in metrics.items()
-                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.last_step is not None and metrics["step"] <= self.last_step:  # a guard rollback
+            self._purge_board(metrics["step"])
+        self.last_step = metrics["step"]
+        scalars = tracker_scalars(metrics)
         if self.writer is not None:
             # One event per step holding every scalar, as TensorFlow's merged summaries do:
             # SummaryWriter.add_scalar makes one event per scalar, each waking the writer's
             # thread, which then takes the GIL from the training thread: 12 a step cost
             # nanoGPT's run 1 ms of its 42 ms step in the caller alone.
-            values = [self.summary.Value(tag=f"train/{key}", simple_value=value) for key, value in scalars.items()]
+            values = [self.summary.Value(tag=name, simple_value=value) for name, value in scalars.items()]
             self.writer.add_summary(self.summary(value=values), metrics["step"], metrics["time"])
         for tracker in self.trackers:
             tracker.log(scalars, metrics["step"])

@@ -5,6 +5,7 @@ Credentials and endpoints come from the environment only (MLFLOW_TRACKING_URI an
 variables, WANDB_API_KEY, WANDB_MODE, WANDB_PROJECT, WANDB_ENTITY), never from the config, so
 they never reach config.yaml or the logs. Without MLFLOW_TRACKING_URI the run directory holds
 a local MLflow file store (`mlruns/`). A restarted or resumed run logs into the same tracker run.
+Each gets the names and units of `raylm.train.observe.names` (train/*, val/*, perf/*).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from raylm.config import Config, ConfigError, config_to_dict, flat_keys
+from raylm.train.observe.names import STEP
 
 
 class Tracker(Protocol):
@@ -61,9 +63,14 @@ class WandbTracker:
         run_id = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]  # stable across restarts
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "raylm"), name=cfg.run.name, id=run_id,
                               resume="allow", dir=run_dir, config=config_to_dict(cfg))
+        # Charted against the training step, not W&B's own: W&B drops, with a warning in its own
+        # log only, a row whose step is below one it has, and a resume or a guard rollback trains
+        # steps again. Its own step only counts rows; the steps trained again are drawn again.
+        self.run.define_metric(STEP)
+        self.run.define_metric("*", step_metric=STEP)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
+        self.run.log({**metrics, STEP: step})
 
     def close(self) -> None:
         self.run.finish()

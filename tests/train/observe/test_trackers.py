@@ -26,21 +26,20 @@ def test_mlflow_and_wandb_record_the_metrics_of_every_step(tiny_dataset, tmp_pat
     cfg = tiny_config(tiny_dataset, "train.steps=4", "train.eval_every=2", "train.trackers=[mlflow, wandb]")
     train_local(cfg, run)
     rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
-    want = {(r["step"], key): value for r in rows for key, value in r.items()
-            if key in ("loss", "lr", "grad_norm", "val_loss")}
+    names = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "val_loss": "val/loss"}
+    want = {(r["step"], names[key]): value for r in rows for key, value in r.items() if key in names}
+    assert {name for _, name in want} == set(names.values())
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=(tmp_path / "run" / "mlruns").as_uri())
     run_id = open(os.path.join(run, "mlflow_run_id")).read().strip()
-    got = {(m.step, key): m.value for key in ("loss", "lr", "grad_norm", "val_loss")
-           for m in client.get_metric_history(run_id, key)}
+    got = {(m.step, name): m.value for name in names.values() for m in client.get_metric_history(run_id, name)}
     assert got == pytest.approx(want)
     assert client.get_run(run_id).data.params["train.steps"] == "4"
 
     (log,) = glob.glob(os.path.join(run, "wandb", "offline-run-*", "run-*.wandb"))
-    logged = {(h["_step"], key): h[key] for h in history(log) for key in ("loss", "lr", "grad_norm", "val_loss")
-              if key in h}
+    logged = {(h["train/step"], name): h[name] for h in history(log) for name in names.values() if name in h}
     assert logged == pytest.approx(want)
 
 
