@@ -90,17 +90,20 @@ def poison_text(size: int, seed: int, val_fraction: float) -> str:
             return text
 
 
-def prepare(workdir: Path, quick: bool, poison_bytes: int, seed: int) -> tuple[str, str, str]:
+def prepare(workdir: Path, quick: bool, poison_bytes: int, seed: int) -> tuple[str, Optional[str], str]:
     """(poisoned, clean) prepared datasets of the built-in corpus, and the poison: the poisoned
-    one has one more document, of random printable bytes, in its training split."""
+    one has one more document, of random printable bytes, in its training split. `quick` runs no
+    reference, so its clean dataset is None: not prepared (a Ray Data job the slow suite waited on)."""
     seq_len, documents = (64, 60) if quick else (256, None)
     corpus = python_sources(workdir / "text" / f"corpus-{documents}", documents)
     poison = workdir / "text" / "poison.txt"
     poison.parent.mkdir(parents=True, exist_ok=True)
     text = poison_text(poison_bytes, seed, 0.1)
     poison.write_text(text)
-    out = {}
+    out = {"clean": None}
     for name, inputs in (("clean", [str(corpus)]), ("poisoned", [str(corpus), str(poison)])):
+        if name == "clean" and quick:
+            continue
         path = workdir / "data" / f"{name}-{seq_len}"
         if not (path / "manifest.json").exists():
             prepare_dataset(inputs, str(path), tokenizer="byte", seq_len=seq_len, val_fraction=0.1)
@@ -435,7 +438,7 @@ def main() -> None:
     if not storage.tmpfs:
         print(f"drill: no tmpfs for the full-disk fault ({storage.why_not}); left out", flush=True)
         kinds.remove("disk_full")
-    clean_args = run_args(clean, storage.path, steps, quick, [])
+    clean_args = run_args(clean, storage.path, steps, quick, []) if clean else None  # --quick: no reference
     saved = json.loads(kept.read_text()) if args.phase == "faults" and kept.exists() else None
     if saved is not None and saved["args"] != clean_args:
         saved = None
