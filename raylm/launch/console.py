@@ -38,7 +38,7 @@ _BLOCK_BODY = re.compile(r"^(\s|$|The above exception|During handling|The actor 
 # and the periodic state dumps of a raylet.
 _NOISE = re.compile(r"\[state-dump\]|^\*\*\* |^\s*@ +0x[0-9a-f]+|^PC: @|\([\w.]*\+0x[0-9a-f]+\) \[0x[0-9a-f]+\]|"
                     r"An unexpected system state has occurred|has been marked dead because|"
-                    r"raylet has lagging heartbeats|raylet crashed unexpectedly|"
+                    r"raylet has lagging heartbeats|raylet crashed unexpectedly|\[mutex\.cc : \d+\] RAW: |"
                     r"Progress bars disabled|Ray deduplicates logs by default|"
                     r"has constructor arguments in the object store and max_restarts > 0")
 _OURS = re.compile(r"^(raylm|step |\[raylm|WARNING: no checkpoint|done: )")

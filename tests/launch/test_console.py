@@ -56,6 +56,8 @@ def test_noise_outside_a_block_and_unknown_lines_are_told_apart():
                                     "(1) SIGKILL by the user or system OOM killer")
     assert not noise.keep("raylet", "    [2026-11-26 21:05:25,679 I 17708 17708] (raylet) worker_pool.cc:564: "
                                     "Started worker process with pid 19504")
+    # Abseil's lock tracing, printed by a Train actor as the run ends (the demo's last lines).
+    assert not noise.keep("a", "[mutex.cc : 452] RAW: Lock blocking 0x7ff68801bcd0   @ 0x7ff6b6e2b1a2 0x7ff6b5efb23c")
     assert noise.keep("w", "a line of the user's own")  # not recognised as noise: shown
     assert not noise.keep("w", "Traceback (most recent call last):")
     assert not noise.keep("w", '  File "x.py", line 1, in <module>')
