@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ class StepCosts(Hook):
         self.syncs_counter.stop()
         self.collectives.stop()
 
-    def summary(self, steps: range, read: set[int]) -> dict:
+    def summary(self, steps: Iterable[int], read: set[int]) -> dict:
         """Per step of `steps` (the steady ones: past the start, before the last, whose count holds
         the end of the run), of those the loop did not read after and of those it did (`read`):
         host syncs, the loop's collectives, the model's."""
