@@ -106,6 +106,29 @@ class TokenizerInfo:
 
 
 @dataclass
+class RowStatistic:
+    """The median and the median absolute deviation of a statistic over the train split's rows."""
+
+    median: float
+    deviation: float
+
+
+@dataclass
+class DataCheck:
+    """What the guard's data check judges each batch against (`raylm.data.rowstats`): the train
+    split's token counts, and its rows' cross-entropy under them and own token-count entropy."""
+
+    unigram: list[int]
+    cross_entropy: RowStatistic
+    entropy: RowStatistic
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DataCheck:
+        return cls(unigram=d["unigram"], cross_entropy=RowStatistic(**d["cross_entropy"]),
+                   entropy=RowStatistic(**d["entropy"]))
+
+
+@dataclass
 class Manifest:
     tokenizer: TokenizerInfo
     seq_len: int
@@ -115,6 +138,8 @@ class Manifest:
     """"hash": a document is val iff blake2b-64 of its UTF-8 text / 2**64 < val_fraction;
     "position": one document, its first (1 - val_fraction) of tokens train, the rest val."""
     val_fraction: float
+    data_check: Optional[DataCheck] = None
+    """None in datasets prepared before it was recorded: the guard's data check is then off."""
 
     @property
     def vocab_size(self) -> int:
@@ -142,6 +167,8 @@ class Manifest:
             "sources": list(self.sources),
             "split_rule": self.split_rule,
             "val_fraction": self.val_fraction,
+            # Left out when absent: an older dataset's manifest, read and written again, hashes the same.
+            **({"data_check": asdict(self.data_check)} if self.data_check is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -166,6 +193,7 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
             sources=d["sources"],
             split_rule=d["split_rule"],
             val_fraction=d["val_fraction"],
+            data_check=DataCheck.from_dict(d["data_check"]) if "data_check" in d else None,
         )
     except KeyError as e:
         raise DatasetError(f"{uri}: missing key {e.args[0]!r}") from None
@@ -209,6 +237,18 @@ def _check_values(manifest: Manifest, uri: str) -> None:
             where = f"splits.{name}.shards[{i}]"
             counts.update({f"{where}.{key}": getattr(shard, key) for key in ("rows", "tokens", "documents")})
             texts.update({f"{where}.file": shard.file, f"{where}.sha256": shard.sha256})
+    if manifest.data_check is not None:
+        check = manifest.data_check
+        if not isinstance(check.unigram, list) or len(check.unigram) != t.vocab_size:
+            raise DatasetError(f"{uri}: data_check.unigram is {reprlib.repr(check.unigram)}, expected "
+                               f"{t.vocab_size} token counts")
+        counts.update({f"data_check.unigram[{i}]": n for i, n in enumerate(check.unigram)})
+        for name in ("cross_entropy", "entropy"):
+            for key in ("median", "deviation"):
+                value = getattr(getattr(check, name), key)
+                if type(value) not in (int, float) or not 0 <= value <= 64:  # nats, finite
+                    raise DatasetError(f"{uri}: data_check.{name}.{key} is {reprlib.repr(value)}, expected a "
+                                       "non-negative number of nats")
     for key, value in counts.items():  # bool is an int to Python, not to a manifest
         if type(value) is not int or value < 0:
             raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, expected a non-negative integer")

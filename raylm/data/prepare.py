@@ -31,14 +31,17 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from raylm.config import ConfigError, StorageConfig
+from raylm.data import rowstats
 from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sources, check_sources, find_sources,
                                iter_documents)
-from raylm.data.manifest import (MANIFEST_FILE, SPLITS, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
+from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, VERIFIED_FILE, DataCheck, DatasetError,
+                                 Manifest, RowStatistic, ShardInfo,
                                  SplitInfo, TokenizerInfo, shard_bytes)
-from raylm.data.storage import claim_output, join, write_bytes, writing_over
+from raylm.data.storage import claim_output, join, read_bytes, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.progress import Progress
 from raylm.ray_runtime import start_ray
@@ -118,6 +121,8 @@ def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, out
     try:
         splits, split_rule = _write_shards(sources, tok, output, seq_len, val_fraction,
                                            storage, max_documents, shard_rows)
+        data_check = _data_check(output, splits["train"], tok.vocab_size, seq_len, storage) \
+            if splits["train"].rows else None
     finally:
         if started_ray:
             ray.shutdown()
@@ -130,7 +135,8 @@ def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, out
                     output, val_fraction)
     tok.save(join(output, TOKENIZER_FILE), storage)
     manifest = Manifest(tokenizer=TokenizerInfo.of(tok), seq_len=seq_len, splits=splits,
-                        sources=source_names, split_rule=split_rule, val_fraction=val_fraction)
+                        sources=source_names, split_rule=split_rule, val_fraction=val_fraction,
+                        data_check=data_check)
     manifest.save(output, storage)
     return manifest
 
@@ -320,6 +326,36 @@ class _Packer:
             ray.wait(self.writes, num_returns=len(self.writes) - _MAX_PENDING_WRITES + 1)
         name = f"{self.split}-{len(self.writes):05d}.parquet"
         self.writes.append(_write_shard.remote(self.output, name, shard, self.eot_id, self.storage))
+
+
+def _data_check(output: str, train: SplitInfo, vocab_size: int, seq_len: int,
+                storage: Optional[StorageConfig]) -> DataCheck:
+    """The train split's statistics for the guard's data check (`raylm.data.rowstats`), from its
+    shards read back: their token counts, then each row's statistics under them."""
+    files = [shard.file for shard in train.shards]
+    counts = np.sum(ray.get([_shard_counts.remote(output, f, vocab_size, storage) for f in files]), axis=0)
+    logp = rowstats.log_probs(counts)
+    hist = np.sum(ray.get([_shard_histograms.remote(output, f, logp, storage) for f in files]), axis=0)
+    return DataCheck(unigram=[int(c) for c in counts],
+                     cross_entropy=RowStatistic(*rowstats.median_and_deviation(hist[0], rowstats.CE_RANGE)),
+                     entropy=RowStatistic(*rowstats.median_and_deviation(hist[1], float(np.log(seq_len)))))
+
+
+def _shard_targets(output: str, name: str, storage: Optional[StorageConfig]) -> np.ndarray:
+    """(rows, seq_len) the targets of a shard's rows."""
+    column = pq.read_table(pa.BufferReader(read_bytes(join(output, name), storage))).column(TOKENS_COLUMN)
+    tokens = column.combine_chunks()
+    return tokens.flatten().to_numpy().reshape(len(tokens), tokens.type.list_size)[:, 1:].astype(np.int64)
+
+
+@ray.remote
+def _shard_counts(output: str, name: str, vocab_size: int, storage: Optional[StorageConfig]) -> np.ndarray:
+    return np.bincount(_shard_targets(output, name, storage).reshape(-1), minlength=vocab_size)
+
+
+@ray.remote
+def _shard_histograms(output: str, name: str, logp: np.ndarray, storage: Optional[StorageConfig]) -> np.ndarray:
+    return rowstats.histograms(_shard_targets(output, name, storage), logp)
 
 
 @ray.remote
