@@ -66,6 +66,8 @@ def validate(cfg: Config) -> None:
     if g.norms_every < 0 or g.lr_recovery_steps < 0:
         raise ConfigError(f"guard.norms_every and guard.lr_recovery_steps must be >= 0, got {g.norms_every} and "
                           f"{g.lr_recovery_steps}")
+    if g.data_deviations < 0:
+        raise ConfigError(f"guard.data_deviations must be >= 0 (0: the data check off), got {g.data_deviations}")
     if g.min_history < 2 or g.snapshot_every < 0:
         raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 0 (0: by cost), got "
                           f"{g.min_history} and {g.snapshot_every}")

@@ -450,6 +450,12 @@ class GuardConfig:
     norms_every: int = 100
     """Every N steps, per-layer activation and parameter norms as metrics (act_norm/*,
     param_norm/*); 0: never. Works with the guard on or off."""
+    data_deviations: float = 8.0
+    """The data check, before any model can judge: a row whose tokens' cross-entropy under the
+    dataset's unigram lies this many median absolute deviations above its rows' median (and whose
+    own token counts spread wide, as noise's do) is noise; a batch a third noise is skipped from
+    step 0, without the canary (raylm.train.resilience.datacheck; the statistics are recorded by
+    `raylm prepare`). 0: off; off, said once, on a dataset prepared before them, or a mixture."""
 
 
 @dataclass

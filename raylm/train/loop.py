@@ -53,6 +53,7 @@ from raylm.train.preflight import preflight
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience import judge
 from raylm.train.resilience.guard import Guard, skipped_samples
+from raylm.train.resilience.datacheck import DataCheck, data_limit
 from raylm.train.resilience.judge import StepJudge, Verdict
 from raylm.train.resilience.preemption import Notice
 from raylm.train.resilience.quarantine import Quarantine
@@ -132,8 +133,14 @@ class Trainer:
                                env.checkpoint_root)
             self.guard.start(self.state)
         unigram = self.guard.unigram if self.guard is not None else None
+        self.data_check: Optional[DataCheck] = None
+        if self.guard is not None:
+            limit, why_off = data_limit(spec.datasets.manifests, spec.datasets.uris, cfg.guard.data_deviations)
+            self.data_check = DataCheck(limit, world.device) if limit is not None else None
+            if why_off and world.rank == 0:
+                print(f"raylm: guard: {why_off}", flush=True)
         self.judge = StepJudge(world.device, cfg.guard if self.guard is not None else None, unigram,
-                               needs_loss_scaling(cfg))
+                               needs_loss_scaling(cfg), data_check=self.data_check is not None)
         if self.guard is not None:
             self.judge.load(*self.guard.history())
         self.quarantine = Quarantine(self.source.order, self.events_path, world.rank) \
@@ -334,8 +341,9 @@ class Trainer:
     def _step(self, batch: Batch) -> torch.Tensor:
         """Forward and backward, the verdict, and the update where the verdict allows it; the step's
         record (raylm.train.resilience.judge). The gradients stay for a withheld step's probe."""
-        loss, grad_norm = self.forward_backward(batch)
-        record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram)
+        loss, grad_norm, noise_share = self.forward_backward(batch)
+        record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram,
+                                         noise_share)
         step_where(self.optimizer, apply)
         self._weights_changed()
         return record
@@ -345,9 +353,10 @@ class Trainer:
         for FSDP2's float8 all-gather, precomputed from the weights as they now are."""
         after_optimizer_step(self.model.parts)
 
-    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
-        the loss and the gradient norm, on the device."""
+        the loss, the gradient norm and, with the data check on, the share of the batch's rows that
+        are noise (averaged across data-parallel ranks with the loss), on the device."""
         model, scaler = self.model, self.scaler
         tokens = torch.from_numpy(batch.tokens.astype(np.int64))
         if self.world.device.type == "cuda":
@@ -358,10 +367,15 @@ class Trainer:
             tokens = tokens.to(self.world.device)
         if scaler is not None:
             model.loss_scale = scaler.scale = self.state.loss_scale
-        loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
+        noise_share = None
+        if self.data_check is not None:
+            noise_share = self.data_check.noise_share(tokens[:, 1:])
+            loss, noise_share = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=noise_share)
+        else:
+            loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
         if scaler is not None:
             scaler.unscale(model.parts)
-        return loss, model.clip_grad_norm(self.cfg.optim.grad_clip)
+        return loss, model.clip_grad_norm(self.cfg.optim.grad_clip), noise_share
 
     def _read_due(self, queued: QueuedStep) -> bool:
         """Whether the host reads the queued steps once `queued` is: every `read_every` steps, and
@@ -491,8 +505,8 @@ class Trainer:
                 self.guard.rerun(batch.step, first)
             if record[judge.VERDICT] in (Verdict.SUSPECT, Verdict.NONFINITE):
                 self.guard.withheld(record)
-        else:  # the gradients of a withheld update, for the probe
-            self.forward_backward(batch)
+        elif not record[judge.OFF_DATA]:  # the gradients of a withheld update, for the probe (data off
+            self.forward_backward(batch)  # the dataset's distribution is skipped without one)
         verdict = Verdict(int(record[judge.VERDICT]))
         if verdict in (Verdict.OK, Verdict.OVERFLOW):
             self.judge.resume()
@@ -544,6 +558,9 @@ class Trainer:
         before it (see raylm.train.resilience.guard)."""
         guard, state, step = self.guard, self.state, batch.step
         samples = [state.position, batch.next_position]
+        if record[judge.OFF_DATA]:  # the data judged, not the model: no canary
+            guard.skip_batch(step, state, samples, noise_share=record[judge.NOISE_ROWS])
+            return "skipped"
         before = guard.canary_loss()
         if guard.damaged(before) and not guard.learning():
             guard.trigger.update(canary=before, reference=guard.reference)

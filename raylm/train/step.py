@@ -157,12 +157,15 @@ class ParallelModel:
         """The model's keyword arguments for `inputs` (B, T): their document ids, or none (causal)."""
         return {} if self.document_end is None else {"document_ids": document_ids(inputs, self.document_end)}
 
-    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
+    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int,
+                         also: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and backward over this rank's share of the global batch, in micro-batches.
 
         `tokens` is (local_batch, T+1). Gradients accumulate so that they equal those of the
         mean loss over the whole global batch; returns that mean loss (a detached scalar,
-        averaged across data-parallel ranks).
+        averaged across data-parallel ranks). `also`: a scalar of this rank's rows (the guard's
+        data statistic), averaged across those ranks in the loss's own collective: then the two
+        are returned stacked, (2,).
         """
         (model,) = self.parts
         micro = tokens.split(micro_batch_size)
@@ -175,7 +178,7 @@ class ParallelModel:
                 loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
                 (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             total += _whole(loss.detach())
-        return self.mean_across_dp(total)
+        return self.mean_across_dp(_with(total, also))
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
@@ -280,7 +283,8 @@ class PipelineModel(ParallelModel):
         at each call, as the scale changes), and divide the reported losses back."""
         return self.loss_fn(logits, targets) * self.loss_scale
 
-    def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool,
+             also: Optional[torch.Tensor] = None) -> torch.Tensor:
         schedule = self._schedule(len(tokens), micro_batch_size, backward)
         if self._last_run not in (None, schedule):
             from raylm.parallel import pipeline
@@ -301,10 +305,11 @@ class PipelineModel(ParallelModel):
         if backward and self.loss_scale != 1.0:
             loss = loss / self.loss_scale
         dist.all_reduce(loss, group=self.mesh.pp.get_group())
-        return self.mean_across_dp(loss)
+        return self.mean_across_dp(_with(loss, also))  # every stage holds the rows: `also` is whole on each
 
-    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
-        return self._run(tokens, micro_batch_size, backward=True)
+    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int,
+                         also: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._run(tokens, micro_batch_size, backward=True, also=also)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
@@ -316,6 +321,10 @@ class PipelineModel(ParallelModel):
             p.grad = grad
         self.reshard()
         return loss
+
+
+def _with(loss: torch.Tensor, also: Optional[torch.Tensor]) -> torch.Tensor:
+    return loss if also is None else torch.stack([loss, also.to(loss.dtype).reshape(())])
 
 
 def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World,

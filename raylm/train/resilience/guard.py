@@ -23,6 +23,10 @@ steps are too large to learn from).
   model past the unigram level (its loss above the loss of token frequencies alone: random
   bytes, a broken shard) is held to a stricter test: an update that hurts the canary at all is
   undone and the batch skipped, at any LR.
+- Before any model can judge: a batch a third of whose rows are noise by the dataset's own
+  statistics (`raylm.train.resilience.datacheck`) is skipped from step 0 without the canary
+  (`batch_skipped`, reason OFF_DATA): at the unigram level the canary cannot tell noise from
+  learning, and the noise test above does not apply.
 - A non-finite loss or gradient: the step is computed again (the loop does); finite then, it was
   a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped. When the
   next batch, at the same step, fails twice too, the model or its LR is at fault, not the data
@@ -95,6 +99,7 @@ CHECK_SHARE = 0.01
 STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier by this much: stalled
 STALLED = "stalled at the unigram level"
 NONFINITE_IN_A_ROW = "non-finite on consecutive batches"
+OFF_DATA = "noise by the data check"  # a third of its rows beyond the dataset's own (from step 0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +219,8 @@ class Guard:
         loss, grad_norm = record[judge.LOSS], record[judge.GRAD_NORM]
         if record[judge.VERDICT] == judge.Verdict.NONFINITE:
             self.trigger = {"reason": "non-finite", "loss": loss, "grad_norm": grad_norm}
+        elif record[judge.OFF_DATA]:  # the data check (raylm.train.resilience.datacheck): the model not asked
+            self.trigger = {"reason": OFF_DATA, "loss": loss, "grad_norm": grad_norm}
         elif record[judge.NOISE]:  # early in training the spread of falling losses hides it from a z-score
             self.trigger = {"reason": "noise", "loss": loss, "grad_norm": grad_norm, "unigram": self.unigram}
         else:

@@ -11,7 +11,9 @@ later batches again.
 Verdicts, in order of precedence:
 - OVERFLOW: fp16 gradients overflowed with a finite loss; no update (the host halves the scale).
 - NONFINITE: the loss or the gradient norm is not finite; no update, the host computes it again.
-- SUSPECT (with the guard on): the batch is noise to a model past the unigram level (its loss
+- SUSPECT (with the guard on): a third of the batch's rows are noise by the dataset's own
+  statistics (the data check, `raylm.train.resilience.datacheck`: from step 0, the model not
+  asked); the batch is noise to a model past the unigram level (its loss
   above NOISE_LEVEL × the unigram loss), or, once `min_history` healthy steps are known, the loss
   or the gradient norm lies more than `sigmas` population deviations above the mean of the last
   `window`; no update until the guard's canary has judged it.
@@ -27,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from raylm.config import GuardConfig
+from raylm.train.resilience import datacheck
 
 # Random printable bytes cost a model of Shakespeare 137-150% of the unigram loss; text of a new kind
 # (Python sources to that model) stays near or below it: the model draws on what it knows.
@@ -43,7 +46,7 @@ class Verdict(enum.IntEnum):
 
 
 # The fields of a step's record, the one tensor per step the host reads.
-LOSS, GRAD_NORM, VERDICT, LOSS_SIGMAS, GRAD_NORM_SIGMAS, NOISE = range(6)
+LOSS, GRAD_NORM, VERDICT, LOSS_SIGMAS, GRAD_NORM_SIGMAS, NOISE, NOISE_ROWS, OFF_DATA = range(8)
 
 
 def at_unigram_level(loss: float, unigram: Optional[float]) -> bool:
@@ -59,8 +62,9 @@ class StepJudge:
     fp16's overflow) is judged."""
 
     def __init__(self, device: torch.device, guard: Optional[GuardConfig], unigram: Optional[float],
-                 loss_scaling: bool):
+                 loss_scaling: bool, data_check: bool = False):
         self.guard, self.unigram, self.loss_scaling = guard, unigram, loss_scaling
+        self.data_check = data_check and guard is not None  # judge the share of noise rows (datacheck)
         window = guard.window if guard is not None else 1
         f64 = dict(device=device, dtype=torch.float64)
         self.history = torch.zeros(2, window, **f64)  # (losses, grad norms)
@@ -69,22 +73,27 @@ class StepJudge:
         self.halted = torch.zeros((), dtype=torch.bool, device=device)
         self.positions = torch.arange(window, device=device)
 
-    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor, past_unigram: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's record (LOSS ... NOISE, float64) and whether its update applies (a bool
+    def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor, past_unigram: bool,
+              noise_share: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's record (LOSS ... OFF_DATA, float64) and whether its update applies (a bool
         tensor for `raylm.train.optim.step_where`); takes OK steps into the history and halts on a
         step the host must judge. `past_unigram`: the guard's snapshot says the model has learned
-        more than token frequencies (the training losses may say so sooner)."""
+        more than token frequencies (the training losses may say so sooner). `noise_share`: the share
+        of the batch's rows the data check finds noise (`datacheck.DataCheck.noise_share`)."""
         x = torch.stack([loss.detach().double().reshape(()), grad_norm.detach().double().reshape(())])
         finite = torch.isfinite(x)
         overflow = finite[0] & ~finite[1] if self.loss_scaling else torch.zeros_like(finite[0])
         nonfinite = ~(finite[0] & finite[1]) & ~overflow
         sigmas, noise = torch.zeros_like(x), torch.zeros_like(finite[0])
         suspect = torch.zeros_like(finite[0])
+        share = torch.zeros((), dtype=torch.float64, device=x.device) if noise_share is None else \
+            noise_share.detach().double().reshape(())
+        off_data = share >= datacheck.NOISE_SHARE - 1e-9 if self.data_check else torch.zeros_like(finite[0])
         if self.guard is not None:
             sigmas = self._sigmas(x)
             noise = self._noise(x[0], past_unigram)
             spike = (self.counts[0] >= self.guard.min_history) & (sigmas.max() > self.guard.sigmas)
-            suspect = noise | spike
+            suspect = noise | spike | off_data
         verdict = torch.where(self.halted, Verdict.HALTED, torch.where(
             overflow, Verdict.OVERFLOW, torch.where(nonfinite, Verdict.NONFINITE, torch.where(
                 suspect, Verdict.SUSPECT, Verdict.OK))))
@@ -92,7 +101,8 @@ class StepJudge:
         if self.guard is not None:
             self._remember(x, apply)
         self.halted |= verdict >= Verdict.SUSPECT
-        record = torch.cat([x, verdict.double().reshape(1), sigmas, noise.double().reshape(1)])
+        record = torch.cat([x, verdict.double().reshape(1), sigmas, noise.double().reshape(1), share.reshape(1),
+                            off_data.double().reshape(1)])
         return record, apply
 
     def _sigmas(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,165 @@
+"""The guard's data check: a batch whose rows are noise by the dataset's own statistics (recorded
+by `raylm prepare`) is skipped from step 0, before any model can judge it; clean data skips
+nothing; a dataset prepared before the statistics trains with the check off, said once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raylm.config import GuardConfig
+from raylm.data import rowstats
+from raylm.data.manifest import MANIFEST_FILE, load_manifest
+from raylm.train.loop import train_local
+from raylm.train.observe.records import read_jsonl
+from raylm.train.resilience.datacheck import DataCheck, data_limit, row_entropy
+from raylm.train.resilience.guard import OFF_DATA
+from tests.support.distributed import run_distributed
+from tests.support.fixtures import write_corpus
+from tests.support.poison import poisoned_copy
+from tests.train.test_loop import tiny_config
+
+pytestmark = pytest.mark.slow
+
+BATCH = 8  # tiny_config's global batch
+QUIET = ("train.eval_every=0", "train.tensorboard=false", "checkpoint.every_steps=0")
+
+
+def _events(run_dir: str, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == kind]
+
+
+def _train_ranks(dataset: str, run_dir: str, *extra: str) -> None:
+    train_local(tiny_config(dataset, *extra), run_dir)
+
+
+def test_prepare_records_the_row_statistics_and_the_manifest_round_trips_them(tiny_dataset):
+    manifest = load_manifest(tiny_dataset)
+    check = manifest.data_check
+    targets = np.concatenate([_targets(os.path.join(tiny_dataset, s.file)) for s in manifest.splits["train"].shards])
+    assert check.unigram == np.bincount(targets.reshape(-1), minlength=manifest.vocab_size).tolist()
+    # The medians the histograms give are the train split's own, to the histograms' resolution.
+    logp = rowstats.log_probs(np.asarray(check.unigram))
+    assert check.cross_entropy.median == pytest.approx(np.median(rowstats.row_cross_entropy(targets, logp)), abs=0.01)
+    assert check.entropy.median == pytest.approx(np.median(rowstats.row_entropy(targets)), abs=0.01)
+    assert 0 < check.entropy.deviation < 0.5 and 0 < check.cross_entropy.deviation < 0.5
+    assert load_manifest(tiny_dataset).to_dict() == json.loads(manifest.to_json())
+    assert json.loads(manifest.to_json())["data_check"] == dataclasses.asdict(check)
+
+
+def test_in_a_dataset_prepared_with_a_poisoned_window_its_rows_and_no_others_are_noise(ray_session, tmp_path):
+    """The statistics are the poisoned dataset's own (a tenth of it noise): medians and their
+    deviations hardly move, and the check still tells every row of the window from the text."""
+    from raylm.data.prepare import prepare_dataset
+
+    corpus = write_corpus(tmp_path / "text")
+    size = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus)) // 9
+    rng = random.Random(3)
+    while True:  # a window the hash split puts in train
+        noise = "".join(rng.choice(string.printable[:95]) for _ in range(size))
+        if hashlib.blake2b(noise.encode(), digest_size=8).digest() >= int(0.1 * 2**64).to_bytes(8, "big"):
+            break
+    with open(os.path.join(corpus, "doc0060a.txt"), "w") as f:
+        f.write(noise)
+    out = str(tmp_path / "prepared")
+    prepare_dataset([corpus], out, tokenizer="byte", seq_len=32, val_fraction=0.1)
+    manifest = load_manifest(out)
+    targets = np.concatenate([_targets(os.path.join(out, s.file)) for s in manifest.splits["train"].shards])
+    limit, _ = data_limit([manifest], [out], GuardConfig().data_deviations)
+    check = DataCheck(limit, torch.device("cpu"))
+    noise_rows = np.array([float(check.noise_share(torch.from_numpy(row[None]))) for row in targets]) == 1.0
+    # The window's rows: row k's targets are the stream's tokens k * 32 + 1 ... (k + 1) * 32.
+    stream = np.concatenate([[0], targets.reshape(-1)]).astype(np.uint16).tobytes()
+    start = stream.find(np.frombuffer(noise.encode()[:64], dtype=np.uint8).astype(np.uint16).tobytes()) // 2
+    first, end = -(-start // 32), (start + size - 1) // 32  # rows wholly inside it
+    assert set(range(first, end)) <= set(np.flatnonzero(noise_rows)) <= set(range(first - 1, end + 1))
+
+
+def test_a_manifest_without_the_statistics_hashes_as_before(tiny_dataset, tmp_path):
+    old = _older(tiny_dataset, str(tmp_path / "old"))
+    manifest = load_manifest(old)
+    assert manifest.data_check is None
+    written = open(os.path.join(old, MANIFEST_FILE)).read()
+    assert json.loads(manifest.to_json()) == json.loads(written)  # no key added: a resume's data hash holds
+
+
+def test_the_device_statistics_are_the_prepared_ones():
+    rows = np.random.default_rng(0).integers(0, 60, size=(12, 64))
+    on_device = row_entropy(torch.from_numpy(rows)).numpy()
+    assert on_device == pytest.approx(rowstats.row_entropy(rows), rel=1e-6)
+
+
+def test_a_poisoned_window_met_at_step_0_is_skipped_from_step_0_and_recorded(tiny_dataset, tmp_path):
+    """Random bytes in the first batches of the run: the model knows nothing yet (the canary could
+    not tell), the data check skips them all, on both ranks alike, and records them as the guard's
+    other skips."""
+    data = poisoned_copy(tiny_dataset, str(tmp_path / "poisoned"), tiny_config(tiny_dataset).data, BATCH,
+                         range(0, 4))
+    run = str(tmp_path / "run")
+    run_distributed(_train_ranks, 2, data, run, "train.steps=12", *QUIET)
+    skipped = _events(run, "batch_skipped")
+    # Each at step 0 (a skipped batch does not advance the step), its samples from the run's position.
+    assert [(e["step"], e["samples"]) for e in skipped] == [(0, [0, (k + 1) * BATCH]) for k in range(4)]
+    assert {e["reason"] for e in skipped} == {OFF_DATA} and all(e["noise_share"] == 1.0 for e in skipped)
+    assert _events(run, "hard_batch") == []
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, 13))  # the steps go on, on the batches after
+    assert rows[-1]["skipped_samples"] == 4 * BATCH and rows[0]["position"] == 5 * BATCH
+    reference = str(tmp_path / "reference")  # the same as a run told to skip the window
+    run_distributed(_train_ranks, 2, data, reference, "train.steps=12", *QUIET, f"data.skip=[[0, {4 * BATCH}]]")
+    losses = lambda run: {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}  # noqa: E731
+    assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+
+
+def test_clean_data_skips_nothing_and_trains_as_without_the_check(tiny_dataset, tmp_path):
+    checked, unchecked = str(tmp_path / "checked"), str(tmp_path / "unchecked")
+    train_local(tiny_config(tiny_dataset, "train.steps=40", *QUIET), checked)
+    train_local(tiny_config(tiny_dataset, "train.steps=40", *QUIET, "guard.data_deviations=0"), unchecked)
+    assert _events(checked, "batch_skipped") == []
+    losses = lambda run: [r["loss"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))]  # noqa: E731
+    assert losses(checked) == losses(unchecked)
+
+
+def test_an_older_dataset_trains_with_the_check_off_said_once(tiny_dataset, tmp_path, capsys):
+    old = _older(poisoned_copy(tiny_dataset, str(tmp_path / "poisoned"), tiny_config(tiny_dataset).data, BATCH,
+                               range(0, 1)), str(tmp_path / "old"))
+    run = str(tmp_path / "run")
+    train_local(tiny_config(old, "train.steps=3", *QUIET), run)
+    said = [line for line in capsys.readouterr().out.splitlines() if "data check is off" in line]
+    assert len(said) == 1 and "prepare it again" in said[0]
+    assert _events(run, "batch_skipped") == []
+
+
+def test_the_check_is_off_for_a_mixture_and_by_choice(tiny_dataset):
+    manifest = load_manifest(tiny_dataset)
+    limit, why = data_limit([manifest], ["a"], 8.0)
+    assert why is None and limit.cross_entropy > manifest.data_check.cross_entropy.median
+    assert data_limit([manifest, manifest], ["a", "b"], 8.0)[0] is None
+    assert data_limit([manifest], ["a"], 0.0) == (None, None)
+
+
+def _targets(path: str) -> np.ndarray:
+    tokens = pq.read_table(path).column("tokens").combine_chunks()
+    return tokens.flatten().to_numpy().reshape(len(tokens), -1)[:, 1:].astype(np.int64)
+
+
+def _older(dataset: str, out: str) -> str:
+    """A copy of `dataset` whose manifest is as prepare wrote it before the statistic."""
+    shutil.copytree(dataset, out)
+    path = os.path.join(out, MANIFEST_FILE)
+    manifest = json.load(open(path))
+    del manifest["data_check"]
+    with open(path, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.remove(os.path.join(out, "verified.json")) if os.path.exists(os.path.join(out, "verified.json")) else None
+    return out
