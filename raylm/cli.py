@@ -58,7 +58,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from raylm.data.tokenizer import train_bpe
 
-    tok = train_bpe(args.input, args.vocab_size, args.output, storage=_storage(args), overwrite=args.overwrite)
+    tok = train_bpe(args.input or [], args.vocab_size, args.output, storage=_storage(args), overwrite=args.overwrite)
     print(f"wrote {args.output}: BPE with {tok.vocab_size} tokens")
 
 
@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer with Hugging Face tokenizers")
-    t.add_argument("--input", nargs="+", required=True)
+    t.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories, local or s3://; "
+                   "omitted: the built-in corpus (this Python's standard library sources)")
     t.add_argument("--vocab-size", type=_positive_int, required=True)
     t.add_argument("--output", required=True, help="tokenizer.json path or s3:// URI")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")

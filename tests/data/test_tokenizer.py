@@ -90,6 +90,17 @@ def test_train_bpe_round_trips_and_compresses(tmp_path):
     assert loaded.encode_batch(texts[:5]) == tok.encode_batch(texts[:5])
 
 
+def test_tokenizer_train_without_input_trains_on_the_built_in_corpus(tmp_path):
+    """As `make demo` runs it: no --input is the built-in corpus, as for `raylm prepare`."""
+    from tests.support.checkpoints import run_cli
+
+    out = tmp_path / "bpe.json"
+    done = run_cli("tokenizer", "train", "--vocab-size", "300", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"wrote {out}: BPE with 300 tokens"
+    assert "print(" in load_tokenizer(str(out)).decode(load_tokenizer(str(out)).encode("print(x)"))
+
+
 def test_train_bpe_rejects_a_byte_sized_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="vocab_size must exceed 257"):
         train_bpe([], vocab_size=257, output_uri=str(tmp_path / "t.json"))
