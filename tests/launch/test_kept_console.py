@@ -1,6 +1,6 @@
 """The run's console kept in its directory (console.log, rotated), and for a run on S3 copied
 there beside its records: a job submitted with `ray job submit` leaves its story with its
-checkpoints."""
+checkpoints; `raylm status` reads the run where it lies."""
 
 from __future__ import annotations
 
@@ -58,7 +58,15 @@ def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp
     done = subprocess.run([sys.executable, "-m", "raylm.cli", "train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    kept = storage.read_bytes(storage.join(storage_path, "told", CONSOLE_FILE), storage_cfg).decode()
+    run = storage.join(storage_path, "told")
+    kept = storage.read_bytes(storage.join(run, CONSOLE_FILE), storage_cfg).decode()
     assert "raylm: parallel.cpus_per_worker=auto" in kept  # held from the start of the command
     assert "step      4/4 | loss" in kept  # the workers' lines, relayed by Ray
     assert kept == open(os.path.join(local_run_dir(load_config(None, args)), CONSOLE_FILE)).read()
+    # And `raylm status` of the run, where it lies, without Ray.
+    endpoint = ["--endpoint-url", request.getfixturevalue("s3_server").endpoint_url] if where == "s3" else []
+    shown = subprocess.run([sys.executable, "-m", "raylm.cli", "status", run, *endpoint], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **(request.getfixturevalue("s3_server").env
+                                                                         if where == "s3" else {})})
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"{run}: finished (its checkpoint at step 4 is the last of train.steps=4)\nstep 4/4")
