@@ -55,6 +55,11 @@ class ModelConfig:
     bias: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
+    parametrization: Literal["standard", "mup"] = "standard"
+    """mup: the maximal update parametrization (raylm.model.mup), under which the best learning
+    rate and init stay put as d_model grows: tune them at mup_base_width, train every width at them."""
+    mup_base_width: Optional[int] = None
+    """The d_model at which mup and standard are the same model (mup needs it)."""
 
 
 @dataclass

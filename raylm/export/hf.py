@@ -31,6 +31,7 @@ from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, read_hf_tokenizer, 
 from raylm.export.reader import CheckpointTensors
 from raylm.export.safetensors_io import INDEX_FILE, HFTensors, Planned, write_sharded
 from raylm.inference.load import read_checkpoint_tokenizer, resolve_checkpoint, sound_checkpoint
+from raylm.model import mup
 from raylm.model.transformer import Transformer
 from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.train.checkpoint import format as checkpoint
@@ -79,24 +80,29 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
     newest = resolve_checkpoint(source, storage_cfg, announce=False)  # sound_checkpoint names what it passes over
-    adapter_for(saved_config(read_saved_config(newest, storage_cfg)).model)  # before any download: fails at once
+    adapter_for(mup.folded(saved_config(read_saved_config(newest, storage_cfg)).model)[0])  # before any download
     replace = storage.claim_output(output, "a Hugging Face model", _hf_model_file, overwrite, storage_cfg)
     # Every file against the manifest before any is parsed.
     with sound_checkpoint(source, storage_cfg) as (uri, directory), \
             storage.writing_over(output, storage_cfg, replace, commit=CONFIG_FILE) as written:
-        m = saved_config(read_saved_config(directory)).model  # an older checkpoint's, if the newest was damaged
+        saved = saved_config(read_saved_config(directory)).model  # an older checkpoint's, if the newest was damaged
+        m, source = mup.folded(saved)  # µP's multipliers in the weights: HF models have no place for them
         adapter = adapter_for(m)
         tokenizer = read_checkpoint_tokenizer(directory, uri)
         tensors = CheckpointTensors(directory)
         rules = adapter.rules(m)
-        tied = {"output.weight"} if m.tie_embeddings else set()  # the same tensor as tok_embeddings
-        _check_tensors(set(tensors.names()), rules, tied, f"checkpoint {uri} as {adapter.architecture}",
-                       checkpoint.CheckpointError)
+        tied = {"output.weight"} if saved.tie_embeddings else set()  # the same tensor as tok_embeddings
+        _check_tensors(set(tensors.names()), [Rule(r.hf, tuple(source(n)[0] for n in r.raylm)) for r in rules], tied,
+                       f"checkpoint {uri} as {adapter.architecture}", checkpoint.CheckpointError)
         target = DTYPE_NAMES[dtype] if dtype else None
 
+        def read(name: str) -> torch.Tensor:
+            stored, factor = source(name)
+            return tensors.read(stored) * factor if factor != 1.0 else tensors.read(stored)
+
         def plan(rule: Rule) -> Planned:
-            meta = rule.to_hf([tensors.meta(n) for n in rule.raylm])
-            make = lambda: rule.to_hf([tensors.read(n) for n in rule.raylm])  # noqa: E731
+            meta = rule.to_hf([tensors.meta(source(n)[0]) for n in rule.raylm])
+            make = lambda: rule.to_hf([read(n) for n in rule.raylm])  # noqa: E731
             if target is None:
                 return Planned(rule.hf, meta, make)
             return Planned(rule.hf, meta.to(target), lambda: make().to(target))

@@ -30,7 +30,8 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
         raise ConfigError(f"model.vocab_size must be a positive int to build a model, got {cfg.vocab_size!r} "
                           "(None is filled in from the prepared dataset)")
     choices = {"norm": ("rmsnorm", "layernorm"), "pos_embedding": ("rope", "learned"),
-               "mlp": ("swiglu", "gelu", "relu"), "attention": ("causal", "document")}
+               "mlp": ("swiglu", "gelu", "relu"), "attention": ("causal", "document"),
+               "parametrization": ("standard", "mup")}
     for name, valid in choices.items():
         if getattr(cfg, name) not in valid:
             raise ConfigError(f"model.{name} must be one of {valid}, got {getattr(cfg, name)!r}")
@@ -53,6 +54,9 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
         raise ConfigError(f"RoPE needs an even head dimension, got d_model/n_heads = {cfg.d_model // cfg.n_heads}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.parametrization == "mup" and not (isinstance(cfg.mup_base_width, int) and cfg.mup_base_width > 0):
+        raise ConfigError(f"model.parametrization=mup needs model.mup_base_width, the d_model at which the LR and "
+                          f"init were tuned (a positive int), got {cfg.mup_base_width!r}")
 
 
 def _norm_params(cfg: ModelConfig) -> int:

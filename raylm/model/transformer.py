@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from raylm.config import ModelConfig
+from raylm.model import mup
 from raylm.model.sizes import check_model_config, ffn_hidden_size
 
 
@@ -150,6 +151,7 @@ class Attention(nn.Module):
         n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout_p = cfg.dropout
+        self.scale = mup.attention_scale(cfg)  # None: SDPA's 1/sqrt(head_dim)
         d, hd = cfg.d_model, self.head_dim
         self.wq = nn.Linear(d, cfg.n_heads * hd, bias=cfg.bias)
         self.wk = nn.Linear(d, n_kv_heads * hd, bias=cfg.bias)
@@ -174,7 +176,7 @@ class Attention(nn.Module):
         # benchmarks/RESULTS.md); on CUDA a mask moves SDPA from flash to memory-efficient attention.
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=mask is None)  # (B, H, T, hd)
+            is_causal=mask is None, scale=self.scale)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.wo(y)
 
@@ -227,6 +229,7 @@ class Transformer(nn.Module):
         super().__init__()
         check_model_config(cfg)
         self.cfg = cfg
+        self.logit_multiplier = mup.output_multiplier(cfg)  # 1 but under µP
         d = cfg.d_model
         # Every weight is set again by init_weights(); fork the CPU RNG so the modules' default
         # initialisation leaves the caller's random stream as it was.
@@ -254,7 +257,8 @@ class Transformer(nn.Module):
         GPT-2/Megatron: normal(0, init_std) for linears and embeddings; the projections that
         write into the residual stream (attention.wo, feed_forward.w2) get init_std / sqrt(2 n_layers)
         so the residual's variance does not grow with depth; biases 0, norm weights 1. A tied
-        head draws its embedding's values.
+        head draws its embedding's values. Under µP the blocks' matrices start narrower as the
+        width grows (`raylm.model.mup`).
         """
         cfg = self.cfg
         module, _, leaf = name.rpartition(".")
@@ -263,11 +267,14 @@ class Transformer(nn.Module):
             return ParamInit("zeros", name)
         if owner in ("attention_norm", "ffn_norm", "norm"):
             return ParamInit("ones", name)
+        hidden = mup.hidden_init_scale(cfg)  # 1 but under µP, where it falls with the width
         if owner in ("wo", "w2"):
-            return ParamInit("normal", name, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+            return ParamInit("normal", name, hidden * cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        if owner in ("wq", "wk", "wv", "w1", "w3"):
+            return ParamInit("normal", name, hidden * cfg.init_std)
         if owner == "output" and cfg.tie_embeddings:
             return ParamInit("normal", "tok_embeddings.weight", cfg.init_std)
-        if owner in ("wq", "wk", "wv", "w1", "w3", "tok_embeddings", "pos_embeddings", "output"):
+        if owner in ("tok_embeddings", "pos_embeddings", "output"):
             return ParamInit("normal", name, cfg.init_std)
         raise ValueError(f"Transformer.param_init has no rule for parameter {name!r}")
 
@@ -327,4 +334,6 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)  # (B, T, vocab)
+            if self.logit_multiplier != 1.0:
+                h = h * self.logit_multiplier
         return h

@@ -121,7 +121,7 @@ class Trainer:
         self.source = spec.datasets.open_split("train", cfg.data, cfg.storage)
         self.model = build_model(lambda: Transformer(cfg.model), cfg, world, spec.layout(world.world_size),
                                  spec.datasets.manifest.tokenizer.eot_id)
-        self.optimizer = build_optimizer(self.model.parts, cfg.optim)
+        self.optimizer = build_optimizer(self.model.parts, cfg.optim, cfg.model)
         self.restored_world_size: Optional[int] = None
         self.state = self._restore()
         self.guard: Optional[Guard] = None

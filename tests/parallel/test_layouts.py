@@ -35,6 +35,9 @@ MODELS = {
                 pos_embedding="learned", mlp="gelu", bias=True, tie_embeddings=True),
     # PaLM-style parallel block: attention and MLP read one norm's output.
     "palm": dict(d_model=32, n_layers=2, n_heads=4, vocab_size=VOCAB, max_seq_len=32, parallel_block=True),
+    # µP at twice its base width: the hidden matrices' own LR group, the logit and attention scales.
+    "llama-mup": dict(d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32,
+                      parametrization="mup", mup_base_width=16),
 }
 TP_SP = dict(tp=2, sequence_parallel=True, loss_parallel=True)
 # name -> (world size, model, ParallelConfig fields)
@@ -49,6 +52,7 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
     "pp2_interleaved_1f1b": (2, "llama", dict(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)),
     "pp2_zbv_zero_bubble": (2, "llama", dict(pp=2, pp_schedule="zbv_zero_bubble", pp_virtual_stages=2)),
     "pp2_dualpipev": (2, "llama", dict(pp=2, pp_schedule="dualpipev", pp_virtual_stages=2)),
+    "pp2_1f1b_mup": (2, "llama-mup", dict(pp=2, pp_schedule="1f1b", pp_layer_split=[1, 3])),
     "zero1": (4, "llama", dict(sharding="optimizer")),
     "zero2_ac_every_2": (4, "llama", dict(sharding="gradients", activation_checkpointing="every_k", ac_every=2)),
     "zero3": (4, "llama", dict(sharding="full")),
@@ -60,6 +64,7 @@ LAYOUTS: dict[str, tuple[int, str, dict]] = {
     "ddp_pp2": (4, "llama", dict(sharding="none", pp=2)),
     "pp2_fsdp2": (4, "llama", dict(sharding="full", pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)),
     "tp2_fsdp2": (4, "llama", dict(sharding="full", **TP_SP)),
+    "tp2_fsdp2_mup": (4, "llama-mup", dict(sharding="full", **TP_SP)),
     "pp2_zbv_tp2": (4, "llama", dict(pp=2, pp_schedule="zbv_zero_bubble", pp_virtual_stages=2, **TP_SP)),
     "3d_pp2_fsdp2_tp2": (8, "llama", dict(sharding="full", pp=2, **TP_SP)),
     "hsdp_2x2_tp2": (8, "llama", dict(sharding="optimizer", dp_replicate=2, tp=2)),
@@ -88,7 +93,7 @@ def build(cfg: Config) -> tuple[ParallelModel, torch.optim.Optimizer]:
     world = World.current()
     model = build_model(lambda: Transformer(cfg.model), cfg, world,
                         resolve_layout(cfg.parallel, cfg.model, world.world_size, cfg.train.seq_len))
-    return model, build_optimizer(model.parts, cfg.optim)
+    return model, build_optimizer(model.parts, cfg.optim, cfg.model)
 
 
 def rank_share(model: ParallelModel, step: int) -> torch.Tensor:
