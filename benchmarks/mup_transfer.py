@@ -1,0 +1,122 @@
+"""Does the best learning rate stay put as the width grows? (issue 64)
+
+LR sweeps at several widths (fixed depth, the same tokens per parameter) on the built-in corpus
+(this Python's standard library, byte tokens), under the standard parametrization and under µP
+(`model.parametrization=mup`, `model.mup_base_width` = the smallest width): each run trains with
+`raylm.train.loop.train_local` (no Ray) and is judged by its final validation loss. The best
+LR's index on the grid should move by at most one step across the widths under µP; how far it
+moves under the standard parametrization is the comparison.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mup_transfer.py --json-out FILE \\
+        [--widths 64,128,256] [--lrs 7] [--tokens-per-param 1.0] [--data DIR]
+
+JSON: `best_lr` ({parametrization: {width: lr}}), `shift_steps` ({parametrization: grid steps
+between the widths' best LRs, the largest minus the smallest index}), `val_loss`
+({parametrization: {width: {lr: loss}}}), `steps` (per width), the grid and the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import load_average  # noqa: E402
+
+SEQ_LEN, BATCH, LAYERS, HEADS = 128, 16, 2, 4
+BASE_LR = 3e-3  # the grid's middle: √2 apart either side
+
+
+def prepare(workdir: str) -> str:
+    import ray
+
+    from raylm.data.prepare import prepare_dataset
+    from raylm.ray_runtime import use_loopback
+
+    out = os.path.join(workdir, "stdlib")
+    use_loopback()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        prepare_dataset([], out, seq_len=SEQ_LEN, max_documents=2000)
+    finally:
+        ray.shutdown()
+    return out
+
+
+def run(data: str, workdir: str, parametrization: str, width: int, base: int, lr: float, steps: int) -> float:
+    from raylm.config import load_config
+    from raylm.train.loop import train_local
+    from raylm.train.observe.records import read_jsonl
+
+    mup = ["model.parametrization=mup", f"model.mup_base_width={base}"] if parametrization == "mup" else []
+    cfg = load_config(None, [
+        f"data.path={data}", "data.loader=local", f"model.d_model={width}", f"model.n_layers={LAYERS}",
+        f"model.n_heads={HEADS}", f"model.max_seq_len={SEQ_LEN}",
+        f"train.global_batch_size={BATCH}", f"train.micro_batch_size={BATCH}", f"train.steps={steps}",
+        f"train.eval_every={steps}", "train.eval_batches=8", "train.tensorboard=false", "checkpoint.every_steps=0",
+        "guard.enabled=false", f"optim.lr={lr}", f"schedule.warmup_steps={max(1, steps // 10)}",
+        f"schedule.min_lr={lr / 10}", "parallel.num_workers=1", *mup])
+    run_dir = os.path.join(workdir, f"{parametrization}-{width}-{lr:.3g}")
+    train_local(cfg, run_dir)
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return rows[-1]["val_loss"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json-out", required=True)
+    parser.add_argument("--widths", default="64,128,256")
+    parser.add_argument("--lrs", type=int, default=7, help="grid points, √2 apart around 3e-3 (default 7)")
+    parser.add_argument("--tokens-per-param", type=float, default=1.0)
+    parser.add_argument("--data", help="a prepared dataset (default: the built-in corpus, prepared here)")
+    args = parser.parse_args()
+
+    from raylm.config import ModelConfig
+    from raylm.data.manifest import load_manifest
+    from raylm.model.sizes import count_params
+
+    widths = [int(w) for w in args.widths.split(",")]
+    grid = [BASE_LR * math.sqrt(2) ** (k - (args.lrs - 1) / 2) for k in range(args.lrs)]
+    workdir = tempfile.mkdtemp(prefix="raylm-mup-")
+    started = time.time()
+    try:
+        data = args.data or prepare(workdir)
+        vocab = load_manifest(data).vocab_size
+        steps = {w: max(10, round(args.tokens_per_param * count_params(
+            ModelConfig(d_model=w, n_layers=LAYERS, n_heads=HEADS, vocab_size=vocab, max_seq_len=SEQ_LEN))
+            / (BATCH * SEQ_LEN))) for w in widths}
+        losses: dict = {}
+        for parametrization in ("standard", "mup"):
+            for width in widths:
+                for lr in grid:
+                    loss = run(data, workdir, parametrization, width, widths[0], lr, steps[width])
+                    losses.setdefault(parametrization, {}).setdefault(width, {})[lr] = loss
+                    print(f"{parametrization:8} width {width:4} lr {lr:.2e}: val {loss:.4f} ({steps[width]} steps)",
+                          flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    best = {p: {w: min(by_lr, key=by_lr.get) for w, by_lr in per_width.items()} for p, per_width in losses.items()}
+    shift = {p: max(grid.index(lr) for lr in b.values()) - min(grid.index(lr) for lr in b.values())
+             for p, b in best.items()}
+    result = {"best_lr": best, "shift_steps": shift, "val_loss": losses, "steps": steps, "grid": grid,
+              "widths": widths, "tokens_per_param": args.tokens_per_param, "seconds": time.time() - started,
+              "load_average": load_average()}
+    with open(args.json_out, "w") as f:
+        json.dump(result, f, indent=1)
+    for p in ("standard", "mup"):
+        print(f"{p}: best LR by width {', '.join(f'{w}: {lr:.2e}' for w, lr in best[p].items())}; "
+              f"moves {shift[p]} grid step(s)" + (f" (goal <= 1: {'met' if shift[p] <= 1 else 'NOT met'})"
+                                                   if p == "mup" else ""))
+
+
+if __name__ == "__main__":
+    main()
