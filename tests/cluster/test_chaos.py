@@ -23,7 +23,7 @@ from tests.support.order import epoch_samples
 from cluster.chaos import TrainDriver, train_worker
 from raylm.train.observe.records import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
-from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.clusters import module_on_shared_cluster
 from tests.support.fixtures import write_corpus
 
 pytestmark = pytest.mark.slow
@@ -56,9 +56,10 @@ def chaos_dataset(ray_session, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(chaos_dataset) -> LocalCluster:
+def cluster(chaos_dataset, request, shared_cluster) -> LocalCluster:
     # One training worker per node, filling it: its Ray Data reader reserves no CPU (raylm.data.stream).
-    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+    # The session's cluster of this shape (tests/support/clusters.py), whole.
+    yield from module_on_shared_cluster(request, shared_cluster)
 
 
 def dataset_epoch_samples(dataset: str) -> int:

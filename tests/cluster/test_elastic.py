@@ -30,7 +30,7 @@ import pytest
 
 from cluster.chaos import TrainDriver, train_workers
 from cluster.local import LocalCluster
-from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.clusters import module_on_shared_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,9 @@ STEPS, CHECKPOINT_EVERY = 60, 10
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dataset) -> LocalCluster:
-    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+def cluster(tiny_dataset, request, shared_cluster) -> LocalCluster:
+    # The session's cluster of the README's shape (tests/support/clusters.py), whole.
+    yield from module_on_shared_cluster(request, shared_cluster)
 
 
 def demo_args(dataset: str, storage: Path, name: str, *extra: str) -> list[str]:

@@ -2,7 +2,8 @@
 127.0.0.1 and two worker nodes, token authentication on, entry points from jobs/ submitted as
 the README shows (`ray job submit` and `raylm submit`) from the repository root.
 
-One cluster serves the module, and one dataset that a jobs/prepare.py job makes on it. The
+The session's cluster (tests/support/clusters.py, shared with the other cluster modules) serves
+the module, and one dataset that a jobs/prepare.py job makes on it. The
 reference run (a `ray job submit` to SUCCEEDED) keeps its checkpoints and metrics on S3
 (SeaweedFS), with credentials from the nodes' environment as on a real cluster; it is also what
 the stopped-and-resubmitted run, on local storage, is compared with. Runs read with
@@ -31,7 +32,7 @@ from raylm.data import storage as store
 from raylm.launch.submit import SubmitError, load_runtime_env, next_submission_id
 from raylm.train.checkpoint.format import checkpoint_uris, latest_complete
 from raylm.train.observe.records import read_jsonl
-from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.clusters import module_on_shared_cluster
 from tests.support.fixtures import write_corpus
 
 pytestmark = pytest.mark.slow
@@ -46,12 +47,13 @@ SAME_WORLD_RTOL = 1e-6  # the same world size repeats the same arithmetic: fp32 
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_server) -> LocalCluster:
-    # Started after the S3 server: the nodes inherit its AWS_* credentials from the environment,
-    # as a real cluster's nodes get theirs from an instance role; no job carries a secret.
+def cluster(s3_server, request, shared_cluster) -> LocalCluster:
+    # The session's cluster of the README's shape (tests/support/clusters.py), started after the
+    # S3 server: the nodes inherit its AWS_* credentials from the environment, as a real
+    # cluster's nodes get theirs from an instance role; no job carries a secret.
     # 2 CPUs a node: the two 1-CPU training workers, on one node or one on each, and the prepare
     # job's Ray Data tasks.
-    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+    yield from module_on_shared_cluster(request, shared_cluster)
 
 
 @pytest.fixture(scope="module")

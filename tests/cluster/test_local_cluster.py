@@ -19,9 +19,15 @@ from pathlib import Path
 import pytest
 
 from cluster.local import LocalCluster, LocalClusterError, kill_process_trees
-from tests.support.clusters import local_cluster as _local_cluster
+from tests.support.clusters import module_on_shared_cluster
 
-local_cluster = pytest.fixture(scope="module")(_local_cluster)
+
+@pytest.fixture(scope="module")
+def local_cluster(request, shared_cluster) -> LocalCluster:
+    # The session's cluster of the README's shape (tests/support/clusters.py), whole. The next
+    # module gets a fresh one: the last test here stops this one, and the detached actors of the
+    # first hold a CPU of a node that outlives them.
+    yield from module_on_shared_cluster(request, shared_cluster, fresh_after=True)
 
 # Places a detached actor on each given node (it outlives this driver, so the test can find
 # its PID among the node's processes) and reports what the driver sees.

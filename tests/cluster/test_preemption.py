@@ -20,7 +20,7 @@ from cluster.chaos import TrainDriver, train_workers
 from cluster.local import LocalCluster
 from raylm.report import write_report
 from raylm.train.checkpoint import format as checkpoint
-from tests.support.clusters import local_cluster as local_cluster_body
+from tests.support.clusters import module_on_shared_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,10 @@ DEADLINE_S = 30
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dataset) -> LocalCluster:
-    yield from local_cluster_body(num_nodes=2, cpus_per_node=2)
+def cluster(tiny_dataset, request, shared_cluster) -> LocalCluster:
+    # The session's cluster of the README's shape (tests/support/clusters.py), whole: the node
+    # this module's test drains and kills is started again for whoever uses the cluster next.
+    yield from module_on_shared_cluster(request, shared_cluster)
 
 
 def test_a_preempted_node_costs_no_step(cluster, tiny_dataset, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""Session fixtures: Ray's token authentication for every Ray of the session, one local Ray,
-and small corpora prepared by the real `prepare_dataset`."""
+"""Session fixtures: Ray's token authentication for every Ray of the session, one local Ray, one
+local multi-node cluster for the cluster modules, and small corpora prepared by the real
+`prepare_dataset`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Iterator
 import pytest
 
 from raylm.ray_runtime import ensure_auth_token, use_loopback
+from tests.support.clusters import SHARED, SharedCluster
 
 WORDS = ("the king queen castle river stone light dark bread wine horse sword crown field "
          "winter summer old young gold silver song night morning sea ship").split()
@@ -60,6 +62,27 @@ def ray_session(request):
     assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(request) -> Iterator[SharedCluster]:
+    """The session's local multi-node cluster of the README's shape (tests/support/clusters.py):
+    a cluster module's `cluster` fixture gets it through `module_on_shared_cluster`."""
+    # The nodes inherit the environment they start with: bring up S3 (its AWS_* credentials)
+    # first, as a real cluster's nodes get theirs from an instance role (tests/cluster/test_jobs.py).
+    try:
+        request.getfixturevalue("s3_server")
+    except pytest.skip.Exception:
+        pass
+    yield SHARED
+    SHARED.release()
+
+
+@pytest.fixture
+def addresses_of_local_clusters_free() -> None:
+    """For a test whose subprocess starts a local cluster of its own on 127.0.0.2, 127.0.0.3, ...:
+    the shared cluster, which takes those addresses, is stopped first (if it runs)."""
+    SHARED.release()
 
 
 @pytest.fixture(scope="session")
