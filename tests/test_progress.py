@@ -70,3 +70,30 @@ def test_data_verify_counts_shards_on_a_terminal_and_in_a_log(tiny_dataset):
     assert lines[0].startswith(f"raylm: verify {tiny_dataset}: 0/") and lines[0].endswith(" shards")
     assert lines[-2].startswith(f"raylm: verify {tiny_dataset}: ") and " shards (" in lines[-2]
     assert lines[-1].startswith(f"OK {tiny_dataset}")
+
+
+def test_sweep_refit_draws_its_bootstrap_as_a_bar_on_a_terminal(tmp_path):
+    from tests.sweep.test_sweep import stdlib_record
+
+    directory = stdlib_record(tmp_path)
+    record = directory / "sweep.yaml"
+    record.write_text(record.read_text().replace("    bootstrap: 200\n", "    bootstrap: 12\n"))
+    shown = run_on_terminal("sweep", "--refit", str(directory))
+    assert shown.status == 0, shown.output
+    assert "raylm: fit: chinchilla: bootstrap refits: 100%|" in shown.output and "| 12/12 [" in shown.output
+
+
+@pytest.mark.slow
+def test_eval_data_draws_its_parts_as_a_bar_on_a_terminal(tiny_dataset, tmp_path):
+    from raylm.config import load_config
+    from raylm.train.loop import train_local
+
+    run = str(tmp_path / "run")
+    train_local(load_config(None, [f"data.path={tiny_dataset}", "data.loader=local", "model.d_model=32",
+                                   "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32",
+                                   "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
+                                   "train.tensorboard=false", "schedule.warmup_steps=1", "train.steps=2"]), run)
+    shown = run_on_terminal("eval", run, "--data", tiny_dataset, "--output", str(tmp_path / "val.json"),
+                            "--workers", "1", "--rows-per-part", "16", env={"RAY_ADDRESS": ""})
+    assert shown.status == 0, shown.output
+    assert "raylm: eval: val on 1 worker(s): 100%|" in shown.output and " parts/s]" in shown.output

@@ -24,13 +24,15 @@ class TerminalOutcome:
 
 
 def run_on_terminal(*args: str, timeout_s: float = 300, columns: int = 100,
-                    interrupt_when: Optional[Callable[[str], bool]] = None) -> TerminalOutcome:
+                    interrupt_when: Optional[Callable[[str], bool]] = None,
+                    env: Optional[dict] = None) -> TerminalOutcome:
     """`raylm ARGS` in a fresh interpreter whose stdin, stdout and stderr are a terminal of
-    `columns` columns; with `interrupt_when`, a Ctrl-C (SIGINT) once the output so far satisfies it."""
+    `columns` columns (and `env` added to the environment); with `interrupt_when`, a Ctrl-C (SIGINT)
+    once the output so far satisfies it."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     process = subprocess.Popen([sys.executable, "-m", "raylm.cli", *args], stdin=follower, stdout=follower,
-                               stderr=follower, close_fds=True, env={**os.environ, "COLUMNS": str(columns)})
+                               stderr=follower, close_fds=True, env={**os.environ, "COLUMNS": str(columns), **(env or {})})
     os.close(follower)
     chunks, interrupted, deadline = [], False, time.monotonic() + timeout_s
     try:
