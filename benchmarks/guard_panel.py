@@ -14,11 +14,20 @@ loss:
 - poisoned window: ~300 KB of random printable bytes in the middle of Shakespeare, read in the
   default chunks of 64 rows (whole batches of noise). Goal: the guard acts, and the val loss is
   within 3% of the same run on the clean text.
+- early window (issue 60): ~300 KB of noise in the text, read in chunks of 4096 rows, with the
+  data order's seed chosen so that the window is met in the first 10% of the steps, while the model
+  is still at its unigram level (the canary cannot tell noise from learning there, and the noise
+  test does not apply): random printable characters, and random bytes read as Latin-1 text, each
+  in Shakespeare and in English prose (the standard library's docstrings and pydoc's topics).
+  Goal: the val loss within 3% of the same run on the clean text (chunks of 4096, data.seed 0).
 - too-high LR: the nanoGPT config at an LR at which it diverges without the guard. Goal: the guard
   rolls back and cuts the LR, and the run ends within 5% of the val loss of the config's own LR.
 - NaN: a non-finite loss injected once. Goal: the run finishes, nothing skipped, no restart.
 - cost: the mean step time of the clean nanoGPT run (the guard's checks land in the steps that take
   them), guard on against off, in alternating rounds (goal ≤ 2% more).
+- `--check-cost`: the data check's own work against a plain nanoGPT step (goal ≤ 0.5%); `--scan`:
+  no training, the batches of each case's steps that the data check would skip (model-free: a
+  clean run it skips nothing in trains as it did before it).
 
 `--quick` runs every case on fewer steps (300; the demo 100) and a fifth of the poison: the same
 code path, in minutes (tests/test_guard_panel.py runs it on a text every Python carries).
@@ -27,6 +36,8 @@ code path, in minutes (tests/test_guard_panel.py runs it on a text every Python 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import multiprocessing
 import os
@@ -41,10 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
+import pyarrow.parquet as pq
 from _common import load_average, print_table, python_sources, shakespeare_bytes
 
 from raylm.config import Config, load_config
-from raylm.data.prepare import prepare_dataset
+from raylm.data.manifest import MANIFEST_FILE, TOKENS_COLUMN, VERIFIED_FILE, load_manifest, shard_bytes
+from raylm.data.prepare import _digest, _is_val, prepare_dataset
 from raylm.ray_runtime import start_ray
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
@@ -97,16 +111,53 @@ def run_case(name: str, cfg: Config, run_dir: Path, guard: bool) -> Outcome:
 
 # ----------------------------------------------------------------------------- data
 
+def noise(size: int, seed: int = 0) -> str:
+    """`size` random printable characters that the hash split puts in the training split."""
+    rng = random.Random(seed)
+    while True:
+        text = "".join(rng.choice(string.printable[:95]) for _ in range(size))
+        if not _is_val(_digest(text), 0.1):
+            return text
+
+
 def write_shakespeare_documents(text: str, out: Path, poison_bytes: int = 0, seed: int = 0) -> Path:
     """The text as documents of ~50 lines each (so a hash split spreads them over train and val),
     with `poison_bytes` of random printable characters as one document in the middle."""
-    out.mkdir(parents=True, exist_ok=True)
     lines = text.splitlines(keepends=True)
     chunks = ["".join(lines[i:i + 50]) for i in range(0, len(lines), 50)]
-    if poison_bytes:
-        rng = random.Random(seed)
-        noise = "".join(rng.choice(string.printable[:95]) for _ in range(poison_bytes))
-        chunks.insert(len(chunks) // 2, noise)
+    return write_documents(chunks, out, noise(poison_bytes, seed) if poison_bytes else None)
+
+
+def prose_documents() -> list[str]:
+    """English prose every Python carries: the standard library's docstrings of 200 characters or
+    more (tests and vendored packages aside) and pydoc's topics, one document each (~1.8 MB)."""
+    import ast
+    import sysconfig
+
+    import pydoc_data.topics
+
+    documents = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200:
+                    documents.append(doc)
+    return documents + [topic for _, topic in sorted(pydoc_data.topics.topics.items())]
+
+
+def write_documents(documents: list[str], out: Path, poison: Optional[str] = None) -> Path:
+    """Each document a file of `out`, with `poison` as one more in the middle."""
+    out.mkdir(parents=True, exist_ok=True)
+    chunks = list(documents)
+    if poison:
+        chunks.insert(len(chunks) // 2, poison)
     for i, chunk in enumerate(chunks):
         (out / f"part-{i:05d}.txt").write_text(chunk)
     return out
@@ -116,6 +167,72 @@ def prepared(inputs: list[str], out: Path, seq_len: int) -> str:
     if not (out / "manifest.json").exists():
         prepare_dataset(inputs, str(out), tokenizer="byte", seq_len=seq_len, val_fraction=0.1)
     return str(out)
+
+
+def poison_rows(dataset: str, poison: str) -> tuple[int, int]:
+    """The train split's rows (first, end) whose targets lie inside the poison document."""
+    manifest = load_manifest(dataset)
+    rows = np.concatenate([_shard_rows(dataset, s.file) for s in manifest.splits["train"].shards])
+    stream = np.concatenate([rows[0], rows[1:, 1:].reshape(-1)]).astype(np.uint16)
+    key = np.frombuffer(poison.encode()[:256], dtype=np.uint8).astype(np.uint16).tobytes()
+    found = stream.tobytes().find(key)  # even: a token's high byte is 0 (1 for end-of-text)
+    assert found >= 0, f"the poison is not in the train split of {dataset}"
+    start = found // 2
+    end = start + len(poison.encode())
+    seq_len = manifest.seq_len
+    return -(-start // seq_len), (end - 1) // seq_len  # row k's targets: stream[k*T+1 : (k+1)*T+1]
+
+
+def break_rows(dataset: str, rows: tuple[int, int], seed: int = 0) -> None:
+    """Every token of the train split's `rows` replaced by a uniform random byte (a broken shard,
+    after prepare: the manifest's statistics stay as prepare computed them), the checksums updated."""
+    rng = np.random.default_rng(seed)
+    path = Path(dataset) / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    first = 0
+    for shard in manifest["splits"]["train"]["shards"]:
+        lo, hi = max(rows[0] - first, 0), min(rows[1] - first, shard["rows"])
+        first += shard["rows"]
+        if lo >= hi:
+            continue
+        tokens = _shard_rows(dataset, shard["file"])
+        tokens[lo:hi] = rng.integers(0, 256, size=(hi - lo, tokens.shape[1]))
+        data = shard_bytes(tokens)
+        (Path(dataset) / shard["file"]).write_bytes(data)
+        shard["sha256"] = hashlib.sha256(data).hexdigest()
+        shard["documents"] = int(np.count_nonzero(tokens[:, 1:] == manifest["tokenizer"]["eot_id"]))
+    train = manifest["splits"]["train"]
+    train["documents"] = sum(s["documents"] for s in train["shards"])
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    (Path(dataset) / VERIFIED_FILE).unlink(missing_ok=True)
+
+
+def _shard_rows(dataset: str, name: str) -> np.ndarray:
+    tokens = pq.read_table(Path(dataset) / name).column(TOKENS_COLUMN).combine_chunks()
+    return tokens.flatten().to_numpy().reshape(len(tokens), tokens.type.list_size).copy()
+
+
+def early_seed(cfg: Config, rows: tuple[int, int], steps: int, share: float = 0.1) -> int:
+    """The first data.seed whose order meets the bulk of the poison's `rows` (half of them or more)
+    by the end of the first `share` of `steps` plus the window's own length: the window starts
+    there, not a stray edge of it (a chunk of shuffled rows holds the window's edge among clean ones)."""
+    from raylm.data.stream import Datasets
+
+    window = rows[1] - rows[0]
+    for seed in range(500):
+        data = dataclasses.replace(cfg.data, seed=seed)
+        source = Datasets.load(data, None).open_split("train", data, None)
+        met = int(steps * share) * cfg.train.global_batch_size + window  # positions by then
+        _, shards, within = source.order.locate_many(np.arange(met))
+        row = _shard_offsets(cfg.data.path)[shards] + within
+        if np.count_nonzero((row >= rows[0]) & (row < rows[1])) >= window / 2:
+            return seed
+    raise RuntimeError(f"no data.seed below 500 meets the poison of {cfg.data.path} in the first {share:.0%} of steps")
+
+
+def _shard_offsets(dataset: str) -> np.ndarray:
+    shards = load_manifest(dataset).splits["train"].shards
+    return np.concatenate([[0], np.cumsum([s.rows for s in shards])[:-1]]).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------- the panel
@@ -148,6 +265,29 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], boo
                                              poison_bytes=60_000 if quick else 300_000)
         return nanogpt(prepared([str(poison)], work / "data" / "poisoned-64", 64), "data.chunk_rows=64", *steps)
 
+    def early(corpus: str, kind: str) -> Config:
+        """A window of noise (`kind`: printable, or bytes: the printable window's tokens replaced by
+        random bytes after prepare) met in the first 10% of the steps; no `kind`: the clean text."""
+        name = f"{corpus}-{kind}" if kind else f"{corpus}-clean"
+        poison = noise(60_000 if quick else 300_000) if kind else None
+        text_dir = work / "text" / f"early-{name}"
+        if corpus == "prose":
+            write_documents(prose_documents(), text_dir, poison)
+        else:
+            lines = text.splitlines(keepends=True)
+            write_documents(["".join(lines[i:i + 50]) for i in range(0, len(lines), 50)], text_dir, poison)
+        cfg = nanogpt(prepared([str(text_dir)], work / "data" / f"early-{name}-64", 64), "data.chunk_rows=4096",
+                      *steps)
+        if poison is not None:
+            found = work / "data" / f"early-{name}-64.poison-rows.json"  # broken, the rows are not found again
+            if not found.exists():
+                rows = poison_rows(cfg.data.path, poison)
+                if kind == "bytes":
+                    break_rows(cfg.data.path, rows)
+                found.write_text(json.dumps(rows))
+            cfg.data.seed = early_seed(cfg, tuple(json.loads(found.read_text())), cfg.train.steps)
+        return cfg
+
     def demo() -> Config:
         data = prepared([], work / "data" / "stdlib-byte-256", 256)
         return load_config(DEMO, [f"data.path={data}", "checkpoint.every_steps=0", "train.tensorboard=false",
@@ -163,6 +303,12 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], boo
                              *steps), False),
         # Guard off, a too-high LR is the divergence the case is about: the full panel measures it
         # (RESULTS.md), the reduced one only what the guard did.
+        "early window: printable, Shakespeare": (lambda: early("shakespeare", "printable"), False),
+        "clean text, chunks of 4096 (early windows' reference): Shakespeare": (lambda: early("shakespeare", ""), False),
+        "early window: bytes, Shakespeare": (lambda: early("shakespeare", "bytes"), False),
+        "early window: printable, prose": (lambda: early("prose", "printable"), False),
+        "clean text, chunks of 4096 (early windows' reference): prose": (lambda: early("prose", ""), False),
+        "early window: bytes, prose": (lambda: early("prose", "bytes"), False),
         "too-high LR": (lambda: shakespeare(f"optim.lr={args.high_lr}", f"schedule.min_lr={args.high_lr / 10}"),
                         not quick),
         "NaN once": (lambda: shakespeare(f"train.inject_nonfinite=[{150 if quick else 1000}]"), False),
@@ -171,7 +317,8 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], boo
 
 def judge(results: dict[str, dict[bool, Outcome]]) -> list[list[object]]:
     rows = []
-    own = results["clean, shuffled: nanoGPT"][True].val_loss
+    own = results.get("clean, shuffled: nanoGPT", {}).get(True)
+    own = own.val_loss if own is not None else float("nan")
     for name, by_guard in results.items():
         on, off = by_guard[True], by_guard.get(False)
         goal, met = "", None
@@ -182,10 +329,17 @@ def judge(results: dict[str, dict[bool, Outcome]]) -> list[list[object]]:
             met = on.skipped_samples == 0 and not on.stopped and off is not None and off.val_loss is not None \
                 and on.val_loss is not None and on.val_loss <= off.val_loss * 1.01
         elif name == "poisoned window":
-            ref = results["clean text, chunks of 64 (poison's reference)"][True].val_loss
+            ref = results.get("clean text, chunks of 64 (poison's reference)", {}).get(True)
+            ref = ref.val_loss if ref is not None else float("nan")
             goal = f"guard acts, val within 3% of clean ({ref:.4f})"
             acted = any(on.actions[k] for k in ("batch_skipped", "lr_cut", "rollback"))
             met = acted and on.val_loss is not None and on.val_loss <= ref * 1.03
+        elif name.startswith("early window"):
+            corpus = name.rsplit(", ", 1)[1]
+            ref = results.get(f"clean text, chunks of 4096 (early windows' reference): {corpus}", {}).get(True)
+            ref_loss = ref.val_loss if ref is not None else None
+            goal = f"val within 3% of clean ({ref_loss:.4f})" if ref_loss else "val within 3% of clean (not run)"
+            met = on.val_loss is not None and ref_loss is not None and on.val_loss <= ref_loss * 1.03
         elif name == "too-high LR":
             goal = f"rollback + LR cut, val within 5% of own LR ({own:.4f})"
             met = bool(on.actions["rollback"] or on.actions["lr_cut"]) and on.val_loss is not None \
@@ -226,6 +380,74 @@ def measure_cost(args: argparse.Namespace, rounds: int, steps: int) -> list[obje
             "≤ +2%", "met" if share <= 0.02 else "NOT met"]
 
 
+def measure_check_cost(args: argparse.Namespace, rounds: int = 5, reps: int = 100) -> list[object]:
+    """The data check's own work on a nanoGPT batch (12 rows of 64 targets: a gather of the
+    unigram's log-probs and each row's sorted token counts) against a plain training step of the
+    nanoGPT model (forward, backward, AdamW) in the same process, interleaved in rounds so that
+    the machine's drift moves both alike; the median over rounds of their ratio."""
+    import torch
+
+    from raylm.model.transformer import Transformer
+    from raylm.train.resilience.datacheck import DataCheck, data_limit
+
+    torch.manual_seed(0)
+    data = shakespeare_bytes(args.input, args.workdir)
+    cfg = nanogpt(data)
+    limit, _ = data_limit([load_manifest(data)], [data], cfg.guard.data_deviations)
+    cfg.model.vocab_size = 257
+    model = Transformer(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    check = DataCheck(limit, torch.device("cpu"))
+    tokens = torch.randint(0, 256, (cfg.train.global_batch_size, cfg.model.max_seq_len + 1))
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    ratios, check_s, step_s = [], [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(reps):
+            check.noise_share(tokens[:, 1:])
+        check_s.append((time.perf_counter() - started) / reps)
+        started = time.perf_counter()
+        for _ in range(reps // 10):
+            step()
+        step_s.append((time.perf_counter() - started) / (reps // 10))
+        ratios.append(check_s[-1] / step_s[-1])
+    share = statistics.median(ratios)
+    return [f"data check: its work per nanoGPT step ({rounds} rounds, interleaved with plain steps)",
+            f"{1e6 * statistics.median(check_s):.0f} µs = {100 * share:.2f}% of a step "
+            f"({1000 * statistics.median(step_s):.1f} ms)", "", "≤ 0.5%", "met" if share <= 0.005 else "NOT met"]
+
+
+def scan_case(name: str, cfg: Config) -> str:
+    """The batches of a run's steps that the data check would skip, found without training: the
+    check is model-free, so a run it flags nothing in trains exactly as before it (its record has
+    two more fields). The stream as the run reads it from step 0 with no skips: a run that skipped
+    nothing reads exactly these."""
+    import torch
+
+    from raylm.data.stream import Datasets, TokenStream
+    from raylm.train.resilience.datacheck import NOISE_SHARE, DataCheck, data_limit
+
+    datasets = Datasets.load(cfg.data, None)
+    paths = [c.path for c in cfg.data.mixture] or [cfg.data.path]
+    limit, why = data_limit(datasets.manifests, paths, cfg.guard.data_deviations)
+    if limit is None:
+        return f"{name}: the data check is off ({why})"
+    check = DataCheck(limit, torch.device("cpu"))
+    source = datasets.open_split("train", cfg.data, None)
+    stream = TokenStream(source, cfg.train.global_batch_size, 0, 1, skip=[], engine="local")
+    shares = [float(check.noise_share(torch.from_numpy(b.tokens[:, 1:].astype(np.int64))))
+              for b in stream.batches(0, 0, cfg.train.steps)]
+    flagged = [i for i, share in enumerate(shares) if share >= NOISE_SHARE - 1e-9]
+    return (f"{name}: {len(flagged)} of {len(shares)} batches a third noise (steps {flagged[:10]}); the largest "
+            f"share of noise rows in a batch {max(shares):.3f}")
+
+
 def _show(o: Outcome) -> str:
     acted = ", ".join(f"{k} {v}" for k, v in o.actions.items() if v)
     val = f"{o.val_loss:.4f}" if o.val_loss is not None else "none"
@@ -246,6 +468,11 @@ def main() -> None:
     parser.add_argument("--cost-rounds", type=int, default=3, help="rounds of the cost measurement (0: none)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="cases trained at a time, each in its own process (the cost rounds: one at a time)")
+    parser.add_argument("--check-cost", action="store_true", help="the data check's work against a step's")
+    parser.add_argument("--scan", action="store_true",
+                        help="no training: the batches of each case's steps that the data check would skip")
+    parser.add_argument("--guard-on-only", action="store_true",
+                        help="leave out the runs with the guard off (their figures are deterministic: RESULTS.md)")
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
@@ -256,9 +483,14 @@ def main() -> None:
         if args.cases != "all" and not any(name.startswith(c.strip()) for c in args.cases.split(";")):
             continue
         cfg = config()
-        for guard in (True, False) if both else (True,):
+        for guard in (True, False) if both and not args.guard_on_only else (True,):
             slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-") + ("-guard" if guard else "-off")
             runs.append((name, cfg, args.workdir / "runs" / slug, guard))
+    if args.scan:
+        for name, cfg, _, guard in runs:
+            if guard:
+                print(scan_case(name, cfg), flush=True)
+        return
     results: dict[str, dict[bool, Outcome]] = {}
     # Each run is one process's work on one core (OMP_NUM_THREADS=1 in the slow suite): --jobs 2
     # halves the wall time there, at the price of the cases' own step times.
@@ -267,9 +499,11 @@ def main() -> None:
             results.setdefault(outcome.case, {})[outcome.guard] = outcome
             print(f"{outcome.case} (guard {'on' if outcome.guard else 'off'}): {_show(outcome)} in "
                   f"{outcome.wall_s:.0f} s (load {load_average()})", flush=True)
-    rows = judge(results) if args.cases == "all" else []
+    rows = judge(results)
     if args.cost_rounds:
         rows.append(measure_cost(args, args.cost_rounds, 100 if args.quick else 500))
+    if args.check_cost:
+        rows.append(measure_check_cost(args))
     if rows:
         print_table(["case", "guard on", "guard off", "goal", "verdict"], rows)
     if args.json_out:

@@ -27,10 +27,11 @@ ENTROPY_DEVIATIONS = 2.5
 """Random printable characters' 64-token rows sit 4-5 deviations above English's; a list of
 constants or a hex table below its median (benchmarks/RESULTS.md, issue 60)."""
 NOISE_SHARE = 1 / 3
-"""A batch with at least this share of noise rows is skipped. On four corpora (Shakespeare, the
-standard library's docstrings and sources, both together), in chunks of 4096 shuffled rows, a
-third skipped no clean batch and left about a tenth of a poisoned window's rows trained on (in
-batches holding fewer); a quarter skipped clean batches of the mixed corpus."""
+"""A batch with at least this share of noise rows is skipped. Simulated on four corpora
+(Shakespeare, the standard library's docstrings, its sources, Shakespeare and sources together)
+in chunks of 4096 shuffled rows, batches of 12: a third skipped no clean batch and left about a
+tenth of a 300 KB window's rows trained on (in batches holding fewer); a quarter skipped 1-3
+clean batches of the docstrings' epoch."""
 DEVIATION_FLOOR = 0.01
 """A deviation below this fraction of the median (a dataset of one text repeated) counts as this."""
 
