@@ -103,8 +103,10 @@ def launch(cfg: Config) -> dict:
                             return {}
                         # The workers check its files' checksums as they load it (a damaged one is passed over, named).
                         print(f"raylm: resuming from {restore} if its files pass their checksums", flush=True)
-                    console.keep_in(local_run_dir(cfg))  # a run that trains: its console beside it
                     trainer = _trainer(spec, uri)
+                    # A run that trains: its console beside it, from here (one stopped while Ray
+                    # started leaves nothing in a directory it made, which then goes with its lease).
+                    console.keep_in(local_run_dir(cfg))
                     training = True
                     _fit(trainer, cfg)
                 except (SystemExit, KeyboardInterrupt) as stop:
