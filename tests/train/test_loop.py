@@ -44,14 +44,17 @@ def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
 def test_tensorboard_holds_every_steps_metrics(tiny_dataset, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from raylm.train.observe.names import tracker_name
+
     train_local(tiny_config(tiny_dataset, "train.steps=6", "checkpoint.every_steps=0", "train.tensorboard=true"), str(tmp_path))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    # Under the trackers' names (raylm.train.observe.names): train/loss, val/loss, perf/tokens_per_s.
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "val_loss"):
-        logged = {e.step: e.value for e in events.Scalars(f"train/{key}")}
+        logged = {e.step: e.value for e in events.Scalars(tracker_name(key))}
         assert logged == pytest.approx({r["step"]: r[key] for r in rows if key in r}, rel=1e-6), key
-    assert len(events.Scalars("train/loss")) == 6
+    assert len(events.Scalars("train/loss")) == 6 and tracker_name("val_loss") == "val/loss"
 
 
 def test_stop_and_resume_gives_the_same_losses(tiny_dataset, tmp_path):
