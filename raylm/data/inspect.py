@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylm.config import StorageConfig
-from raylm.data.manifest import (TOKENS_COLUMN, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
+from raylm.data.manifest import (MANIFEST_FILE, TOKENS_COLUMN, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
                                  load_dataset_tokenizer, load_manifest)
 from raylm.data.storage import StorageError, StorageNotFoundError, file_versions, join, read_bytes, write_bytes
 from raylm.progress import Progress
@@ -130,6 +130,12 @@ def verify_dataset(uri: str, storage: Optional[StorageConfig] = None,
         for shard in shards:
             problems += _shard_problems(join(uri, shard.file), shard, manifest, storage)
             counter.update()
+    check, train = manifest.data_check, manifest.splits.get("train")
+    if not problems and check is not None:  # the shards' rows as the manifest says: their targets
+        targets = train.rows * manifest.seq_len if train is not None else 0
+        if sum(check.unigram) != targets:
+            problems.append(f"{join(uri, MANIFEST_FILE)}: data_check.unigram counts {sum(check.unigram)} tokens, the "
+                            f"train split's shards hold {targets} targets")
     return problems
 
 

@@ -268,11 +268,6 @@ def _check_values(manifest: Manifest, uri: str) -> None:
         copies, copied = split.duplicate_documents, split.duplicate_tokens
         ranges[f"splits.{name}.duplicate_tokens"] = (
             copied, (copies == 0) == (copied == 0) and 2 * copies <= copied <= split.tokens + manifest.seq_len)
-    if manifest.data_check is not None:  # counts of the train split's targets: seq_len a row
-        train = manifest.splits.get("train")
-        ranges["data_check.unigram"] = (f"{sum(manifest.data_check.unigram)} tokens in all",
-                                        train is not None and sum(manifest.data_check.unigram) ==
-                                        train.rows * manifest.seq_len)
     for key, (value, ok) in ranges.items():
         if not ok:
             raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, which prepare never writes")
