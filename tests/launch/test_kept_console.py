@@ -16,6 +16,7 @@ from raylm.data import storage
 from raylm.launch import console as console_module
 from raylm.launch.console import CONSOLE_FILE, kept_console
 from raylm.train.spec import local_run_dir
+from tests.support.cli import run_storage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = ("run.name=told", "data.chunk_rows=8", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
@@ -49,11 +50,7 @@ def test_lines_are_held_until_the_run_trains_then_kept_and_rotated(tmp_path, mon
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp_path, request, where):
-    storage_path, storage_cfg, extra = str(tmp_path / "runs"), None, []
-    if where == "s3":
-        server = request.getfixturevalue("s3_server")
-        storage_path, storage_cfg = request.getfixturevalue("s3_bucket") + "/runs", server.storage
-        extra = [f"storage.endpoint_url={server.endpoint_url}"]
+    storage_path, storage_cfg, extra = run_storage(request, where, tmp_path)
     args = [f"data.path={tiny_dataset}", f"run.storage_path={storage_path}", *RUN, *extra]
     done = subprocess.run([sys.executable, "-m", "raylm.cli", "train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})

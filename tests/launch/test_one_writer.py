@@ -13,7 +13,7 @@ import pytest
 from raylm.data import storage
 from raylm.train.lease import LEASE_FILE
 from raylm.train.observe.records import read_jsonl
-from tests.support.cli import assert_clean_refusal
+from tests.support.cli import assert_clean_refusal, run_storage
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,7 @@ def train_args(dataset: str, storage_path: str, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_second_run_of_the_same_run_is_refused_before_it_starts_ray(tiny_dataset, tmp_path, request, where):
-    storage_path, storage_cfg, extra = str(tmp_path / "runs"), None, []
-    if where == "s3":
-        server = request.getfixturevalue("s3_server")
-        storage_path, storage_cfg = request.getfixturevalue("s3_bucket") + "/runs", server.storage
-        extra = [f"storage.endpoint_url={server.endpoint_url}"]
+    storage_path, storage_cfg, extra = run_storage(request, where, tmp_path)
     args = train_args(tiny_dataset, storage_path, "train.steps=40", "checkpoint.every_steps=10", *extra)
     lease = storage.join(storage_path, "shared", LEASE_FILE)
     with open(tmp_path / "first.log", "w") as log:

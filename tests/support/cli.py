@@ -7,8 +7,10 @@ import io
 import re
 import subprocess
 from dataclasses import dataclass
+from typing import Optional
 
 from raylm.cli import main
+from raylm.config import StorageConfig
 
 
 @dataclass
@@ -40,3 +42,12 @@ def assert_clean_refusal(outcome: Outcome | subprocess.CompletedProcess, *names:
     assert re.search(r"^raylm: error: \S", outcome.stderr, re.MULTILINE), text[-3000:]
     assert "Traceback" not in text, text[-3000:]
     assert any(name in text for name in names), f"the error names none of {names}:\n{text[-3000:]}"
+
+
+def run_storage(request, where: str, tmp_path) -> tuple[str, Optional[StorageConfig], list[str]]:
+    """Where a test's runs live, `where` "local" (under tmp_path) or "s3" (a fresh bucket of the
+    session's SeaweedFS): (run.storage_path, its StorageConfig, the overrides that reach it)."""
+    if where == "local":
+        return str(tmp_path / "runs"), None, []
+    server = request.getfixturevalue("s3_server")
+    return request.getfixturevalue("s3_bucket") + "/runs", server.storage, [f"storage.endpoint_url={server.endpoint_url}"]

@@ -174,7 +174,8 @@ class RecordsUpload:
     def upload(self) -> None:
         for name in self.names():
             with open(os.path.join(self.run_dir, name), "rb") as f:
-                inode, size = os.fstat(f.fileno()).st_ino, os.fstat(f.fileno()).st_size
+                stat = os.fstat(f.fileno())
+                inode, size = stat.st_ino, stat.st_size
                 inode_sent, size_sent, tag = self.sent.get(name, (None, 0, ""))
                 uri = storage.join(self.run_uri, name)
                 if inode == inode_sent and size == size_sent:
