@@ -24,6 +24,7 @@ from raylm.downstream.scoring import Scorer
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
 from tests.support.cli import assert_clean_refusal, run_main
+from tests.support.terminal import run_on_terminal
 from tests.train.test_loop import tiny_config
 
 TASK = "raylm_choice"
@@ -121,6 +122,20 @@ def test_eval_tasks_on_ray_actors_matches_a_hand_computation(ray_session, run, t
     results = json.loads(output.read_text())
     assert results["n-samples"][TASK]["effective"] == 3 and results["config"]["limit"] == 3
     assert results["n-shot"][TASK] == 1
+
+
+@pytest.mark.slow
+def test_eval_tasks_draws_its_chunks_as_a_bar_on_a_terminal(ray_session, run, task_dir, tmp_path):
+    """As a user at a terminal runs it, on the session's Ray: a bar of the requests' chunks with
+    counts, not silence until lm-eval's table."""
+    shown = run_on_terminal("eval", run, "--tasks", TASK, "--include-path", task_dir,
+                            "--output", str(tmp_path / "results.json"), "--workers", "1", "--batch-rows", "2",
+                            env={"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address})
+    assert shown.status == 0, shown.output
+    # A request per choice (18), in chunks of a quarter of them for the one worker: 4.
+    assert "raylm: eval: loglikelihoods requests: 100%|" in shown.output, shown.output
+    assert "| 4/4 [" in shown.output and " chunks/s]" in shown.output, shown.output
+    assert (tmp_path / "results.json").exists()
 
 
 @pytest.mark.slow
