@@ -2,7 +2,7 @@
 
 A resuming rank needs its own share of the state, not the whole checkpoint: on 992 ranks of
 OPT-175B, 2 GB of 2.1 TB. The manifest records, beside each file's sha256, the sha256 of each of
-its blocks (`format.block_bytes`). `BlockReader`, a DCP storage reader over local files and
+its blocks (`integrity.block_bytes`). `BlockReader`, a DCP storage reader over local files and
 s3:// alike, reads the blocks that cover the byte ranges its load plan asks for (ranged reads,
 a few blocks at a time) and checks each against the manifest before anything in it is
 deserialized; a block that differs raises CorruptCheckpointError naming the file and the range.
@@ -33,8 +33,8 @@ from torch.futures import Future
 
 from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.train.checkpoint.format import (MANIFEST, CorruptCheckpointError, FileEntry, checksum_problem,
-                                           count_read)
+from raylm.train.checkpoint.errors import CorruptCheckpointError
+from raylm.train.checkpoint.integrity import MANIFEST, FileEntry, checksum_problem, count_read
 
 _SMALL_ENTRY = 64 << 10  # bytes: entries up to this size are kept by the lowest rank that holds them
 _FETCH_BLOCKS = 8  # blocks fetched by one ranged read, at most

@@ -7,8 +7,8 @@ A checkpoint directory, `checkpoint_<step, 8 digits>`, holds
 - from rank 0: `train_state.json` (step, data position, tokenizer hash, world size) and the
   `files` the loop hands over (`config.yaml`, `tokenizer.json`);
 - `checkpoint_manifest.json`, written by `finalize` once every other file is published: each
-  file's size and sha256, and the sha256 of each of its blocks (`block_bytes` long). A directory
-  without it is an unfinished save, never resumed from.
+  file's size and sha256, and the sha256 of each of its blocks (`integrity.block_bytes` long). A
+  directory without it is an unfinished save, never resumed from.
 
 Reading never runs code from storage, and a rank reads only what it loads: in `load`, rank 0
 reads the manifest, the train state and DCP's metadata for every rank, and each rank its RNG
@@ -36,11 +36,13 @@ import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from raylm.config import StorageConfig
 from raylm.data import storage
-from raylm.errors import DeterministicError
+from raylm.train.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
+from raylm.train.checkpoint.integrity import MANIFEST, FileEntry, checksum_problem, file_entry, file_problem, read_file
+from raylm.train.checkpoint.integrity import bytes_read  # noqa: F401 - train/loop.py reads it here, until it imports it
 
 if TYPE_CHECKING:
     import torch
@@ -53,38 +55,7 @@ if TYPE_CHECKING:
 
 PREFIX = "checkpoint_"
 TRAIN_STATE = "train_state.json"
-MANIFEST = "checkpoint_manifest.json"
-_HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
-# A file's blocks: at most 16 per file up to 8 MiB each, so that a rank reading a small part of
-# another rank's file (the replicated entries at its start) reads little of it, while the manifest
-# of a 2 TB checkpoint lists about 250,000 of them (17 MB).
-_MIN_BLOCK, _MAX_BLOCK, _BLOCKS_PER_FILE = 64 << 10, 8 << 20, 16
 _MAX_RANKS = 1 << 20  # far beyond any world size; a train_state.json claiming more is corrupt
-
-
-class CheckpointError(DeterministicError, ValueError):
-    """A checkpoint that cannot be used as it is; the message names it and the file."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint whose files are not what its manifest records, or that lacks a file it needs:
-    resuming passes over it for the previous one. Raised on every rank together by `load`."""
-
-    def __init__(self, uri: str, problem: str):
-        super().__init__(f"checkpoint {uri} cannot be used: {problem}")
-        self.uri, self.problem = uri, problem
-
-    def __reduce__(self):  # crosses ranks pickled, inside DCP's gathered failures
-        return type(self), (self.uri, self.problem)
-
-
-class UnusableCheckpointsError(CheckpointError):
-    """The run directory holds finished checkpoints, and none of them can be used."""
-
-
-class CheckpointWriteError(DeterministicError, RuntimeError):
-    """A checkpoint could not be written after its retries (a full disk, storage refusing writes);
-    training stops rather than go on unprotected."""
 
 
 def dir_name(step: int) -> str:
@@ -107,63 +78,6 @@ def _rng_name(rank: int) -> str:
     return f"rng/rank_{rank:05d}.pt"
 
 
-
-@dataclass(frozen=True)
-class FileEntry:
-    size: int
-    sha256: Optional[str]  # None only in manifests written before checksums were recorded
-    block_bytes: Optional[int] = None  # None (and no block_sha256) in manifests written before blocks were
-    block_sha256: Optional[tuple[str, ...]] = None
-
-
-def block_bytes(size: int) -> int:
-    """The length of the blocks a file of `size` bytes is hashed in (the last one may be shorter)."""
-    return min(_MAX_BLOCK, max(_MIN_BLOCK, -(-size // _BLOCKS_PER_FILE)))
-
-
-def _digests(f: Any, length: int) -> tuple[str, tuple[str, ...]]:
-    """The sha256 of the file `f` reads, whole and of each block of `length` bytes, in one pass."""
-    whole, blocks = hashlib.sha256(), []
-    while block := f.read(length):
-        whole.update(block)
-        blocks.append(hashlib.sha256(block).hexdigest())
-    return whole.hexdigest(), tuple(blocks)
-
-
-def _file_entry(path: str) -> FileEntry:
-    """A local file's size, sha256 and block hashes."""
-    size = os.path.getsize(path)
-    length = block_bytes(size)
-    with open(path, "rb") as f:
-        whole, blocks = _digests(f, length)
-    return FileEntry(size, whole, length, blocks)
-
-
-# Bytes this process has read from checkpoints: what a resume cost (the `resumed` event).
-_read_lock = threading.Lock()
-_read_total = 0
-
-
-def bytes_read() -> int:
-    """Bytes read from checkpoint files by this process so far (discovery, loads)."""
-    return _read_total
-
-
-def count_read(n: int) -> None:
-    global _read_total
-    with _read_lock:
-        _read_total += n
-
-
-def read_file(uri: str, storage_cfg: Optional[StorageConfig] = None) -> bytes:
-    """The bytes of a checkpoint's file, counted in `bytes_read`."""
-    data = storage.read_bytes(uri, storage_cfg)
-    count_read(len(data))
-    return data
-
-
-
-
 def _owner(name: str) -> int:
     """The rank that writes `name`: DCP names each rank's shards `__<rank>_<n>.distcp`."""
     m = re.fullmatch(r"__(\d+)_\d+\.distcp|rng/rank_(\d+)\.pt", name)
@@ -172,7 +86,7 @@ def _owner(name: str) -> int:
 
 def own_entries(directory: str, rank: int) -> dict[str, FileEntry]:
     """Size, sha256 and block hashes of the files of `directory` that `rank` wrote (ranks may share it)."""
-    return {name: _file_entry(os.path.join(directory, name))
+    return {name: file_entry(os.path.join(directory, name))
             for name in storage.list_files(directory) if _owner(name) == rank and name != MANIFEST}
 
 
@@ -309,11 +223,6 @@ def _checked_bytes(uri: str, name: str, manifest: Optional[dict[str, FileEntry]]
     if entry.sha256 is not None and (actual := hashlib.sha256(data).hexdigest()) != entry.sha256:
         raise CheckpointError(checksum_problem(name, actual, entry.sha256))
     return data
-
-
-def checksum_problem(name: str, actual: str, recorded: str, where: str = "") -> str:
-    """How a file (or, `where`, a range of it) that does not match its manifest entry is named."""
-    return f"{name} has sha256 {actual[:16]}...{where}, {MANIFEST} records {recorded[:16]}..."
 
 
 def _read_shared(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[bytes], bytes, bytes]:
@@ -500,31 +409,6 @@ def read_manifest(uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict
     except FileNotFoundError as e:
         raise CheckpointError(f"no {MANIFEST} (the save did not finish)") from e
     return _parse_manifest(raw)
-
-
-def file_problem(uri: str, name: str, entry: FileEntry, storage_cfg: Optional[StorageConfig] = None,
-                 checksum: bool = True) -> Optional[str]:
-    """What is wrong with file `name` of the checkpoint at `uri` against its manifest entry."""
-    try:
-        size = storage.file_size(storage.join(uri, name), storage_cfg)
-    except FileNotFoundError:
-        return f"{name} is missing, though {MANIFEST} lists it"
-    if size != entry.size:
-        return f"{name} is {size} bytes, {MANIFEST} records {entry.size}"
-    if not checksum or entry.sha256 is None:
-        return None
-    length = entry.block_bytes or _HASH_BLOCK
-    with storage.open_input(storage.join(uri, name), storage_cfg) as f:
-        actual, blocks = _digests(f, length)
-    count_read(size)
-    if actual != entry.sha256:
-        return checksum_problem(name, actual, entry.sha256)
-    # The blocks too: resuming checks them, not the whole, and they must describe the same bytes.
-    for i, (block, recorded) in enumerate(zip(blocks, entry.block_sha256 or ())):
-        if block != recorded:
-            where = f" in bytes {i * length}-{min((i + 1) * length, size) - 1}"
-            return checksum_problem(name, block, recorded, where)
-    return None
 
 
 def _parse_train_state(raw: bytes) -> dict:

@@ -19,7 +19,8 @@ from raylm.config import CONFIG_FILE, CheckpointConfig, StorageConfig
 from raylm.data import storage
 from raylm.data.tokenizer import TOKENIZER_FILE
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.format import CheckpointWriteError, FileEntry
+from raylm.train.checkpoint.errors import CheckpointWriteError
+from raylm.train.checkpoint.integrity import FileEntry
 from raylm.train.observe.records import EVENTS_FILE, append_event
 
 if TYPE_CHECKING:

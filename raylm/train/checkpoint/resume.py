@@ -43,8 +43,8 @@ import yaml
 from raylm.config import CONFIG_FILE, Config, ConfigError, StorageConfig, config_changes, config_to_dict
 from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.format import (TRAIN_STATE, CheckpointError, CorruptCheckpointError,
-                                           UnusableCheckpointsError)
+from raylm.train.checkpoint.errors import CheckpointError, CorruptCheckpointError, UnusableCheckpointsError
+from raylm.train.checkpoint.format import TRAIN_STATE
 from raylm.train.observe.records import EVENTS_FILE, append_event
 
 CONFIG_HISTORY_FILE = "config_history.jsonl"  # every change an operator made on resume

@@ -11,7 +11,7 @@ import pytest
 from cluster.chaos import fill_filesystem
 from raylm.data import storage
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.format import CheckpointWriteError
+from raylm.train.checkpoint.errors import CheckpointWriteError
 from raylm.train.hooks import Hook
 from raylm.train.env import LocalEnv
 from raylm.train.loop import train, train_local

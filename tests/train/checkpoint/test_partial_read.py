@@ -16,6 +16,7 @@ from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint import integrity
 from raylm.train.checkpoint.resume import load_latest
 from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
 from raylm.train.loop import train_local
@@ -50,9 +51,9 @@ def _resume_reads(run_uri: str, storage_cfg: StorageConfig | None, *overrides: s
     def agree(ok: bool) -> bool:
         return world.agree(ok, "all")
     assert load_latest(run_uri, load, storage_cfg, agree) is not None
-    counted, rchar = checkpoint.bytes_read(), _rchar()
+    counted, rchar = integrity.bytes_read(), _rchar()
     assert load_latest(run_uri, load, storage_cfg, agree)["step"] == 2
-    return checkpoint.bytes_read() - counted, _rchar() - rchar
+    return integrity.bytes_read() - counted, _rchar() - rchar
 
 
 def _sizes(directory) -> dict[str, int]:
@@ -78,7 +79,7 @@ def _shared_reads(directory) -> int:
     end = max(info.offset + info.length for info in shared)
     assert end <= min(info.offset for index, info in stored.items()
                       if chunks[index.fqn] > 1 and info.relative_path == "__0_0.distcp")
-    block = checkpoint.block_bytes(os.path.getsize(os.path.join(directory, "__0_0.distcp")))
+    block = integrity.block_bytes(os.path.getsize(os.path.join(directory, "__0_0.distcp")))
     return -(-end // block) * block
 
 

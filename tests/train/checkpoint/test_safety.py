@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.format import CheckpointError, UnusableCheckpointsError
+from raylm.train.checkpoint.errors import CheckpointError, UnusableCheckpointsError
 from raylm.train.env import LocalEnv
 from raylm.train.checkpoint.resume import latest_usable
 from tests.support.checkpoints import (TOKENIZER_SHA, build, flip_byte, forge_manifest, make_run, run_cli,
