@@ -43,7 +43,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
                                storage=_storage(args), max_documents=args.max_documents,
-                               overwrite=args.overwrite, ray_address=args.ray_address)
+                               overwrite=args.overwrite, ray_address=args.ray_address,
+                               quality_filter=args.quality_filter)
     # `documents` counts end-of-text tokens: one document split by position ends in neither split.
     one_document = manifest.split_rule == "position"
     if one_document:
@@ -321,6 +322,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from raylm.data.quality import QUALITY_FILTERS
     from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
 
     parser = _Parser(prog="raylm", description=__doc__)
@@ -338,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-documents", type=_positive_int, help="stop after this many documents")
     p.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --output (or what an "
                    "interrupted prepare left there); a directory holding other files is refused")
+    p.add_argument("--quality-filter", choices=QUALITY_FILTERS, help="drop the documents datatrove's Gopher quality "
+                   "and repetition filters drop, counted in the manifest (extra: raylm[quality]); default: none")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--verbose", action="store_true", help="also show Ray Data's own progress and plans")
     _add_storage_args(p)

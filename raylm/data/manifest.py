@@ -17,6 +17,9 @@ it. A split's counts are the sums over its shards; fewer than seq_len tokens at 
 split's stream fill no row and are not counted. A split also counts its exact duplicate documents
 and their tokens (`duplicate_documents`, `duplicate_tokens`): they are packed like any other, and
 `unique_tokens` leaves them out.
+
+With a quality filter (`raylm.data.quality`), the documents it dropped are in no split: the
+manifest's `quality_filter` counts them by filter and reason, in all and per input file.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import hashlib
 import json
 import os
 import reprlib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -129,6 +133,24 @@ class DataCheck:
 
 
 @dataclass
+class QualityFilterInfo:
+    """The quality filter a prepare ran (`raylm.data.quality`) and the documents it dropped."""
+
+    name: str
+    """prepare's `quality_filter`: "gopher"."""
+    library: str
+    """The libraries that judged, with their versions: "datatrove 0.10.1, spacy 3.8.18"."""
+    dropped: dict[str, dict[str, int]]
+    """{filter: {reason: documents}}: each dropped document under the first filter that dropped it."""
+    files: dict[str, dict[str, dict[str, int]]]
+    """The same counts per input file (each file that lost a document), in corpus order."""
+
+    @property
+    def documents(self) -> int:
+        return sum(n for reasons in self.dropped.values() for n in reasons.values())
+
+
+@dataclass
 class Manifest:
     tokenizer: TokenizerInfo
     seq_len: int
@@ -140,6 +162,8 @@ class Manifest:
     val_fraction: float
     data_check: Optional[DataCheck] = None
     """None in datasets prepared before it was recorded: the guard's data check is then off."""
+    quality_filter: Optional[QualityFilterInfo] = None
+    """None when prepare ran no quality filter (the default)."""
 
     @property
     def vocab_size(self) -> int:
@@ -169,6 +193,7 @@ class Manifest:
             "val_fraction": self.val_fraction,
             # Left out when absent: an older dataset's manifest, read and written again, hashes the same.
             **({"data_check": asdict(self.data_check)} if self.data_check is not None else {}),
+            **({"quality_filter": asdict(self.quality_filter)} if self.quality_filter is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -194,6 +219,7 @@ def manifest_from_dict(d: dict[str, Any], uri: str = "manifest") -> Manifest:
             split_rule=d["split_rule"],
             val_fraction=d["val_fraction"],
             data_check=DataCheck.from_dict(d["data_check"]) if "data_check" in d else None,
+            quality_filter=QualityFilterInfo(**d["quality_filter"]) if "quality_filter" in d else None,
         )
     except KeyError as e:
         raise DatasetError(f"{uri}: missing key {e.args[0]!r}") from None
@@ -249,6 +275,8 @@ def _check_values(manifest: Manifest, uri: str) -> None:
                 if type(value) not in (int, float) or not 0 <= value <= 64:  # nats, finite
                     raise DatasetError(f"{uri}: data_check.{name}.{key} is {reprlib.repr(value)}, expected a "
                                        "non-negative number of nats")
+    if manifest.quality_filter is not None:
+        _check_quality_filter(manifest.quality_filter, uri)
     for key, value in counts.items():  # bool is an int to Python, not to a manifest
         if type(value) is not int or value < 0:
             raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, expected a non-negative integer")
@@ -271,6 +299,31 @@ def _check_values(manifest: Manifest, uri: str) -> None:
     for key, (value, ok) in ranges.items():
         if not ok:
             raise DatasetError(f"{uri}: {key} is {reprlib.repr(value)}, which prepare never writes")
+
+
+def _check_quality_filter(info: QualityFilterInfo, uri: str) -> None:
+    """Names that are strings, counts that are non-negative integers, and files whose counts add
+    up to the totals: what prepare writes."""
+    for key in ("name", "library"):
+        if not isinstance(getattr(info, key), str):
+            raise DatasetError(f"{uri}: quality_filter.{key} is {reprlib.repr(getattr(info, key))}, expected a string")
+    if not isinstance(info.files, dict):
+        raise DatasetError(f"{uri}: quality_filter.files is {reprlib.repr(info.files)}, expected an object")
+    tables = {"dropped": info.dropped, **{f"files[{file!r}]": counts for file, counts in info.files.items()}}
+    summed: Counter[tuple[str, str]] = Counter()
+    for key, table in tables.items():
+        if not isinstance(table, dict) or not all(isinstance(reasons, dict) for reasons in table.values()):
+            raise DatasetError(f"{uri}: quality_filter.{key} is {reprlib.repr(table)}, expected "
+                               "{filter: {reason: documents}}")
+        for filter_name, reasons in table.items():
+            for reason, n in reasons.items():
+                if type(n) is not int or n < 0:
+                    raise DatasetError(f"{uri}: quality_filter.{key}.{filter_name}.{reason} is {reprlib.repr(n)}, "
+                                       "expected a non-negative integer")
+                if key != "dropped":
+                    summed[filter_name, reason] += n
+    if summed != Counter({(f, r): n for f, reasons in info.dropped.items() for r, n in reasons.items()}):
+        raise DatasetError(f"{uri}: quality_filter.dropped differs from the sums over quality_filter.files")
 
 
 def _inside_dataset(name: object) -> bool:

@@ -13,6 +13,10 @@ number finds exact duplicate documents: each split counts them in the manifest
 of a single document is split by position instead: the first (1 - val_fraction) of its tokens
 train, the rest val, as nanoGPT does with tinyshakespeare.
 
+Quality filter (opt-in, `quality_filter="gopher"`; `raylm.data.quality`): each document is judged
+on the worker that reads it, before it is tokenized; a dropped one travels to the driver as a row
+without tokens that names its file, filter and reason, is counted there and packed nowhere.
+
 Determinism: Ray Data runs with preserve_order, and each split's stream is packed sequentially
 by the driver, so the same inputs give byte-identical shards whatever the scheduling.
 Shards and the tokenizer are written first and manifest.json last: an interrupted prepare
@@ -31,6 +35,7 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
@@ -39,8 +44,9 @@ from raylm.data import rowstats
 from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sources, check_sources, find_sources,
                                iter_documents)
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, VERIFIED_FILE, DataCheck, DatasetError,
-                                 Manifest, RowStatistic, ShardInfo,
+                                 Manifest, QualityFilterInfo, RowStatistic, ShardInfo,
                                  SplitInfo, TokenizerInfo, shard_bytes)
+from raylm.data.quality import DropCounts, check_quality_filter, judge
 from raylm.data.storage import claim_output, join, read_bytes, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.progress import Progress
@@ -66,6 +72,7 @@ def prepare_dataset(
     shard_rows: int = DEFAULT_SHARD_ROWS,
     overwrite: bool = False,
     ray_address: Optional[str] = None,
+    quality_filter: Optional[str] = None,
 ) -> Manifest:
     """Tokenize `inputs` and write a prepared dataset to `output` (a directory or s3:// prefix).
 
@@ -74,11 +81,15 @@ def prepare_dataset(
     tokenizer: "byte", the path/URI of a tokenizer.json, or a Tokenizer.
     seq_len: tokens per training sequence; rows hold seq_len + 1 tokens.
     lines_as_documents: each line of a .txt file is a document (else the whole file is one).
-    max_documents: keep only the first documents of the corpus (for tests and quick runs).
+    max_documents: keep only the first documents of the corpus (for tests and quick runs); with a
+        quality filter, the first documents read, those it drops among them.
     shard_rows: rows per shard file (the last shard of a split may hold fewer).
     overwrite: replace a prepared dataset already at `output`, or what an interrupted prepare
         left there (else that is an error); a directory holding other files is always refused.
     ray_address: the cluster to join (`raylm.ray_runtime.start_ray`'s rule when None).
+    quality_filter: "gopher" drops the documents datatrove's Gopher quality and repetition
+        filters drop, counted in the manifest (`raylm.data.quality`; the `quality` extra); None
+        (the default) keeps every document.
 
     Uses the connected Ray cluster, or joins or starts one (and afterwards leaves it); every check
     that needs no cluster (arguments, the tokenizer, the inputs' first bytes) runs before.
@@ -91,6 +102,7 @@ def prepare_dataset(
             raise ConfigError(f"{name} must be at least {least}, got {value}")
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    check_quality_filter(quality_filter)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer, storage)
     replacing = claim_output(output, "a prepared dataset", _dataset_file, overwrite, storage)
     if inputs:
@@ -100,7 +112,7 @@ def prepare_dataset(
         sources, source_names = builtin_sources(max_documents), [BUILTIN_CORPUS]
     with writing_over(output, storage, replacing, commit=MANIFEST_FILE) as target:
         return _prepare(sources, source_names, tok, target, seq_len, val_fraction, storage, max_documents,
-                        shard_rows, ray_address)
+                        shard_rows, ray_address, quality_filter)
 
 
 _SHARD_NAME = re.compile(r"(train|val)-\d{5}\.parquet")
@@ -113,14 +125,14 @@ def _dataset_file(name: str) -> bool:
 
 def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, output: str, seq_len: int,
              val_fraction: float, storage: Optional[StorageConfig], max_documents: Optional[int],
-             shard_rows: int, ray_address: Optional[str]) -> Manifest:
+             shard_rows: int, ray_address: Optional[str], quality_filter: Optional[str]) -> Manifest:
     """Tokenize, pack and write the dataset into `output`, the manifest last."""
     started_ray = not ray.is_initialized()
     if started_ray:
         start_ray(ray_address)
     try:
-        splits, split_rule = _write_shards(sources, tok, output, seq_len, val_fraction,
-                                           storage, max_documents, shard_rows)
+        splits, split_rule, quality = _write_shards(sources, tok, output, seq_len, val_fraction,
+                                                    storage, max_documents, shard_rows, quality_filter)
         data_check = _data_check(output, splits["train"], tok.vocab_size, seq_len, storage) \
             if splits["train"].rows else None
     finally:
@@ -136,19 +148,24 @@ def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, out
     tok.save(join(output, TOKENIZER_FILE), storage)
     manifest = Manifest(tokenizer=TokenizerInfo.of(tok), seq_len=seq_len, splits=splits,
                         sources=source_names, split_rule=split_rule, val_fraction=val_fraction,
-                        data_check=data_check)
+                        data_check=data_check, quality_filter=quality)
     manifest.save(output, storage)
     return manifest
 
 
 def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: int,
                   val_fraction: float, storage: Optional[StorageConfig],
-                  max_documents: Optional[int], shard_rows: int) -> tuple[dict[str, SplitInfo], str]:
-    """Pack each split's token stream into shards; returns the splits and the split rule."""
+                  max_documents: Optional[int], shard_rows: int,
+                  quality_filter: Optional[str]) -> tuple[dict[str, SplitInfo], str, Optional[QualityFilterInfo]]:
+    """Pack each split's token stream into shards; returns the splits, the split rule and what
+    the quality filter dropped."""
     packers = {split: _Packer(output, split, seq_len, shard_rows, tok.eot_id, storage) for split in SPLITS}
     progress = Progress(f"prepare ({len(sources)} file(s))", unit="documents")
     batches = map(lambda batch: _counted(progress, batch),
-                  _tokenized_documents(sources, tok, val_fraction, storage, max_documents))
+                  _tokenized_documents(sources, tok, val_fraction, storage, max_documents, quality_filter))
+    drops = DropCounts(quality_filter) if quality_filter else None
+    if drops:
+        batches = map(lambda batch: _kept(drops, batch), batches)
     # Hold the first batches back until a second document shows this is not a one-document corpus.
     held, documents = [], 0
     for batch in batches:
@@ -157,6 +174,8 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
         if documents > 1:
             break
     if documents == 0:
+        if drops and drops.dropped:
+            raise InputError(f"{drops.summary()}: no document is left to prepare")
         raise InputError("the inputs hold no documents (every file or record is empty)")
     if documents == 1:
         split_rule = "position"
@@ -175,12 +194,14 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
                     packers[split].add(tokens.flatten().to_numpy(),
                                        chosen["digest"].to_numpy(), np.diff(tokens.offsets.to_numpy()))
     progress.close()
+    if drops:
+        print(f"raylm: prepare: {drops.summary()}", flush=True)
     splits = {split: packer.finish() for split, packer in packers.items()}
     for split, info in splits.items():
         if info.duplicate_documents:
             print(f"raylm: prepare: {info.duplicate_documents:,} documents of the {split} split repeat an earlier one "
                   f"exactly ({info.duplicate_tokens:,} tokens): packed, but not counted as unique", flush=True)
-    return splits, split_rule
+    return splits, split_rule, drops.info() if drops else None
 
 
 def _counted(progress: Progress, batch: pa.Table) -> pa.Table:
@@ -190,11 +211,20 @@ def _counted(progress: Progress, batch: pa.Table) -> pa.Table:
     return batch
 
 
+def _kept(drops: DropCounts, batch: pa.Table) -> pa.Table:
+    """The batch's documents the quality filter kept, in the columns of an unfiltered batch; the
+    dropped ones counted in `drops`."""
+    dropped = pc.is_valid(batch["dropped"])
+    drops.add(batch.num_rows, batch["dropped"].filter(dropped).to_pylist())
+    return batch.filter(pc.invert(dropped)).drop_columns(["dropped"])
+
+
 def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: float,
-                         storage: Optional[StorageConfig],
-                         max_documents: Optional[int]) -> Iterator[pa.Table]:
+                         storage: Optional[StorageConfig], max_documents: Optional[int],
+                         quality_filter: Optional[str]) -> Iterator[pa.Table]:
     """Tables of (val: bool, digest: uint64, tokens: list<int32>), one row per document in corpus
-    order; each document's tokens end with the end-of-text token."""
+    order; each document's tokens end with the end-of-text token. With a quality filter, a
+    `dropped` column too: null for a kept document, else its {file, filter, reason} (no tokens)."""
     context = ray.data.DataContext.get_current()
     preserve_order, progress_bars = context.execution_options.preserve_order, context.enable_progress_bars
     context.execution_options.preserve_order = True
@@ -203,23 +233,25 @@ def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: fl
         files = ray.data.from_items([{"uri": s.uri, "kind": s.kind} for s in sources])
         documents = files.map_batches(
             _tokenize_file, batch_size=1, batch_format="pyarrow",
-            fn_kwargs={"tokenizer_json": tok.to_json(), "val_fraction": val_fraction, "storage": storage})
+            fn_kwargs={"tokenizer_json": tok.to_json(), "val_fraction": val_fraction, "storage": storage,
+                       "quality_filter": quality_filter})
         if max_documents is not None:
             documents = documents.limit(max_documents)
         yield from documents.iter_batches(batch_size=None, batch_format="pyarrow")
     except Exception as e:  # a bad input found deep in a file: its one line, not Ray's task traceback
         if (found := _input_error(e)) is None:
             raise
-        raise InputError(str(found)) from None
+        raise type(found)(str(found)) from None
     finally:
         context.execution_options.preserve_order, context.enable_progress_bars = preserve_order, progress_bars
 
 
-def _input_error(error: BaseException) -> Optional[InputError]:
-    """The InputError a Ray task raised, under Ray's wrappers (whose own message is a traceback)."""
+def _input_error(error: BaseException) -> Optional[Union[InputError, ConfigError]]:
+    """The InputError a Ray task raised (or ConfigError: a worker without the quality filter's
+    libraries), under Ray's wrappers (whose own message is a traceback)."""
     found = None
     while error is not None:
-        if isinstance(error, InputError):
+        if isinstance(error, (InputError, ConfigError)):
             found = error
         error = getattr(error, "cause", None) or error.__cause__
     return found
@@ -241,7 +273,7 @@ def _is_val(digest: int, val_fraction: float) -> bool:
 
 
 def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
-                   storage: Optional[StorageConfig]) -> Iterator[pa.Table]:
+                   storage: Optional[StorageConfig], quality_filter: Optional[str]) -> Iterator[pa.Table]:
     """Ray Data UDF: the documents of one input file, tokenized, in batches."""
     tok = _cached_tokenizer(tokenizer_json)
     source = Source(files["uri"][0].as_py(), files["kind"][0].as_py())
@@ -249,30 +281,46 @@ def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
     for text in iter_documents(source, storage):
         texts.append(text)
         if len(texts) == _DOCUMENTS_PER_BATCH:
-            yield _token_table(source, tok, texts, val_fraction)
+            yield _token_table(source, tok, texts, val_fraction, quality_filter)
             texts = []
     if texts:
-        yield _token_table(source, tok, texts, val_fraction)
+        yield _token_table(source, tok, texts, val_fraction, quality_filter)
 
 
-def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction: float) -> pa.Table:
+_DROPPED = pa.struct([("file", pa.string()), ("filter", pa.string()), ("reason", pa.string())])
+
+
+def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction: float,
+                 quality_filter: Optional[str]) -> pa.Table:
+    verdicts = [judge(quality_filter, text) for text in texts] if quality_filter else [None] * len(texts)
     try:
-        encoded = tok.encode_batch(texts)
+        encoded = iter(tok.encode_batch([text for text, verdict in zip(texts, verdicts) if verdict is None]))
     except Exception as e:  # the tokenizer's own limits (no unknown token): no restart or retry cures them
         raise InputError(f"input {source.uri}: the tokenizer cannot tokenize it ({e})") from e
     # A text of only characters the tokenizer drops encodes to nothing; skipping it keeps one
-    # end-of-text token between documents.
-    kept = [(text, ids + [tok.eot_id]) for text, ids in zip(texts, encoded) if ids]
-    lengths = [len(ids) for _, ids in kept]
-    offsets = np.zeros(len(kept) + 1, dtype=np.int64)
+    # end-of-text token between documents. A dropped document keeps its row, without tokens, so
+    # that max_documents counts it where it was read.
+    rows = []  # (text, tokens, verdict)
+    for text, verdict in zip(texts, verdicts):
+        if verdict is not None:
+            rows.append((text, [], verdict))
+        elif ids := next(encoded):
+            rows.append((text, ids + [tok.eot_id], None))
+    lengths = [len(ids) for _, ids, _ in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    values = np.fromiter(chain.from_iterable(ids for _, ids in kept), dtype=np.int32, count=int(offsets[-1]))
-    digests = [_digest(text) for text, _ in kept]
-    return pa.table({
+    values = np.fromiter(chain.from_iterable(ids for _, ids, _ in rows), dtype=np.int32, count=int(offsets[-1]))
+    digests = [_digest(text) for text, _, _ in rows]
+    columns = {
         "val": pa.array([_is_val(digest, val_fraction) for digest in digests], type=pa.bool_()),
         "digest": pa.array(digests, type=pa.uint64()),
         "tokens": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
-    })
+    }
+    if quality_filter:
+        columns["dropped"] = pa.array([None if verdict is None else
+                                       {"file": source.uri, "filter": verdict[0], "reason": verdict[1]}
+                                       for _, _, verdict in rows], type=_DROPPED)
+    return pa.table(columns)
 
 
 class _Packer:
