@@ -130,6 +130,8 @@ def _check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key} must be in [0, 1), got {value}")
     if not 0.0 <= cfg.schedule.final_lr_fraction <= 1.0:
         raise ConfigError(f"schedule.final_lr_fraction must be in [0, 1], got {cfg.schedule.final_lr_fraction}")
+    if p.fault_tolerance == "replica":
+        _check_replicas(cfg)
     if p.min_workers is not None and p.min_workers > p.num_workers:
         # Ray Train's ScalingConfig refused it with a traceback once Ray had started.
         raise ConfigError(f"parallel.min_workers ({p.min_workers}) must be at most parallel.num_workers "
@@ -144,6 +146,29 @@ def _check_ranges(cfg: Config) -> None:
         if same != i:
             raise ConfigError(f"data.mixture[{i}].path {component.path!r} is the dataset of data.mixture[{same}]: "
                               f"give it one component, with the sum of the weights")
+
+
+def _check_replicas(cfg: Config) -> None:
+    """parallel.fault_tolerance=replica on what Ray Train 2.60's replica groups can run: one worker
+    per group (its TorchftConfig sizes every group so), so the layout inside a group is one rank."""
+    p = cfg.parallel
+    if p.dp_replicate != p.num_workers or p.dp_replicate < 2:
+        raise ConfigError(f"parallel.fault_tolerance=replica needs parallel.dp_replicate = parallel.num_workers >= 2 "
+                          f"(Ray Train makes each worker one replica group), got dp_replicate={p.dp_replicate}, "
+                          f"num_workers={p.num_workers}")
+    inside = {"parallel.dp_shard": (p.dp_shard, (-1, 1)), "parallel.tp": (p.tp, (1,)), "parallel.pp": (p.pp, (1,))}
+    for key, (value, allowed) in inside.items():
+        if value not in allowed:
+            raise ConfigError(f"parallel.fault_tolerance=replica runs one worker per replica group: {key} must be 1, "
+                              f"got {value}")
+    refused = {"parallel.min_workers": p.min_workers is not None,  # Ray replaces groups only at a fixed size
+               "checkpoint.async_save": cfg.checkpoint.async_save,  # one group saves, alone
+               "train.trackers": bool(cfg.train.trackers),  # one tracker run per group
+               "train.batch_rampup": cfg.train.batch_rampup is not None}
+    if on := [key for key, set_ in refused.items() if set_]:
+        raise ConfigError(f"parallel.fault_tolerance=replica does not support {', '.join(on)} yet; unset it")
+    if not p.replica_timeout_s > 0:
+        raise ConfigError(f"parallel.replica_timeout_s must be positive, got {p.replica_timeout_s}")
 
 
 def _check_float8(cfg: Config) -> None:

@@ -357,6 +357,16 @@ class ParallelConfig:
     pp_balance: Literal["params", "layers"] = "params"
     """Without pp_layer_split: contiguous stages with balanced parameter counts (the embedding
     counts on the first stage, norm and head on the last) or balanced layer counts."""
+    fault_tolerance: Literal["checkpoint", "replica"] = "checkpoint"
+    """What a lost worker costs. checkpoint: Ray Train restarts every worker from the latest
+    checkpoint. replica: each of the dp_replicate data-parallel replicas is a torchft replica
+    group (extra `ft`; Ray Train 2.60 makes each worker one, so dp_replicate = num_workers): the
+    groups left finish the step without a lost one, Ray starts it again alone, and it heals from a
+    live peer, no checkpoint read; a step that did not commit is trained again on the same samples.
+    Whole-job failures still restart from the latest checkpoint."""
+    replica_timeout_s: float = 30.0
+    """replica: how long a group waits for the quorum, a collective or a heal before it gives the
+    step up (torchft's timeouts); a lost group stalls the others at most about this long."""
 
 
 @dataclass
