@@ -35,7 +35,6 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
@@ -46,7 +45,7 @@ from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sourc
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, VERIFIED_FILE, DataCheck, DatasetError,
                                  Manifest, QualityFilterInfo, RowStatistic, ShardInfo,
                                  SplitInfo, TokenizerInfo, shard_bytes)
-from raylm.data.quality import DropCounts, check_quality_filter, judge
+from raylm.data.quality import DropCounts, check_quality_filter, dropped_column, judge
 from raylm.data.storage import claim_output, join, read_bytes, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
 from raylm.progress import Progress
@@ -164,8 +163,8 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
     batches = map(lambda batch: _counted(progress, batch),
                   _tokenized_documents(sources, tok, val_fraction, storage, max_documents, quality_filter))
     drops = DropCounts(quality_filter) if quality_filter else None
-    if drops:
-        batches = map(lambda batch: _kept(drops, batch), batches)
+    if drops is not None:
+        batches = map(drops.kept, batches)
     # Hold the first batches back until a second document shows this is not a one-document corpus.
     held, documents = [], 0
     for batch in batches:
@@ -174,7 +173,7 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
         if documents > 1:
             break
     if documents == 0:
-        if drops and drops.dropped:
+        if drops is not None and drops.total:
             raise InputError(f"{drops.summary()}: no document is left to prepare")
         raise InputError("the inputs hold no documents (every file or record is empty)")
     if documents == 1:
@@ -194,14 +193,14 @@ def _write_shards(sources: list[Source], tok: Tokenizer, output: str, seq_len: i
                     packers[split].add(tokens.flatten().to_numpy(),
                                        chosen["digest"].to_numpy(), np.diff(tokens.offsets.to_numpy()))
     progress.close()
-    if drops:
+    if drops is not None:
         print(f"raylm: prepare: {drops.summary()}", flush=True)
     splits = {split: packer.finish() for split, packer in packers.items()}
     for split, info in splits.items():
         if info.duplicate_documents:
             print(f"raylm: prepare: {info.duplicate_documents:,} documents of the {split} split repeat an earlier one "
                   f"exactly ({info.duplicate_tokens:,} tokens): packed, but not counted as unique", flush=True)
-    return splits, split_rule, drops.info() if drops else None
+    return splits, split_rule, drops.info() if drops is not None else None
 
 
 def _counted(progress: Progress, batch: pa.Table) -> pa.Table:
@@ -209,14 +208,6 @@ def _counted(progress: Progress, batch: pa.Table) -> pa.Table:
     # that is not a terminal.
     progress.update(batch.num_rows, tokens=len(batch["tokens"].combine_chunks().flatten()))
     return batch
-
-
-def _kept(drops: DropCounts, batch: pa.Table) -> pa.Table:
-    """The batch's documents the quality filter kept, in the columns of an unfiltered batch; the
-    dropped ones counted in `drops`."""
-    dropped = pc.is_valid(batch["dropped"])
-    drops.add(batch.num_rows, batch["dropped"].filter(dropped).to_pylist())
-    return batch.filter(pc.invert(dropped)).drop_columns(["dropped"])
 
 
 def _tokenized_documents(sources: list[Source], tok: Tokenizer, val_fraction: float,
@@ -287,9 +278,6 @@ def _tokenize_file(files: pa.Table, tokenizer_json: str, val_fraction: float,
         yield _token_table(source, tok, texts, val_fraction, quality_filter)
 
 
-_DROPPED = pa.struct([("file", pa.string()), ("filter", pa.string()), ("reason", pa.string())])
-
-
 def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction: float,
                  quality_filter: Optional[str]) -> pa.Table:
     verdicts = [judge(quality_filter, text) for text in texts] if quality_filter else [None] * len(texts)
@@ -317,9 +305,7 @@ def _token_table(source: Source, tok: Tokenizer, texts: list[str], val_fraction:
         "tokens": pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values)),
     }
     if quality_filter:
-        columns["dropped"] = pa.array([None if verdict is None else
-                                       {"file": source.uri, "filter": verdict[0], "reason": verdict[1]}
-                                       for _, _, verdict in rows], type=_DROPPED)
+        columns["dropped"] = dropped_column(source.uri, [verdict for _, _, verdict in rows])
     return pa.table(columns)
 
 

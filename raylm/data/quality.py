@@ -21,6 +21,9 @@ from functools import lru_cache
 from importlib.metadata import version
 from typing import Any, Optional
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from raylm.data.manifest import QualityFilterInfo
 from raylm.errors import ConfigError
 
@@ -74,36 +77,46 @@ def library_version() -> str:
     return f"datatrove {version('datatrove')}, spacy {version('spacy')}"
 
 
+_DROPPED = pa.struct([("file", pa.string()), ("filter", pa.string()), ("reason", pa.string())])
+
+
+def dropped_column(file: str, verdicts: list[Verdict]) -> pa.Array:
+    """The `dropped` column a worker sends beside a batch's tokens: null for a kept document,
+    else its file, filter and reason."""
+    return pa.array([None if verdict is None else {"file": file, "filter": verdict[0], "reason": verdict[1]}
+                     for verdict in verdicts], type=_DROPPED)
+
+
 class DropCounts:
     """The documents a quality filter dropped, by file, filter and reason: counted on the driver
-    from the verdicts the workers send beside the tokens."""
+    from the `dropped` column of the workers' batches."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.judged = 0
         self.by_file: dict[str, Counter[tuple[str, str]]] = defaultdict(Counter)
 
-    def add(self, judged: int, dropped: list[dict[str, str]]) -> None:
-        """`judged` more documents, of which `dropped` (each its file, filter and reason) were dropped."""
-        self.judged += judged
-        for d in dropped:
+    def kept(self, batch: pa.Table) -> pa.Table:
+        """The batch's kept documents, without the `dropped` column; the dropped ones counted."""
+        dropped = pc.is_valid(batch["dropped"])
+        self.judged += batch.num_rows
+        for d in batch["dropped"].filter(dropped).to_pylist():
             self.by_file[d["file"]][d["filter"], d["reason"]] += 1
+        return batch.filter(pc.invert(dropped)).drop_columns(["dropped"])
 
     @property
-    def dropped(self) -> int:
-        return sum(sum(counts.values()) for counts in self.by_file.values())
+    def total(self) -> Counter[tuple[str, str]]:
+        return sum(self.by_file.values(), Counter())
 
     def info(self) -> QualityFilterInfo:
-        total: Counter[tuple[str, str]] = sum(self.by_file.values(), Counter())
-        return QualityFilterInfo(name=self.name, library=library_version(), dropped=_nested(total),
+        return QualityFilterInfo(name=self.name, library=library_version(), dropped=_nested(self.total),
                                  files={file: _nested(counts) for file, counts in self.by_file.items()})
 
     def summary(self) -> str:
-        reasons = ", ".join(f"{filter_name}/{reason} {n:,}" for (filter_name, reason), n in
-                            sorted(sum(self.by_file.values(), Counter()).items()))
-        return (f"the {self.name} quality filter dropped {self.dropped:,} of {self.judged:,} documents"
-                + (f" ({reasons})" if reasons else "")
-                + (f", from {len(self.by_file)} file(s): by file in manifest.json" if self.by_file else ""))
+        total = self.total
+        reasons = ", ".join(f"{filter_name}/{reason} {n:,}" for (filter_name, reason), n in sorted(total.items()))
+        return (f"the {self.name} quality filter dropped {total.total():,} of {self.judged:,} documents"
+                + (f" ({reasons}), from {len(self.by_file)} file(s): by file in manifest.json" if total else ""))
 
 
 def _nested(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
