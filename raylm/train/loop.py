@@ -232,16 +232,21 @@ class Trainer:
     def _open_stream(self) -> None:
         """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
         cfg, state, model = self.cfg, self.state, self.model
-        self.stream_skip = [list(r) for r in state.skip]
-        if self.quarantine is not None:
-            self.quarantine.place(state, self._remaining_samples(), [*cfg.data.skip, *state.skip])
-            self.quarantine.stream_started()
+        self._take_skips()
         # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
         stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
                              self._skip(), engine="ray" if cfg.data.loader == "ray" else "local",
                              prefetch=cfg.data.prefetch_chunks)
         self.batches = stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
         self.behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a new stream
+
+    def _take_skips(self) -> None:
+        """The skip ranges a stream from the run's state leaves out, as they are now."""
+        state = self.state
+        self.stream_skip = [list(r) for r in state.skip]
+        if self.quarantine is not None:
+            self.quarantine.place(state, self._remaining_samples(), [*self.cfg.data.skip, *state.skip])
+            self.quarantine.stream_started()
 
     def _restart_stream(self) -> None:
         self.batches.close()
@@ -291,7 +296,7 @@ class Trainer:
                 break
             data_wait, wait_start = time.perf_counter() - wait_start, None
             queued = self._queue(*taken, data_wait)
-            if self._read_due(queued):
+            if queued is not None and self._read_due(queued):
                 self._read()
         self.checkpointer.wait()
         self.checkpointer.require_final(self.state.step)
@@ -307,9 +312,10 @@ class Trainer:
 
     # -- queueing a step --------------------------------------------------------------------------
 
-    def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> QueuedStep:
+    def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> Optional[QueuedStep]:
         """One optimizer step on `batch`, queued on the device: forward, backward, clipping, the
-        verdict and the update the verdict allows. Nothing here waits for the device."""
+        verdict and the update the verdict allows. Nothing here waits for the device. None where
+        the step was given up, to be taken again (raylm.train.replica)."""
         for hook in self.hooks:
             hook.on_step_begin(self.run, batch.step)
         lr = self._lr(batch.step)
@@ -341,7 +347,11 @@ class Trainer:
     def _step(self, batch: Batch) -> torch.Tensor:
         """Forward and backward, the verdict, and the update where the verdict allows it; the step's
         record (raylm.train.resilience.judge). The gradients stay for a withheld step's probe."""
-        loss, grad_norm, noise_share = self.forward_backward(batch)
+        return self._judged(*self.forward_backward(batch))
+
+    def _judged(self, loss: torch.Tensor, grad_norm: torch.Tensor, noise_share: Optional[torch.Tensor]
+                ) -> torch.Tensor:
+        """The step's verdict from its loss and gradient norm, and the update where it allows it."""
         record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram,
                                          noise_share)
         step_where(self.optimizer, apply)
@@ -373,9 +383,16 @@ class Trainer:
             loss, noise_share = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=noise_share)
         else:
             loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
+        loss, noise_share = self._across_replicas(loss, noise_share)
         if scaler is not None:
             scaler.unscale(model.parts)
         return loss, model.clip_grad_norm(self.cfg.optim.grad_clip), noise_share
+
+    def _across_replicas(self, loss: torch.Tensor, noise_share: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The gradients, loss and noise share averaged over the replica groups that train the step
+        (raylm.train.replica); one group, as here, has them whole already."""
+        return loss, noise_share
 
     def _read_due(self, queued: QueuedStep) -> bool:
         """Whether the host reads the queued steps once `queued` is: every `read_every` steps, and
@@ -662,8 +679,12 @@ class Trainer:
             if state.lr_scale != 1.0:
                 metrics["lr_scale"] = state.lr_scale
         if self.cfg.train.audit_samples:
-            metrics["samples"] = _samples_of_step(self.model.dp_rank, batch.indices)
+            metrics["samples"] = self._step_samples(batch)
         return metrics
+
+    def _step_samples(self, batch: Batch) -> list[int]:
+        """The global sample indices the whole step trained on (train.audit_samples)."""
+        return _samples_of_step(self.model.dp_rank, batch.indices)
 
     def _after_step(self, step: int, metrics: dict, due: frozenset[str]) -> None:
         """Evaluation, the hooks, then a checkpoint or a report to the cluster (`due`: the step

@@ -187,6 +187,8 @@ def resolve_layouts(cfg: Config, seq_len: int, sizes: Optional[range] = None) ->
                               f"(parallel.tp={parallel.tp}, parallel.pp={parallel.pp}, "
                               f"train.micro_batch_size={micro}) into whole micro-batches: choose a global batch "
                               f"(and batch_rampup sizes) that is a multiple of {multiple}{where}")
+    if cfg.parallel.fault_tolerance == "replica":  # each replica group trains on its own rank
+        layouts[1] = resolve_layout(dataclasses.replace(cfg.parallel, dp_replicate=1), cfg.model, 1, seq_len)
     return layouts
 
 

@@ -1,0 +1,259 @@
+"""parallel.fault_tolerance=replica: the loop with each data-parallel replica a torchft replica
+group. A lost group costs the others the step in flight, not a restart.
+
+Every step starts with torchft's quorum of the groups alive (its lighthouse decides; nothing here
+counts heads). A group that joins a running quorum (Ray Train started it again after a failure)
+is behind it and heals there, synchronously, from a live peer over torchft's process-group
+transport: weights, optimizer state and the run state, no checkpoint read.
+
+The data order decides which samples a step trains, as for every other run: a step of a quorum of
+n groups trains the next n × (global batch / dp_replicate) samples of the global order at the
+run's position, each group the share of its rank in the quorum. The gradients are averaged over
+the n groups (torchft's all-reduce). Only a step that torchft commits on every group (its
+`should_commit`) is applied and moves the position; one that does not (a group lost mid-step) is
+taken again at the same position over the next quorum. So every sample is trained exactly once
+whatever groups come and go, and the position in checkpoints and metrics.jsonl stays the order's.
+While a group is down a step trains fewer samples (tokens per step fall by 1/dp_replicate per
+group lost); the LR schedule goes by steps and does not see it.
+
+Where the run's records go: the quorum's first group (rank 0 of the quorum) writes the metrics and
+events and saves checkpoints; every group judges the same averaged loss and gradient norm, so the
+guard takes the same decisions in each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from raylm.data.order import batch_indices
+from raylm.data.stream import Batch, TokenStream
+from raylm.train.env import TrainEnv
+from raylm.train.hooks import Hook
+from raylm.train.loop import QueuedStep, Trainer, _rng_state, _set_rng_state
+from raylm.train.observe.records import append_event
+from raylm.train.optim import unique_parameters
+from raylm.train.spec import RunSpec
+from raylm.train.state import TrainState
+
+
+@dataclass(frozen=True)
+class ReplicaPlace:
+    """Where this process stands among the replica groups (the launch side fills it in)."""
+
+    group: int  # this group's index, 0 .. groups - 1
+    groups: int  # parallel.dp_replicate
+    joining: bool  # started into a running quorum: heal from a peer, read no checkpoint
+    lighthouse: str  # torchft lighthouse address (http://host:port)
+    store: str  # this group's rendezvous store, host:port
+    host: str  # the address this node's servers listen on (127.0.0.1 on a local run)
+    timeout_s: float  # parallel.replica_timeout_s
+
+
+class StepNotCommitted(Exception):
+    """torchft did not commit the step (a group was lost in it): it is taken again."""
+
+
+@contextlib.contextmanager
+def _servers_on(host: str) -> Iterator[None]:
+    """torchft's Manager starts its server on `[::]:port`, every interface; here on `host`. Its
+    module's name for the server class is the one place to change that (torchft 0.2)."""
+    import torchft.manager as manager
+
+    real = manager.ManagerServer
+
+    def bound(*, bind: str, **kwargs):
+        port = bind.rsplit(":", 1)[1]
+        return real(bind=f"[{host}]:{port}" if ":" in host else f"{host}:{port}", **kwargs)
+
+    manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        manager.ManagerServer = real
+
+
+class ReplicaTrainer(Trainer):
+    """The loop of one replica group (see the module): each step over torchft's quorum."""
+
+    def __init__(self, spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...], place: ReplicaPlace):
+        self.place = place
+        self.per_group = spec.global_batch // place.groups
+        super().__init__(spec, env, hooks)
+        self.manager = self._manager()
+        if not place.joining:  # torchft's step is the run's: a whole-job restart resumes at the checkpoint's
+            self.manager.load_state_dict({"step": self.state.step, "batches_committed": 0})
+        # Until the first quorum: the first group of a fresh start writes the records (its resume).
+        self.world.rank = 0 if place.group == 0 and not place.joining else 1
+        self.members: list[int] = []  # the groups of the last committed step
+        self.lost: dict[int, float] = {}  # group -> when it was last seen in a committed step
+        self.attempts = 0  # tries of the current step that did not commit
+        self.step_samples: list[int] = []
+        self.committed: Optional[bool] = None  # this step's should_commit, once asked
+        print(f"raylm: replica group {place.group} of {place.groups} in process {os.getpid()}"
+              + (": joins the running quorum, healing from a live peer" if place.joining else ""), flush=True)
+
+    def _restore(self) -> TrainState:
+        if self.place.joining:  # its state comes from a live peer at the first quorum
+            self.restored_world_size, self.restore_read_bytes = None, [0]
+            return TrainState()
+        return super()._restore()
+
+    def _manager(self):
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        timeout = timedelta(seconds=self.place.timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(pg, timeout=timeout, device=self.world.device)
+        host, port = self.place.store.rsplit(":", 1)
+        with _servers_on(self.place.host):
+            return Manager(
+                pg=pg, load_state_dict=self._load_peer_state, state_dict=self._peer_state, min_replica_size=1,
+                # The quorum before the forward, healed before it: the step's samples depend on it.
+                use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                rank=0, world_size=1, store_addr=host, store_port=int(port), lighthouse_addr=self.place.lighthouse,
+                replica_id=f"raylm_{self.place.group}", hostname=self.place.host, checkpoint_transport=transport,
+                init_sync=False)  # every group builds the same weights from the seed, or reads the same checkpoint
+
+    # -- what a healing group receives ------------------------------------------------------------
+
+    def _peer_state(self) -> dict:
+        if self.guard is not None:
+            self.guard.save_history(self.state)
+        return {"model": self.model.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "state": dict(vars(self.state)), "members": list(self.members), "lost": dict(self.lost)}
+
+    def _load_peer_state(self, peer: dict) -> None:
+        self.model.model.load_state_dict(peer["model"])
+        self.optimizer.load_state_dict(peer["optim"])
+        self.state.__dict__.update(peer["state"])
+        self.members, self.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
+        if self.scaler is not None:
+            self.scaler.scale = self.state.loss_scale
+        if self.guard is not None:
+            for history in self.guard.history():
+                history.clear()
+            self.guard.start(self.state)
+            self.judge.load(*self.guard.history())
+        self._weights_changed()
+        self._take_skips()
+
+    # -- the steps ----------------------------------------------------------------------------------
+
+    def _open_stream(self) -> None:
+        self._take_skips()  # each step reads its own rows (_next_batch): no stream runs ahead
+        self.behind = 0
+
+    def _restart_stream(self) -> None:
+        self._take_skips()
+
+    def _stream_goes_on(self, batch: Batch) -> bool:
+        return False
+
+    def _next_batch(self) -> Optional[tuple[Batch, Batch]]:
+        """The quorum of this step (healing first where this group is behind it), then this group's
+        share of the step's samples."""
+        if self.state.step >= self.last:
+            return None
+        self.manager.start_quorum()
+        self.committed = None
+        rank, groups = self.manager.participating_rank(), self.manager.num_participants()
+        self.world.rank = rank
+        size = groups * self.per_group
+        indices = batch_indices(self.state.position, size, self._skip())[0]
+        self.step_samples = indices
+        batch = TokenStream(self.source, size, rank, groups, self._skip()).batch_at(self.state.step,
+                                                                                   self.state.position, size)
+        return batch, batch
+
+    def _across_replicas(self, loss: torch.Tensor, noise_share: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One all-reduce over the quorum (torchft's average): the gradients, the loss, the noise
+        share, and which groups took part (each adds 1 at its own index)."""
+        grads = [p.grad for p in unique_parameters(self.model.parts)]
+        present = torch.zeros(self.place.groups, device=loss.device)
+        present[self.place.group] = 1.0
+        extra = torch.cat([loss.reshape(1), (noise_share if noise_share is not None else loss * 0).reshape(1),
+                           present])
+        flat = _flatten_dense_tensors([*grads, extra])
+        self.manager.allreduce(flat).wait()
+        *averaged, extra = _unflatten_dense_tensors(flat, [*grads, extra])
+        for grad, mean in zip(grads, averaged):
+            grad.copy_(mean)
+        groups = self.manager.num_participants()
+        self.step_members = [g for g, share in enumerate(extra[2:].tolist()) if share * groups > 0.5]
+        return extra[0], (extra[1] if noise_share is not None else None)
+
+    def _step(self, batch: Batch) -> torch.Tensor:
+        loss, grad_norm, noise_share = self.forward_backward(batch)
+        if self.committed is None:  # once a step: a guard's rerun of it asks no more
+            self.committed = self.manager.should_commit()
+        if not self.committed:
+            raise StepNotCommitted()
+        return self._judged(loss, grad_norm, noise_share)
+
+    def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> Optional[QueuedStep]:
+        rng = _rng_state()
+        try:
+            return super()._queue(raw, batch, data_wait)
+        except StepNotCommitted:
+            _set_rng_state(rng)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.attempts += 1
+            for hook in self.hooks:
+                hook.on_step_abandoned(self.run, batch.step)
+            return None
+
+    def _read_due(self, queued: QueuedStep) -> bool:
+        return True  # each step is committed across the groups before the next one starts
+
+    def _save(self, metrics: dict) -> None:
+        if self.world.rank == 0:  # the quorum's first group saves for all (the same weights)
+            super()._save(metrics)
+
+    def _step_samples(self, batch: Batch) -> list[int]:
+        return list(self.step_samples)
+
+    def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
+        metrics = super()._step_metrics(q, loss, grad_norm, step_time, end_time)
+        metrics["replicas"] = len(self.step_members)
+        self._record_quorum(q.batch.step + 1, end_time)
+        return metrics
+
+    def _record_quorum(self, step: int, now: float) -> None:
+        """`replica_lost` for each group missing from this committed step that trained the last,
+        `replica_healed` for each back in it, with the seconds each took (the quorum's first group
+        writes them)."""
+        before, now_members = set(self.members), set(self.step_members)
+        events = []
+        if self.members:
+            for group in sorted(before - now_members):
+                # From the last step with the group to this one: what the loss cost the others.
+                events.append({"event": "replica_lost", "group": group, "step": step,
+                               "seconds": now - self.last_commit_time, "retried": self.attempts})
+                self.lost[group] = self.last_commit_time
+            for group in sorted(now_members - before):
+                if group in self.lost:
+                    events.append({"event": "replica_healed", "group": group, "step": step,
+                                   "seconds": now - self.lost.pop(group)})
+        if self.world.rank == 0:
+            for event in events:
+                append_event(self.events_path, {**event, "time": now})
+                print(f"raylm: replica group {event['group']} {event['event'].split('_')[1]} at step {step} "
+                      f"({event['seconds']:.1f} s)", flush=True)
+        self.members, self.last_commit_time, self.attempts = sorted(now_members), now, 0
+
+    def train(self) -> dict:
+        self.last_commit_time = time.time()
+        try:
+            return super().train()
+        finally:
+            self.manager.shutdown(wait=False)
