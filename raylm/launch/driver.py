@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import signal
 import sys
@@ -234,7 +235,7 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
     return _trainer_class(own_ray, cfg.run.dashboard, fixed_on_own_ray)(
         _train_fn_per_worker,
         train_loop_config={"run": spec.to_dict()},
-        backend_config=NodeBoundTorchConfig(backend="nccl" if parallel.use_gpu else "gloo"),
+        backend_config=_backend_config(cfg),
         scaling_config=ray.train.ScalingConfig(
             num_workers=(parallel.min_workers, parallel.num_workers) if parallel.min_workers else parallel.num_workers,
             use_gpu=parallel.use_gpu, resources_per_worker={"CPU": parallel.cpus_per_worker},
@@ -243,14 +244,32 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
             name=cfg.run.name, storage_path=root_path, storage_filesystem=root_fs,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures,
                                                    max_preemption_failures=cfg.run.max_preemptions),
-            callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage)],
+            callbacks=[RecoveryLog(local_run_dir(cfg), uri, cfg.storage,
+                                   parallel.dp_replicate if parallel.fault_tolerance == "replica" else 0)],
             # Train's print patch tees every print into its logger as well: lines came out twice.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                                             "OMP_NUM_THREADS": str(threads)}},
+                                             "OMP_NUM_THREADS": str(threads), **_rust_log(cfg)}},
             # Retention is raylm's (checkpoint.keep_last/keep_every), applied after each finalize.
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=None),
             logging_config=ray.train.LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")),
     )
+
+
+def _backend_config(cfg: Config) -> NodeBoundTorchConfig:
+    """The workers' torch backend: one process group, or one per replica group (raylm.launch.replicas)."""
+    backend = "nccl" if cfg.parallel.use_gpu else "gloo"
+    if cfg.parallel.fault_tolerance == "replica":
+        if importlib.util.find_spec("torchft") is None:
+            raise ConfigError("parallel.fault_tolerance=replica needs torchft: pip install 'raylm[ft]'")
+        from raylm.launch.replicas import ReplicaTorchConfig
+
+        return ReplicaTorchConfig(backend=backend, env=_rust_log(cfg))
+    return NodeBoundTorchConfig(backend=backend)
+
+
+def _rust_log(cfg: Config) -> dict[str, str]:
+    """torchft's servers (Rust) log every quorum and commit at INFO: a few lines a step."""
+    return {} if cfg.run.verbose else {"RUST_LOG": "warn"}
 
 
 def no_node_fits_a_worker(parallel: ParallelConfig) -> Optional[str]:

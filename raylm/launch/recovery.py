@@ -67,8 +67,11 @@ class RecoveryLog(UserCallback):
     deterministic one is recorded as the end of the run, ranks that stopped for a node reclaim
     as a `preempted` event (the nodes, their ranks, the deadline, the step saved)."""
 
-    def __init__(self, run_dir: str, run_uri: str, storage_cfg: Optional[StorageConfig]):
+    def __init__(self, run_dir: str, run_uri: str, storage_cfg: Optional[StorageConfig], replica_groups: int = 0):
         self.run_dir, self.run_uri, self.storage_cfg = run_dir, run_uri, storage_cfg
+        # parallel.fault_tolerance=replica: a worker is a replica group; Ray Train replaces the
+        # failed ones alone while any group is left (raylm.launch.replicas).
+        self.replica_groups = replica_groups
         self.preempted_at: Optional[int] = None  # the step of the preemption last recorded
 
     def _restart_from(self) -> Optional[str]:
@@ -93,6 +96,12 @@ class RecoveryLog(UserCallback):
                      "restart_from": restart_from}
             print(f"raylm: {notice}; the restart resumes from {restart_from} (it counts against "
                   "run.max_preemptions, not run.max_failures)", flush=True)
+        elif 0 < len(worker_exceptions) < self.replica_groups and not deterministic_failures(worker_exceptions):
+            groups = sorted(int(rank) for rank in worker_exceptions)
+            event = {"event": "failure", "time": time.time(), "cause": cause, "replica_groups": groups,
+                     "restart_from": None}
+            print(f"raylm: replica group(s) {groups} failed; the others train on, Ray Train starts them again and "
+                  f"they heal from a live peer: {cause}", flush=True)
         elif deterministic_failures(worker_exceptions) and RaylmFailurePolicy is not None:
             event = {"event": "failure", "time": time.time(), "cause": cause, "deterministic": True,
                      "restart_from": None}

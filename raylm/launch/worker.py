@@ -21,6 +21,7 @@ from raylm.launch.watchdog import progress_watchdog
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train
+from raylm.train.replica import ReplicaPlace, ReplicaTrainer
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, RecordsUpload
 from raylm.train.resilience.preemption import Notice
 from raylm.train.checkpoint.resume import load_latest
@@ -69,6 +70,7 @@ class RayTrainEnv:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.replicas = cfg.parallel.fault_tolerance == "replica"
         self.run_dir = local_run_dir(cfg)
         self.checkpoint_root = run_uri(cfg)
         # A run on S3 keeps its records in a local mirror on rank 0's node; they reach the run here.
@@ -123,6 +125,8 @@ class RayTrainEnv:
     def announce(self, step: int, metrics: dict) -> None:
         import ray.train
 
+        if self.replicas:
+            return  # see report
         # The metrics, not the checkpoint: Ray Train's controller records each reported checkpoint
         # in a snapshot on the run's storage, and a write of it that storage failed for a moment
         # ended the run in the controller, outside every restart. raylm resumes from and prunes
@@ -132,11 +136,16 @@ class RayTrainEnv:
     def report(self, metrics: dict) -> None:
         import ray.train
 
-        ray.train.report(metrics)
+        # Every worker reports together, at a barrier of all: one replica group lost left the
+        # others waiting there (Ray Train 2.60). Replica groups report nothing to Ray.
+        if not self.replicas:
+            ray.train.report(metrics)
 
     def preemption_notice(self) -> Optional[Notice]:
         import ray.train
 
+        if self.replicas:  # Ray Train runs no preemption watcher beside replica groups: a lost node is a lost group
+            return None
         info = ray.train.get_preemption_info()  # rank 0's, broadcast: every rank gets the same
         if info is None:
             return None
@@ -144,9 +153,23 @@ class RayTrainEnv:
         return Notice(dict(info.preempted_node_to_ranks), deadline)
 
 
+def replica_place(cfg: Config) -> ReplicaPlace:
+    """This worker's replica group, as Ray Train and raylm's replica backend set it up (raylm.launch.replicas)."""
+    import ray
+    import ray.train
+
+    from raylm.launch.replicas import JOINING_ENV, LIGHTHOUSE_ENV, STORE_ENV
+
+    return ReplicaPlace(group=ray.train.get_context().get_world_rank(), groups=cfg.parallel.dp_replicate,
+                        joining=os.environ.get(JOINING_ENV) == "1", lighthouse=os.environ[LIGHTHOUSE_ENV],
+                        store=os.environ[STORE_ENV], host=ray.util.get_node_ip_address(),
+                        timeout_s=cfg.parallel.replica_timeout_s)
+
+
 def train_worker(loop_config: dict) -> None:
     import ray
     import ray.train
+    import ray.train.collective
 
     spec = RunSpec.from_dict(loop_config["run"])
     cfg = spec.config
@@ -154,8 +177,9 @@ def train_worker(loop_config: dict) -> None:
         from ray.train.v2._internal.execution import context as train_context
 
         # The "Reporting training result" line's logger is named by its file, outside "ray.train".
-        for name in ("ray.train", "ray.data", train_context.__file__):
+        for name in ("ray.train", "ray.data", train_context.__file__, "torchft", "torchft_quorums", "torchft_commits"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning a quorum: no NCCL flight recorder on CPU
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
     env = RayTrainEnv(cfg)
     context = ray.get_runtime_context()
@@ -166,6 +190,15 @@ def train_worker(loop_config: dict) -> None:
         self_test(env.device(), node_id)  # a bad node fails here, named, before it can corrupt training
     hooks = (LocalTimeProbe(), StragglerMonitor(node_id, k=cfg.run.straggler_factor)) if cfg.run.straggler_factor else ()
     watchdog = progress_watchdog(cfg)  # last: a hang in another hook counts against the step
-    train(spec, env, (*hooks, watchdog) if watchdog else hooks)
+    hooks = (*hooks, watchdog) if watchdog else hooks
+    if env.replicas:
+        place = replica_place(cfg)
+        trainer = ReplicaTrainer(spec, env, hooks, place)
+        if not place.joining:
+            # Every group into the first quorum: the lighthouse would start with those ready first.
+            ray.train.collective.barrier()
+        trainer.train()
+    else:
+        train(spec, env, hooks)
     if env.records is not None and ray.train.get_context().get_world_rank() == 0:
         env.records.upload()  # what the run recorded after its last checkpoint, TensorBoard's closed files

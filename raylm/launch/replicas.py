@@ -1,0 +1,108 @@
+"""parallel.fault_tolerance=replica on Ray Train: each worker a torchft replica group, a torchft
+lighthouse beside Train's controller, and a failed group replaced alone.
+
+What Ray Train 2.60's `ray.train.v2.torch.TorchftConfig` does, on raylm's node-bound backend
+(`raylm.launch.backend`): the controller replaces only the failing replica groups of a backend
+whose class says `has_replica_groups`, and every group gets its own process group. Not Ray's
+config itself, for two reasons: its backend is Ray's torch backend, whose rendezvous store listens
+on every interface, and it starts the lighthouse on `[::]:0`, every interface too; and its module
+imports torch into the driver and the controller (2 s each on 2 cores), which raylm's never do.
+Here the lighthouse and each group's store listen on the address Ray gave the node (127.0.0.1 on a
+local run). The quorum, the fault-tolerant all-reduce and the heal are torchft's
+(`raylm.train.replica`).
+
+The controller runs `on_start` for the whole worker group at a (re)start from a checkpoint, and for
+one replica group when it replaces a failed one: that group is told it joins a running quorum, so
+it heals from a peer instead of reading a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raylm.launch.backend import NodeBoundTorchConfig, _NodeBoundTorchBackend
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # Ray's and torchft's name for the lighthouse's address
+STORE_ENV = "RAYLM_REPLICA_STORE"  # this group's rendezvous store, host:port (torchft's Manager connects)
+JOINING_ENV = "RAYLM_REPLICA_JOINING"  # "1": a replacement group, which heals from a live peer
+
+
+@ray.remote(num_cpus=0)
+class Lighthouse:
+    """torchft's lighthouse (a PyO3 type, which `ray.remote` cannot wrap itself), on `bind`."""
+
+    def __init__(self, bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int):
+        from torchft.coordination import LighthouseServer
+
+        self.server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
+                                       heartbeat_timeout_ms=heartbeat_timeout_ms)
+
+    def address(self) -> str:
+        return self.server.address()
+
+
+def _set_env(values: dict[str, str]) -> None:
+    os.environ.update(values)
+
+
+class _ReplicaBackend(_NodeBoundTorchBackend):
+    has_replica_groups = True  # Ray Train's controller then replaces failing replica groups alone
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lighthouse: Optional[Any] = None
+
+    def _lighthouse_address(self, config: "ReplicaTorchConfig") -> str:
+        if self.lighthouse is None:
+            # In the controller's process, on its node: the node's Ray address is the lighthouse's.
+            host = ray.util.get_node_ip_address()
+            bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+            self.lighthouse = Lighthouse.options(
+                runtime_env={"env_vars": config.env},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=ray.get_runtime_context().get_node_id(), soft=False),
+            ).remote(bind, 1, config.join_timeout_ms, config.heartbeat_timeout_ms)
+        return ray.get(self.lighthouse.address.remote())
+
+    def _start_group(self, group, config: "ReplicaTorchConfig", lighthouse: str, joining: bool) -> None:
+        super().on_start(group, config)
+        store = group.execute_single(0, _store_address)
+        group.execute(_set_env, {LIGHTHOUSE_ENV: lighthouse, STORE_ENV: store, JOINING_ENV: "1" if joining else "0"})
+
+    def on_start(self, worker_group, backend_config: "ReplicaTorchConfig") -> None:
+        lighthouse = self._lighthouse_address(backend_config)
+        groups = worker_group.get_replica_groups() if hasattr(worker_group, "get_replica_groups") else None
+        if groups is None:  # one replica group, replacing a failed one
+            self._start_group(worker_group, backend_config, lighthouse, joining=True)
+            return
+        with ThreadPoolExecutor() as pool:
+            for done in [pool.submit(self._start_group, group, backend_config, lighthouse, False) for group in groups]:
+                done.result()
+
+
+def _store_address() -> str:
+    from raylm.launch import backend
+
+    store = backend._hosted[1]
+    return f"{store.host}:{store.port}"
+
+
+@dataclass
+class ReplicaTorchConfig(NodeBoundTorchConfig):
+    """The node-bound torch backend with torchft's replica groups (see the module)."""
+
+    join_timeout_ms: int = 1000  # how long the lighthouse waits for more groups before a quorum forms
+    # A group silent this long is out of the quorum: the stall of the others when one is lost
+    # (torchft's 5 s default made it 5.1 s on 2 cores; its managers beat every 100 ms).
+    heartbeat_timeout_ms: int = 2000
+    env: dict = field(default_factory=dict)  # the lighthouse's environment (its log level)
+
+    @property
+    def backend_cls(self) -> type:
+        return _ReplicaBackend
