@@ -42,7 +42,7 @@ from raylm.data.manifest import DatasetError, Manifest, load_manifest
 from raylm.inference.evaluate import read_rows
 from raylm.inference.load import load_for_inference
 from raylm.sweep.fit import eval_power_law, power_law
-from raylm.sweep.run import CHECK_PLAN_FILE, TRIALS_FILE, read_trials
+from raylm.sweep.results import CHECK_PLAN_FILE, TRIALS_FILE, read_trials
 from sweep_seeds import EXTRA, power_law_windows  # the script beside this one, which trained the extra seeds and sizes
 BANDS = [(0, 16), (16, 64), (64, 128), (128, 256)]
 WINDOW = 64

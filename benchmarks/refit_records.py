@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from raylm.sweep.run import fitted_with
+from raylm.sweep.results import fitted_with
 
 RECORDS = Path(__file__).resolve().parent / "sweeps"
 

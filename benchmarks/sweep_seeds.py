@@ -98,14 +98,14 @@ def run_one(job: tuple) -> dict:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    from raylm.sweep import run as sweep_run
     from raylm.sweep.ladder import trial_config
+    from raylm.sweep.plan import resolve
     from raylm.train.env import LocalEnv
     from raylm.train.loop import train
     from raylm.train.observe.records import read_jsonl
     from raylm.train.preflight import preflight
 
-    plan = sweep_run.resolve(sweep_yaml, overrides)
+    plan = resolve(sweep_yaml, overrides)
     # A rung of the sweep (its name), a size past it at the held-out budget (a shape), or a shape
     # at one of the ladder's budgets ((shape, ratio)).
     if isinstance(what, str):
@@ -134,7 +134,7 @@ def run_one(job: tuple) -> dict:
 def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int], bool]) -> str:
     """<directory>-seed-mean: trials.csv with every repeated rung's trials shifted to the mean of
     its `averaged` seeds."""
-    from raylm.sweep.run import write_trials
+    from raylm.sweep.results import write_trials
 
     rows = list(csv.DictReader(open(os.path.join(directory, "trials.csv"))))
     repeats: dict[str, list[float]] = {}
@@ -166,7 +166,7 @@ def seed_mean_copy(directory: str, results: list[dict], averaged: Callable[[int]
 
 def without_budget(copy: str, budget: str) -> str:
     """<copy>-without-<budget>: the ladder less the rungs of one budget (e.g. tokens_per_param=20)."""
-    from raylm.sweep.run import write_trials
+    from raylm.sweep.results import write_trials
 
     rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
     out = f"{copy}-without-{budget.replace('=', '')}"
@@ -180,7 +180,7 @@ def with_ladder_shapes(copy: str, trained: list[dict]) -> str:
     """<copy>-with-shapes: the ladder with more sizes, each of the `trained` shapes' rungs one
     completed trial whose loss is the mean of its seeds. The sizes are numbered again smallest
     first (the held-out size stays last), and the rungs' names with them."""
-    from raylm.sweep.run import write_trials
+    from raylm.sweep.results import write_trials
 
     rows = list(csv.DictReader(open(os.path.join(copy, "trials.csv"))))
     with open(os.path.join(copy, "check_plan.json")) as f:
@@ -275,9 +275,10 @@ def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra
     through the sizes of the ladder's `depth` (other shapes are measured against it, not part of
     it). Last, each predictor's error over the shapes of about the held-out size (within 10%)."""
     from raylm.sweep import fit as sweep_fit
-    from raylm.sweep import run as sweep_run
+    from raylm.sweep.results import read_trials
+    from raylm.sweep.run import fit_ladder
 
-    rows = sweep_run.read_trials(directory)
+    rows = read_trials(directory)
     check = fitted["check"]
     losses: dict[float, list[float]] = {}
     layers: dict[float, int] = {}
@@ -306,7 +307,7 @@ def trend(directory: str, fits: dict[str, str], fitted: dict, budget: str, extra
     xs, ys = [math.log(p) for p in on_law], [math.log(means[p]) for p in on_law]
     x0, y0 = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - x0) * (y - y0) for x, y in zip(xs, ys)) / sum((x - x0) ** 2 for x in xs)
-    laws = {name: sweep_run.fit_ladder(path)[2] for name, path in fits.items()}
+    laws = {name: fit_ladder(path)[2] for name, path in fits.items()}
     errors: dict[tuple[str, str], dict[float, float]] = {}
     for fit_name, law in laws.items():
         for predictor in law.predictors:
@@ -377,9 +378,9 @@ def main() -> None:
         parser.error("--mean-of: the sweep's own trials are seed 0, which every mean includes: list it")
     from raylm.sweep import fit as sweep_fit
     from raylm.sweep import ladder as sweep_ladder
-    from raylm.sweep import run as sweep_run
+    from raylm.sweep.plan import resolve
 
-    plan = sweep_run.resolve(args.sweep, args.overrides)
+    plan = resolve(args.sweep, args.overrides)
     budgets = list(dict.fromkeys(r.budget for r in plan.rungs if not r.held_out))
     if args.drop_budget is not None and args.drop_budget not in budgets:
         parser.error(f"--drop-budget {args.drop_budget}: the ladder's budgets are {', '.join(budgets)}")

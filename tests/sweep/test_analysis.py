@@ -196,7 +196,7 @@ def test_a_degenerate_bootstrap_refit_is_counted_and_left_out_of_the_interval():
 
 
 def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_floor():
-    from raylm.sweep.run import measure_check, noise_floor
+    from raylm.sweep.checks import measure_check, noise_floor
 
     ladder_rows = [{"rung": "s2", "lr": 1e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": 2.00, "seed": 0},
                    {"rung": "s2", "lr": 2e-3, "batch": 8, "status": analysis.COMPLETED, "val_loss": 2.10, "seed": 0}]
@@ -237,7 +237,7 @@ def test_the_check_measures_the_picked_lr_against_its_neighbours_and_the_noise_f
 
 
 def test_a_repeated_check_averages_each_shape_over_its_seeds_then_the_shapes():
-    from raylm.sweep.run import measure_check
+    from raylm.sweep.checks import measure_check
 
     shape = {"rung": "s4-check", "params": 1.1e5, "tokens": 2.2e6, "lr": 9e-4, "predicted_loss": 1.45,
              "by_predictor": {"local": 1.45, "chinchilla": 1.52}}

@@ -15,7 +15,9 @@ from raylm.config import load_config
 from raylm.errors import ConfigError
 from raylm.sweep import analysis, fit, ladder
 from raylm.sweep.fit import Parametric
-from raylm.sweep.run import SweepInterrupted, _recommended_yaml, _rows, resolve
+from raylm.sweep.plan import resolve
+from raylm.sweep.results import recommended_yaml
+from raylm.sweep.tuner import SweepInterrupted, trial_rows
 from tests.support.fixtures import write_corpus
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -94,10 +96,10 @@ def test_a_trial_interrupted_before_its_first_report_reads_as_an_interrupted_swe
     started.mkdir(parents=True)
     (started / "params.json").write_text(json.dumps({"rung": "s3-check", "lr": 0.01, "batch": 16, "seed": 1}))
     with pytest.raises(SweepInterrupted, match="run_trial_1 of check-repeats did not finish"):
-        _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=None)], "check-repeats", 1)
+        trial_rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=None)], "check-repeats", 1)
     with pytest.raises(SweepInterrupted, match="gone of check-repeats did not start"):
-        _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(tmp_path / "gone"), error=None)], "check-repeats", 1)
-    (row,) = _rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=RuntimeError("failed"))],
+        trial_rows(p, [SimpleNamespace(config=None, metrics={}, path=str(tmp_path / "gone"), error=None)], "check-repeats", 1)
+    (row,) = trial_rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=RuntimeError("failed"))],
                    "check-repeats", 1)
     assert (row["status"], row["rung"], row["seed"]) == ("error", "s3-check", 1)
 
@@ -184,7 +186,7 @@ def test_the_recommended_run_stays_within_the_tokens_per_parameter_the_ladder_tr
                                       "ladder_tokens_per_param": [2, 4]}
         assert 0.5 * 4 < ratio < 2 * 4  # the nearest shape to 4 tokens per parameter
         assert "outside the 2 to 4 the ladder trained" in warned[0]
-        assert "not the fit's optimum" in _recommended_yaml(cfg, info, str(tmp_path))
+        assert "not the fit's optimum" in recommended_yaml(cfg, info, str(tmp_path))
 
 
 def test_sweep_overrides_need_the_sweep_prefix(tiny_dataset, tmp_path):
@@ -211,7 +213,7 @@ def test_the_recommended_run_on_a_gpu_cluster_takes_raylm_plans_layout(tiny_data
     assert cfg.optim.lr == pytest.approx(0.05 * info["params"] ** -0.2)
     assert info["flops"] == pytest.approx(1e18, rel=0.01) and info["extrapolation"] > 1e5
     path = tmp_path / "recommended.yaml"
-    path.write_text(_recommended_yaml(cfg, info, str(tmp_path)))
+    path.write_text(recommended_yaml(cfg, info, str(tmp_path)))
     assert load_config(path) == cfg  # the file is the config, whole
 
 

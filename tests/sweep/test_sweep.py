@@ -23,8 +23,9 @@ from raylm.config import load_config
 from raylm.errors import ConfigError
 from raylm.sweep.analysis import rung_bests
 from raylm.sweep.fit import eval_power_law
-from raylm.sweep.run import read_trials as sweep_trials
-from raylm.sweep.run import fitted_with, refit, run_sweep
+from raylm.sweep.results import fitted_with
+from raylm.sweep.results import read_trials as sweep_trials
+from raylm.sweep.run import refit, run_sweep
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
