@@ -90,7 +90,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     try:
-        from raylm.sweep.run import refit, run_sweep, summary
+        from raylm.sweep.run import refit, run_sweep
+        from raylm.sweep.summary import summary
     except ModuleNotFoundError as e:
         if e.name not in ("scipy", "matplotlib", "optuna"):
             raise
