@@ -10,22 +10,14 @@ import sys
 import threading
 from typing import Optional
 
-from raylm.config import ConfigError, StorageConfig, config_to_yaml, load_config
+from raylm.cli_args import (Parser, add_storage_args, fraction, limit, name_value, non_negative_float,
+                            non_negative_int, positive_float, positive_int, storage_config, version)
+from raylm.config import ConfigError, config_to_yaml, load_config
 from raylm.config.describe import describe_fields
 from raylm.data.storage import StorageError
 from raylm.errors import DeterministicError, RunInterrupted
 from raylm.launch.submit import SubmitError, check_job_config
 from raylm.ray_runtime import RayStartError, in_ray_job, sigterm_as_ctrl_c
-
-
-def _storage(args: argparse.Namespace) -> StorageConfig:
-    return StorageConfig(endpoint_url=args.endpoint_url, region=args.region)
-
-
-def _add_storage_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// locations "
-                        "(credentials come from the AWS environment or profile)")
-    parser.add_argument("--region", help="S3 region (default: AWS_REGION, else us-east-1)")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -42,7 +34,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         logging.getLogger(name).setLevel(logging.INFO if args.verbose else quiet)
     manifest = prepare_dataset(args.input or [], args.output, tokenizer=args.tokenizer, seq_len=args.seq_len,
                                val_fraction=args.val_fraction, lines_as_documents=args.lines_as_documents,
-                               storage=_storage(args), max_documents=args.max_documents,
+                               storage=storage_config(args), max_documents=args.max_documents,
                                overwrite=args.overwrite, ray_address=args.ray_address,
                                quality_filter=args.quality_filter)
     # `documents` counts end-of-text tokens: one document split by position ends in neither split.
@@ -59,7 +51,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from raylm.data.tokenizer import train_bpe
 
-    tok = train_bpe(args.input or [], args.vocab_size, args.output, storage=_storage(args), overwrite=args.overwrite)
+    tok = train_bpe(args.input or [], args.vocab_size, args.output, storage=storage_config(args),
+                    overwrite=args.overwrite)
     print(f"wrote {args.output}: BPE with {tok.vocab_size} tokens")
 
 
@@ -110,70 +103,6 @@ def cmd_submit(args: argparse.Namespace) -> None:
     sys.exit(submit(args.config, args.overrides, args.address, wait=not args.no_wait, env=dict(args.env)))
 
 
-def _positive_int(text: str) -> int:
-    value = _parsed(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not value >= 0 or value == float("inf"):  # nan fails both comparisons
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not value > 0 or value == float("inf"):  # nan fails the comparison
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _limit(text: str) -> int | float:
-    """lm-eval's --limit: documents per task, or below 1 a fraction of each task's."""
-    value = _parsed(text, float, "a number")
-    if not 0 < value < float("inf") or (value >= 1 and not value.is_integer()):
-        raise argparse.ArgumentTypeError(f"must be a whole number of documents or a fraction in (0, 1), got {text!r}")
-    return value if value < 1 else int(value)
-
-
-def _non_negative_int(text: str) -> int:
-    value = _parsed(text, int, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1): the train split needs some of the data, got {text!r}")
-    return value
-
-
-def _parsed(text: str, kind: type, name: str):
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose errors are one line naming the argument (no usage dump)."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"raylm: error: {message} (see {self.prog} --help)\n")
-
-
-def _name_value(item: str) -> tuple[str, str]:
-    name, sep, value = item.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE")
-    return name, value
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     from raylm.inference.generate import generate_text
 
@@ -186,13 +115,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--prompt is not UTF-8 text (character {e.start + 1} is an undecodable byte): give "
                           "the prompt in UTF-8") from None
     print(args.prompt + generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                                      args.top_k, args.seed, _storage(args)))
+                                      args.top_k, args.seed, storage_config(args)))
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> None:
     from raylm.train.checkpoint.format import verify
 
-    lines = verify(args.uri, _storage(args))
+    lines = verify(args.uri, storage_config(args))
     for _, line in lines:
         print(line)
     if failed := sum(not ok for ok, _ in lines):
@@ -204,9 +133,9 @@ def cmd_data(args: argparse.Namespace) -> None:
     from raylm.data.inspect import inspect_dataset, verify_dataset
 
     if args.action == "inspect":
-        print(inspect_dataset(args.uri, _storage(args)))
+        print(inspect_dataset(args.uri, storage_config(args)))
         return
-    problems = verify_dataset(args.uri, _storage(args), progress=True)
+    problems = verify_dataset(args.uri, storage_config(args), progress=True)
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
@@ -243,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from raylm.report import write_report
 
-    result = write_report(args.runs, args.output, _storage(args))
+    result = write_report(args.runs, args.output, storage_config(args))
     for line in result["dropped"]:
         print(f"raylm: dropped {line}", file=sys.stderr)
     for label, s in result["runs"].items():
@@ -257,16 +186,16 @@ def cmd_status(args: argparse.Namespace) -> None:
     from raylm.status import render, run_status, watch
 
     if args.watch:
-        watch(args.run, _storage(args), args.every)
+        watch(args.run, storage_config(args), args.every)
     else:
-        print(render(run_status(args.run, _storage(args))))
+        print(render(run_status(args.run, storage_config(args))))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     from raylm.export.hf import export_hf
     from raylm.parallel.planner.plan import parse_memory
 
-    s = export_hf(args.source, args.output, args.dtype, parse_memory(args.max_shard_size), _storage(args),
+    s = export_hf(args.source, args.output, args.dtype, parse_memory(args.max_shard_size), storage_config(args),
                   args.overwrite)
     print(f"wrote {s['output']}: {s['architecture']}, {s['parameters'] / 1e6:.2f}M parameters ({s['dtype']}) "
           f"from {s['checkpoint']}; files: {', '.join(s['files'])}")
@@ -275,7 +204,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_import(args: argparse.Namespace) -> None:
     from raylm.export.hf import import_hf
 
-    s = import_hf(args.source, args.output, args.seq_len, _storage(args), args.overwrite)
+    s = import_hf(args.source, args.output, args.seq_len, storage_config(args), args.overwrite)
     for warning in s["warnings"]:
         print(f"raylm: warning: {warning}", file=sys.stderr)
     print(f"wrote {s['checkpoint']}: {s['architecture']}, {s['parameters'] / 1e6:.2f}M parameters. To continue "
@@ -293,7 +222,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
         evaluate_tasks(args.checkpoint, [t.strip() for t in args.tasks.split(",") if t.strip()],
                        args.output or "eval-tasks.json", args.include_path, args.limit, args.num_fewshot,
-                       args.workers, args.batch_rows, _storage(args), args.ray_address, args.cpus_per_worker,
+                       args.workers, args.batch_rows, storage_config(args), args.ray_address, args.cpus_per_worker,
                        args.gpus_per_worker)
         return
     for flag, value in (("--include-path", args.include_path), ("--limit", args.limit),
@@ -303,62 +232,47 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from raylm.inference.evaluate import evaluate
 
     result = evaluate(args.checkpoint, args.data, args.split, args.output, args.workers, args.rows_per_part,
-                      args.batch_rows, _storage(args), args.ray_address, args.cpus_per_worker, args.gpus_per_worker)
+                      args.batch_rows, storage_config(args), args.ray_address, args.cpus_per_worker,
+                      args.gpus_per_worker)
     print(json.dumps(result, indent=2))
 
 
-def _version() -> str:
-    """raylm's version and those of the libraries that decide what a run does, read from the
-    installed packages' metadata: importing torch and Ray would take seconds."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def of(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return (f"raylm {of('raylm')} (ray {of('ray')}, torch {of('torch')}, "
-            f"Python {'.'.join(map(str, sys.version_info[:3]))})")
-
-
-def build_parser() -> argparse.ArgumentParser:
+def _data_parsers(sub: argparse._SubParsersAction) -> None:
+    """prepare and tokenizer: the data a run trains on."""
     from raylm.data.quality import QUALITY_FILTERS
-    from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
-
-    parser = _Parser(prog="raylm", description=__doc__)
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("prepare", help="tokenize and pack text into Parquet shards (a Ray Data job)")
     p.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories, local or s3://; "
                    "omitted: the built-in corpus (this Python's standard library sources)")
     p.add_argument("--output", required=True, help="dataset directory or s3:// prefix")
     p.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path/URI")
-    p.add_argument("--seq-len", type=_positive_int, default=256)
-    p.add_argument("--val-fraction", type=_fraction, default=0.1)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--val-fraction", type=fraction, default=0.1)
     p.add_argument("--lines-as-documents", action="store_true", help=".txt: one document per line")
-    p.add_argument("--max-documents", type=_positive_int, help="stop after this many documents")
+    p.add_argument("--max-documents", type=positive_int, help="stop after this many documents")
     p.add_argument("--overwrite", action="store_true", help="replace a prepared dataset at --output (or what an "
                    "interrupted prepare left there); a directory holding other files is refused")
     p.add_argument("--quality-filter", choices=QUALITY_FILTERS, help="drop the documents datatrove's Gopher quality "
                    "and repetition filters drop, counted in the manifest (extra: raylm[quality]); default: none")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
     p.add_argument("--verbose", action="store_true", help="also show Ray Data's own progress and plans")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_prepare)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")
-    tsub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    tsub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
     t = tsub.add_parser("train", help="train a byte-level BPE tokenizer with Hugging Face tokenizers")
     t.add_argument("--input", nargs="+", help=".txt/.jsonl/.parquet files or directories, local or s3://; "
                    "omitted: the built-in corpus (this Python's standard library sources)")
-    t.add_argument("--vocab-size", type=_positive_int, required=True)
+    t.add_argument("--vocab-size", type=positive_int, required=True)
     t.add_argument("--output", required=True, help="tokenizer.json path or s3:// URI")
     t.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")
-    _add_storage_args(t)
+    add_storage_args(t)
     t.set_defaults(fn=cmd_tokenizer_train)
 
+
+def _training_parsers(sub: argparse._SubParsersAction) -> None:
+    """train, sweep and submit: a run or a sweep, here or as a Ray job."""
     p = sub.add_parser("train", help="train on Ray Train per a YAML config with dotted overrides",
                        epilog="example: raylm train configs/demo-cpu.yaml model.n_layers=4 optim.lr=3e-4")
     p.add_argument("config", nargs="?", help="YAML config (keys: `raylm train --help-config`); "
@@ -393,73 +307,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="the cluster's job server, e.g. http://127.0.0.1:8265 "
                    "(default: $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS)")
     p.add_argument("--no-wait", action="store_true", help="submit and return; do not follow the job")
-    p.add_argument("--env", action="append", default=[], type=_name_value, metavar="NAME=VALUE",
+    p.add_argument("--env", action="append", default=[], type=name_value, metavar="NAME=VALUE",
                    help="extra environment variable for the job, e.g. AWS_ENDPOINT_URL_S3 (never credentials)")
     p.set_defaults(fn=cmd_submit)
 
+
+def _inspection_parsers(sub: argparse._SubParsersAction) -> None:
+    """generate, checkpoint and data: what a run or prepare made, sampled or verified."""
     p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint or run directory (its latest), local or s3://")
     p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=200)
-    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=_positive_int, default=200)
+    p.add_argument("--max-new-tokens", type=positive_int, default=200)
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=positive_int, default=200)
     p.add_argument("--seed", type=int)
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("checkpoint", help="verify checkpoints against their manifests")
     p.add_argument("action", choices=["verify"])
     p.add_argument("uri", help="checkpoint or run directory (every checkpoint), local or s3://")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_checkpoint)
 
     p = sub.add_parser("data", help="inspect or verify a prepared dataset")
     p.add_argument("action", choices=["inspect", "verify"])
     p.add_argument("uri", help="dataset directory or s3:// prefix")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_data)
+
+
+def _planning_parsers(sub: argparse._SubParsersAction) -> None:
+    """plan, report and status: a layout before a run, a run's figures and state."""
+    from raylm.parallel.planner.plan import CHECKPOINTING_CHOICES
 
     p = sub.add_parser("plan", help="estimate per-GPU memory of parallel layouts and recommend one")
     p.add_argument("--model", required=True, help="named size (e.g. 175b) or a YAML config")
-    p.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in all: whole nodes of "
+    p.add_argument("--gpus", type=positive_int, required=True, help="GPUs in all: whole nodes of "
                    "--gpus-per-node, or fewer than one node holds (one node, partly used)")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8)
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--gpu-memory", default="80GB", help="each GPU's memory, e.g. 80GB or 80GiB")
-    p.add_argument("--seq-len", type=_positive_int)
-    p.add_argument("--global-batch-tokens", type=_positive_int)
-    p.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    p.add_argument("--seq-len", type=positive_int)
+    p.add_argument("--global-batch-tokens", type=positive_int)
+    p.add_argument("--micro-batch-size", type=positive_int, default=1)
     p.add_argument("--precision", default="mixed", choices=["mixed", "amp", "bf16", "fp32", "fp16"],
                    help="mixed: bf16 compute + fp32 master and Adam (16 bytes/param); amp: fp32 weights "
                    "under bf16 autocast (train.precision=bf16); bf16: pure bf16 (8 bytes/param)")
     p.add_argument("--activation-checkpointing", default="none", choices=CHECKPOINTING_CHOICES,
                    help="auto: the least recomputation that fits")
-    p.add_argument("--vocab-size", type=_positive_int, help="for named sizes (default 50272, OPT's)")
+    p.add_argument("--vocab-size", type=positive_int, help="for named sizes (default 50272, OPT's)")
     p.add_argument("--output", help="write the recommended parallel: block to this YAML file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")
-    p.add_argument("--failures-per-day", type=_positive_float,
+    p.add_argument("--failures-per-day", type=positive_float,
                    help="the whole cluster's failures a day (OPT-175B's: ~0.6): also print the checkpoint "
                    "interval that maximises goodput (Young–Daly) and that goodput")
-    p.add_argument("--restart-s", type=_positive_float, default=60.0,
+    p.add_argument("--restart-s", type=positive_float, default=60.0,
                    help="seconds from a failure to training again, before the checkpoint is read (default: "
                    "%(default)s; benchmarks/drill.py measures it)")
-    p.add_argument("--storage-gbps-per-node", type=_positive_float, default=1.0,
+    p.add_argument("--storage-gbps-per-node", type=positive_float, default=1.0,
                    help="GB/s each node writes and reads its checkpoint share at (default: %(default)s)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("report", help="figures and a self-contained report.html of one or more runs")
     p.add_argument("runs", nargs="+", help="run directories (local or s3://); several are overlaid")
     p.add_argument("--output", help="directory for the PNGs and report.html (default: <first run>/report)")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("status", help="a run's state from its directory: running or not, step, losses, tokens/s, "
                        "ETA, newest checkpoint, last failures and guard events (no Ray)")
     p.add_argument("run", help="run directory (local or s3://)")
     p.add_argument("--watch", action="store_true", help="show it again every --every seconds, until Ctrl-C")
-    p.add_argument("--every", type=_positive_float, default=5.0, help="seconds between refreshes (default: %(default)s)")
-    _add_storage_args(p)
+    p.add_argument("--every", type=positive_float, default=5.0, help="seconds between refreshes (default: %(default)s)")
+    add_storage_args(p)
     p.set_defaults(fn=cmd_status)
 
+
+def _model_parsers(sub: argparse._SubParsersAction) -> None:
+    """export and import: a checkpoint to or from a Hugging Face model."""
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (Llama or GPT-2)")
     p.add_argument("source", help="checkpoint directory, or run directory (its newest complete checkpoint)")
     p.add_argument("--output", required=True, help="model directory to write (local or s3://)")
@@ -467,19 +392,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors into shards of this size")
     p.add_argument("--overwrite", action="store_true", help="replace a model that raylm export wrote to --output; a "
                    "directory holding other files is refused")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("import", help="turn a Hugging Face Llama or GPT-2 into a checkpoint to train on")
     p.add_argument("source", help="local Hugging Face model directory (config.json, safetensors, tokenizer.json)")
     p.add_argument("--output", required=True, help="run directory to create (local or s3://)")
-    p.add_argument("--seq-len", type=_positive_int, help="training sequence length the run will use (default: the "
+    p.add_argument("--seq-len", type=positive_int, help="training sequence length the run will use (default: the "
                    "model's context, at most 2048); prepare the data with it")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier import at --output; a run that "
                    "has trained since, or a directory holding other files, is refused")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_import)
 
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    """eval: a checkpoint's loss over a split, or lm-eval's tasks."""
     p = sub.add_parser("eval", help="loss, perplexity and bits-per-byte over a whole split (--data), or "
                        "lm-evaluation-harness tasks (--tasks), on Ray workers",
                        epilog="examples: raylm eval runs/demo --data data/prepared; "
@@ -490,19 +418,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", help="comma-separated lm-eval tasks, groups or tags (extra `eval`), e.g. "
                    "hellaswag,arc_easy: scored with the checkpoint's own model and tokenizer")
     p.add_argument("--include-path", help="--tasks: a directory of extra task YAMLs (lm-eval's --include_path)")
-    p.add_argument("--limit", type=_limit, help="--tasks: documents per task, or below 1 a fraction of them")
-    p.add_argument("--num-fewshot", type=_non_negative_int, help="--tasks: few-shot examples (default: each task's)")
+    p.add_argument("--limit", type=limit, help="--tasks: documents per task, or below 1 a fraction of them")
+    p.add_argument("--num-fewshot", type=non_negative_int, help="--tasks: few-shot examples (default: each task's)")
     p.add_argument("--output", help="result JSON (default: eval-<split>.json; with --tasks eval-tasks.json, lm-eval's "
                    "results); pieces in <stem>.parts/, which the same command run again reuses")
-    p.add_argument("--workers", type=_positive_int, help="Ray actors, each holding the model (default, and at most: as "
+    p.add_argument("--workers", type=positive_int, help="Ray actors, each holding the model (default, and at most: as "
                    "many as the cluster's nodes hold at once)")
-    p.add_argument("--cpus-per-worker", type=_positive_int, default=1, help="CPUs (and torch threads) per actor")
-    p.add_argument("--gpus-per-worker", type=_non_negative_float, default=0, help="GPUs per actor (it evaluates on one when given)")
-    p.add_argument("--rows-per-part", type=_positive_int, default=256, help="rows per unit of work and of resumption")
-    p.add_argument("--batch-rows", type=_positive_int, default=8, help="rows (sequences) per forward pass")
+    p.add_argument("--cpus-per-worker", type=positive_int, default=1, help="CPUs (and torch threads) per actor")
+    p.add_argument("--gpus-per-worker", type=non_negative_float, default=0, help="GPUs per actor (it evaluates on one when given)")
+    p.add_argument("--rows-per-part", type=positive_int, default=256, help="rows per unit of work and of resumption")
+    p.add_argument("--batch-rows", type=positive_int, default=8, help="rows (sequences) per forward pass")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one")
-    _add_storage_args(p)
+    add_storage_args(p)
     p.set_defaults(fn=cmd_eval)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="raylm", description=__doc__)
+    parser.add_argument("--version", action="version", version=version())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in (_data_parsers, _training_parsers, _inspection_parsers, _planning_parsers, _model_parsers, _eval_parser):
+        add(sub)
     return parser
 
 
