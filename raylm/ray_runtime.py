@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import math
 import os
 import secrets
@@ -120,15 +119,6 @@ def use_loopback() -> None:
 def in_ray_job() -> bool:
     """Whether this process is a Ray job's entrypoint (the job supervisor gives it its job config)."""
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-
-
-def ray_job_id() -> Optional[str]:
-    """The submission id of the Ray job this process is the entrypoint of, else None. Ray's job
-    supervisor sets no variable of its own for it: it is in the job config's metadata."""
-    try:
-        return json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"])["metadata"]["job_submission_id"]
-    except (KeyError, ValueError, TypeError):
-        return None
 
 
 class RayStartError(RuntimeError):

@@ -34,7 +34,6 @@ from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.data.storage import ConditionFailedError, StorageNotFoundError
 from raylm.errors import DeterministicError
-from raylm.ray_runtime import ray_job_id
 from raylm.train.observe.records import EVENTS_FILE, append_event
 from raylm.train.place import refuse_a_place_of_another
 
@@ -157,7 +156,7 @@ class RunLease:
     def _record(self) -> bytes:
         pid = os.getpid()
         return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": pid,
-                           "pid_start": _start_time(pid), "ray_job": ray_job_id(),
+                           "pid_start": _start_time(pid), "ray_job": _ray_job_id(),
                            "argv": " ".join(sys.argv)[:300], "heartbeat": time.time(),
                            "token": self.token}).encode()
 
@@ -219,6 +218,16 @@ def _heartbeat(holder: dict) -> float:
     """The holder's last heartbeat (epoch seconds); 0 for a lease that holds none readable."""
     value = holder.get("heartbeat")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _ray_job_id() -> Optional[str]:
+    """The submission id of the Ray job this process is the entrypoint of, else None: read from the
+    environment Ray's job supervisor gives it (the job config's metadata; no variable of its own),
+    so that naming the holder needs no Ray."""
+    try:
+        return json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"])["metadata"]["job_submission_id"]
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def _start_time(pid: int) -> Optional[int]:
