@@ -461,8 +461,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     terminated = threading.Event()
     try:
         # Every command, as `raylm train`: a SIGTERM (`timeout`, Slurm, Kubernetes) stops it as
-        # Ctrl-C does, its partial output removed or kept for the same command to resume. By
-        # default, or by the handler `ray.init` sets, it exited 15 or -15 without a word.
+        # Ctrl-C does, its partial output removed or kept for the same command to resume. Python's
+        # default, or the handler `ray.init` sets, would end it with status 15 or -15 and no message.
         with sigterm_as_ctrl_c(terminated):
             args.fn(args)
     except BaseException as raised:

@@ -28,15 +28,14 @@ from typing import Callable, Iterator, Optional
 
 from raylm.ports import free_ports
 
-# Usage stats would phone home. Ray starts its workers at niceness 15, so on a machine doing
-# anything else a local run's training workers yielded to every other process (nanoGPT's loop,
-# at 0, did not); the training is the user's foreground work, as Ray's job server decides too.
-# Ray Train's controller polls its workers every 2 s, so a run's end waited up to 2 s for it;
-# polling the few workers of one machine 4 times a second costs nothing. Its preemption watcher
-# (a process polling for nodes an autoscaler drains) has nothing to watch on one machine.
-# The raylet prestarts one worker process per CPU when the driver connects, for tasks; a run's
-# actors (Train's controller and workers, each with its own environment) never use them, and on
-# 2 cores their start took the CPU the run's own processes needed: 2-3 s of start-up.
+# Usage stats would phone home. Ray starts its workers at niceness 15, which makes a local run's
+# training yield to every other process on the machine; the training is the user's foreground
+# work, as Ray's job server decides too. Ray Train's controller polls its workers every 2 s, which
+# delays a run's end by up to 2 s; polling the few workers of one machine 4 times a second costs
+# nothing. Its preemption watcher (a process polling for nodes an autoscaler drains) has nothing
+# to watch on one machine. The raylet prestarts one worker process per CPU when the driver
+# connects, for tasks; a run's actors (Train's controller and workers, each with its own
+# environment) never use them, and starting them takes the CPU a small machine's run needs.
 LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0",
                  "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                  "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
@@ -165,7 +164,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         (port,) = free_ports(1)
         dashboard_options = {"dashboard_host": "127.0.0.1", "dashboard_port": port}
         # Ray Train's placement-group cleaner finds the State API by looking for the one local
-        # Ray; beside another (a sweep and a run on one laptop) it found two and died.
+        # Ray, and fails beside another (a sweep and a run on one machine): it is told this one's.
         env_vars["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     # "local", not None: a RAY_ADDRESS in the environment must not turn this start into a join.
     try:
@@ -189,10 +188,10 @@ def _daemons_in_a_process_group_of_their_own() -> Iterator[None]:
     """Start a local Ray's daemons (GCS, raylet, and through it the workers) outside this process's
     group. A signal to the group (Slurm's `scancel`, `timeout`, `kill -TERM -PGID`) then reaches
     the driver alone, which stops the run as the README says (the workers aborted, the last
-    checkpoint named, exit 143), and then Ray. In the group, the GCS died at once with the
-    driver's SIGTERM: Train could not abort its workers, which trained and saved on unattended,
-    and the driver waited 60 s for the GCS before exiting 1. Ray blocks SIGINT in its daemons
-    for the same reason; it has no option for this, so its process class is wrapped while
+    checkpoint named, exit 143), and then Ray. Inside the group, the GCS would die at once with
+    the driver's SIGTERM: Train could then not abort its workers, which would train and save on
+    unattended, while the driver waited for the GCS. Ray blocks SIGINT in its daemons for the
+    same reason; it has no option for this, so its process class is wrapped while
     `ray.init` starts them. They still die with the driver (Ray's fate sharing)."""
     import ray._private.services as services
 
@@ -216,9 +215,9 @@ def _daemons_in_a_process_group_of_their_own() -> Iterator[None]:
 @contextlib.contextmanager
 def sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
     """A SIGTERM handled as Ctrl-C, `received` set. `ray job stop`, Kubernetes and Slurm end a
-    driver with SIGTERM; by Python's default it died on the spot, its output half written and its
-    Ray workers, aborted only once Ray noticed, stepping and writing checkpoints for seconds after
-    the job read STOPPED. As Ctrl-C, Ray Train aborts the worker group and Tune ends a sweep's
+    driver with SIGTERM; by Python's default it would die on the spot, its output half written and
+    its Ray workers, aborted only once Ray noticed, stepping and writing checkpoints after the job
+    reads STOPPED. As Ctrl-C, Ray Train aborts the worker group and Tune ends a sweep's
     trials keeping its state before the driver exits, and a command cleans up as for Ctrl-C. They
     register their SIGINT handlers as they run, so the handler is looked up when the signal comes;
     only the main thread can set one (a trial under Tune runs elsewhere and is stopped by Tune)."""
