@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from raylm.config import Config, ParallelConfig, config_from_dict, config_to_dict
+from raylm.parallel.layout import ParallelDims
 from raylm.progress import Progress
 from raylm.sweep import fit
 from raylm.sweep.config import SweepConfig
@@ -331,8 +332,8 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
                                    seq_len, base)
     else:
         parallel = base.parallel
-    dp = parallel.num_workers // (parallel.tp * parallel.pp)
-    unit = max(1, dp) * base.train.micro_batch_size  # whole micro-batches on every data-parallel rank
+    dp = ParallelDims.of(parallel, parallel.num_workers).dp
+    unit = dp * base.train.micro_batch_size  # whole micro-batches on every data-parallel rank
     batch = unit * max(1, round(batch / unit))
     steps = steps_for(tokens, batch, seq_len)
     lr = predicted_lr(laws, size.params, base.optim.lr)
