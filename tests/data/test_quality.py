@@ -166,6 +166,15 @@ def test_a_prepare_the_filter_empties_fails_and_leaves_the_earlier_dataset_whole
     assert [p.name for p in out.parent.iterdir() if ".staging-" in p.name] == []
 
 
+def test_max_documents_counts_the_documents_read_the_dropped_among_them(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    manifest = prepare_dataset([corpus], str(tmp_path / "out"), seq_len=SEQ_LEN, val_fraction=0.0, max_documents=3,
+                               quality_filter="gopher")
+    check_split(str(tmp_path / "out"), manifest, "train", expected_stream(ByteTokenizer(), CLEAN[:2]))
+    assert manifest.quality_filter.files == {str(tmp_path / "corpus" / "b-mixed.jsonl"):
+                                             {"gopher_quality": {"gopher_short_doc": 1}}}
+
+
 def test_an_unknown_filter_is_refused_naming_the_field(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     with pytest.raises(ConfigError, match=r"quality_filter is 'fineweb'; valid: gopher"):
