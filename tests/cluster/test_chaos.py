@@ -19,7 +19,7 @@ import pytest
 from raylm.config import load_config
 from raylm.data.stream import Datasets
 from raylm.train.optim import lr_at
-from tests.support.order import epoch_samples
+from tests.support.order import assert_every_sample_once, epoch_samples
 from cluster.chaos import TrainDriver, train_worker
 from raylm.train.observe.records import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
@@ -116,14 +116,6 @@ def assert_losses_match(got: dict[int, dict], reference: dict[int, dict], rtol: 
     assert not mismatched, f"losses differ from the reference run's (step, got, expected): {mismatched[:5]}"
 
 
-def assert_every_sample_once(rows: dict[int, dict]) -> None:
-    """Steps 1..n trained on the first n global batches of the planned order, each sample once
-    and in order (a global sample index is its place in that order; tests/data map it to rows)."""
-    assert sorted(rows) == list(range(1, len(rows) + 1)), "a step is missing"
-    trained = [i for s in sorted(rows) for i in rows[s]["samples"]]
-    assert trained == list(range(len(rows) * GLOBAL_BATCH)), "a sample was lost, repeated or reordered"
-
-
 def test_killed_worker_restarts_from_the_checkpoint_with_the_uninterrupted_losses(
         cluster, chaos_dataset, uninterrupted, tmp_path):
     # The uninterrupted run's schedule, stopped at step 30: the kill, the restart and the steps after it.
@@ -217,7 +209,7 @@ def test_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, chaos_d
     assert [rows[s]["lr"] for s in both] == pytest.approx([uninterrupted.rows[s]["lr"] for s in both], rel=1e-12)
     assert [rows[s]["lr"] for s in rows] == \
         pytest.approx([lr_at(s - 1, cfg.schedule, cfg.optim.lr, cfg.train.steps) for s in rows], rel=1e-12)
-    assert_every_sample_once(rows)
+    assert_every_sample_once(rows, GLOBAL_BATCH)
     assert [rows[s]["samples"] for s in both] == [uninterrupted.rows[s]["samples"] for s in both]
     console = driver.log.read_text(errors="replace")
     assert "raylm: worker failure, restarting from" in console  # the failure, in raylm's one line

@@ -3,10 +3,18 @@ lighthouse whose replica group loses its worker mid-run (raylm.train.replica, ra
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import time
+from types import SimpleNamespace
+
 import pytest
 
+from cluster.chaos import TrainDriver
 from raylm.config import ConfigError, load_config
 from raylm.train.spec import check_config
+from tests.support.order import assert_every_sample_once
 
 REPLICAS = ["parallel.fault_tolerance=replica", "parallel.num_workers=2", "parallel.dp_replicate=2"]
 
@@ -30,3 +38,61 @@ def test_fault_tolerance_is_checkpoint_by_default_and_an_unknown_value_names_the
 def test_a_replica_layout_ray_train_cannot_run_is_refused_naming_the_field(extra, refused):
     with pytest.raises(ConfigError, match=refused):
         load_config(None, [*REPLICAS, *extra])
+
+
+def _group_processes(log: str) -> dict[int, list[int]]:
+    """Each replica group's worker processes, in the order they started (the driver's console)."""
+    found: dict[int, list[int]] = {}
+    for group, pid in re.findall(r"raylm: replica group (\d+) of \d+ in process (\d+)", log):
+        found.setdefault(int(group), []).append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session, tiny_dataset, tmp_path):
+    """3 replica groups of one CPU worker on the session's Ray: group 1's worker is SIGKILLed mid-run.
+    The other groups finish the step without it and train on (no worker of theirs restarts); Ray
+    Train starts group 1 alone, and it heals from a live peer, reading no checkpoint. Every step's
+    samples are the next of the planned order, each trained once; the run is stopped (SIGTERM)
+    once the groups have trained at full quorum again."""
+    groups = 3
+    # Ray folds alike lines of several workers into one: every group names its process.
+    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
+                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
+    driver = TrainDriver(address, tmp_path / "replicas", [
+        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
+        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        f"train.global_batch_size={4 * groups}", "train.micro_batch_size=4", "train.steps=100000",
+        "train.eval_every=0", "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2",
+        "checkpoint.every_steps=20", "run.max_failures=3", f"parallel.num_workers={groups}",
+        f"parallel.dp_replicate={groups}", "parallel.fault_tolerance=replica", "parallel.cpus_per_worker=1"])
+    try:
+        driver.wait_for("the groups trained 25 steps", lambda: driver.last_step() >= 25, timeout_s=120)
+        started = _group_processes(driver.log.read_text(errors="replace"))
+        assert sorted(started) == list(range(groups)) and all(len(p) == 1 for p in started.values()), started
+        os.kill(started[1][0], signal.SIGKILL)
+        killed = time.time()
+        driver.wait_for("group 1 healed", lambda: driver.events("replica_healed"), timeout_s=120)
+        healed_at = driver.events("replica_healed")[0]["step"]
+        driver.wait_for("5 steps at full quorum", lambda: driver.last_step() >= healed_at + 5, timeout_s=60)
+        driver.proc.send_signal(signal.SIGTERM)
+        assert driver.proc.wait(timeout=60) == 128 + signal.SIGTERM, driver.tail()
+    finally:
+        driver.stop()
+    log = driver.log.read_text(errors="replace")
+    after = _group_processes(log)
+    assert after[0] == started[0] and after[2] == started[2], after  # the healthy groups' workers went on
+    assert len(after[1]) == 2 and "joins the running quorum" in log, after
+    (lost,) = driver.events("replica_lost")
+    (healed,) = driver.events("replica_healed")
+    (failure,) = driver.events("failure")
+    assert lost["group"] == healed["group"] == 1 and failure["replica_groups"] == [1] and failure["restart_from"] is None
+    assert lost["retried"] <= 1  # steps trained again: the one in flight, at most
+    assert not driver.events("resumed")  # no checkpoint was read
+    rows = {r["step"]: r for r in driver.metrics()}
+    assert_every_sample_once(rows)
+    assert {rows[s]["replicas"] for s in range(lost["step"], healed["step"])} == {groups - 1}
+    assert rows[healed["step"]]["replicas"] == groups and rows[lost["step"] - 1]["replicas"] == groups
+    assert rows[lost["step"]]["global_batch"] == 4 * (groups - 1)
+    print(f"next step {lost['time'] - killed:.1f} s after the kill ({lost['seconds']:.1f} s since the last); "
+          f"healed {healed['seconds']:.1f} s after the last step with group 1")
