@@ -4,7 +4,9 @@ line naming the argument and what would be valid, not argparse's usage dump."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from typing import Any, Callable
 
 from raylm.config import StorageConfig
 
@@ -27,53 +29,42 @@ def add_storage_args(parser: argparse.ArgumentParser) -> None:
 
 
 def positive_int(text: str) -> int:
-    value = _parsed(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
 
 
-def non_negative_float(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not value >= 0 or value == float("inf"):  # nan fails both comparisons
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+def non_negative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not value > 0 or value == float("inf"):  # nan fails the comparison
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0 < v < math.inf, "a finite number > 0")  # nan fails the comparison
+
+
+def non_negative_float(text: str) -> float:
+    return _checked(text, float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
+
+
+def fraction(text: str) -> float:
+    return _checked(text, float, lambda v: 0 <= v < 1, "in [0, 1): the train split needs some of the data")
 
 
 def limit(text: str) -> int | float:
     """lm-eval's --limit: documents per task, or below 1 a fraction of each task's."""
-    value = _parsed(text, float, "a number")
-    if not 0 < value < float("inf") or (value >= 1 and not value.is_integer()):
-        raise argparse.ArgumentTypeError(f"must be a whole number of documents or a fraction in (0, 1), got {text!r}")
+    value = _checked(text, float, lambda v: 0 < v < math.inf and (v < 1 or v.is_integer()),
+                     "a whole number of documents or a fraction in (0, 1)")
     return value if value < 1 else int(value)
 
 
-def non_negative_int(text: str) -> int:
-    value = _parsed(text, int, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = _parsed(text, float, "a number")
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1): the train split needs some of the data, got {text!r}")
-    return value
-
-
-def _parsed(text: str, kind: type, name: str):
+def _checked(text: str, kind: type, ok: Callable[[Any], bool], wanted: str) -> Any:
+    """`text` as a `kind` for which `ok` holds; else the one line that says what was `wanted`."""
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
+        what = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+    return value
 
 
 def name_value(item: str) -> tuple[str, str]:
