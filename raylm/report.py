@@ -37,7 +37,8 @@ NORM_KEY = re.compile(r"^(act|activation|param)_?norm")  # the guard's per-layer
 EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:purple", "rollback": "tab:brown",
                 "batch_skipped": "tab:olive", "lr_cut": "tab:blue", "hard_batch": "tab:gray", "rerun": "tab:pink",
                 "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
-                "lease_taken_over": "tab:cyan", "preempted": "gold", "samples_quarantined": "khaki"}
+                "lease_taken_over": "tab:cyan", "preempted": "gold", "samples_quarantined": "khaki",
+                "replica_lost": "crimson", "replica_healed": "seagreen"}
 RUN_STYLES = ("-", "--", ":", "-.")
 
 
@@ -155,10 +156,20 @@ def load_run(uri: str, label: str, storage_cfg: Optional[StorageConfig] = None) 
 
 def split_step_time(rows: list[dict]) -> tuple[float, float, float]:
     """The committed steps' time as (compute, the guard's own work in them, their wait for data):
-    compute is goodput's numerator, here and in benchmarks/drill.py."""
+    compute is goodput's numerator, here and in benchmarks/drill.py. A step of replica groups
+    (parallel.fault_tolerance=replica) trained while some were down counts for the share that
+    trained (`replicas` of the most the run had): the rest of its time is `replica_capacity_lost`'s."""
     guard = sum(r.get("guard_s", 0.0) for r in rows)
     waits = sum(r.get("data_wait", 0.0) for r in rows)
-    return sum(r["step_time"] for r in rows if "step_time" in r) - guard - waits, guard, waits
+    steps = sum(r["step_time"] for r in rows if "step_time" in r)
+    return steps - replica_capacity_lost(rows) - guard - waits, guard, waits
+
+
+def replica_capacity_lost(rows: list[dict]) -> float:
+    """Seconds of the groups that were down: each step's time times the share of the replica
+    groups missing from it."""
+    groups = max((r["replicas"] for r in rows if "replicas" in r), default=0)
+    return sum(r["step_time"] * (1 - r["replicas"] / groups) for r in rows if "replicas" in r and "step_time" in r)
 
 
 def summarize(run: RunRecord) -> dict:
@@ -186,12 +197,15 @@ def summarize(run: RunRecord) -> dict:
                 lost += event["time"] - failure_time
             lost += event.get("steps_lost", 0) * median_step
             failure_time = None
+    # A lost replica group: the others' step given up and their wait for the quorum without it
+    # (`replica_s`, outside step_time), and the share of each step the group was down for.
+    lost_to_replicas = sum(r.get("replica_s", 0.0) for r in rows) + replica_capacity_lost(rows)
     rollbacks = [e for e in events if e.get("event") == "rollback"]
     lost_to_rollbacks = sum(max(0, e.get("step", 0) - e.get("to_step", 0)) for e in rollbacks) * median_step
     val = [r for r in rows if "val_loss" in r]
     times = [r["time"] for r in rows if "time" in r] + [e["time"] for e in events if "time" in e]
     wall = (max(times) - min(times) + (step_times[0] if step_times else 0.0)) if rows and "time" in rows[0] else None
-    accounted = wall if wall is not None else productive + stalls + lost + lost_to_rollbacks
+    accounted = wall if wall is not None else productive + stalls + lost + lost_to_replicas + lost_to_rollbacks
     return {
         "steps": rows[-1]["step"] if rows else 0,
         "tokens": rows[-1].get("tokens") if rows else None,
@@ -202,6 +216,8 @@ def summarize(run: RunRecord) -> dict:
         "preemptions": sum(e.get("event") == "preempted" for e in events),
         "restarts": sum(e.get("event") == "resumed" for e in events),
         "resizes": sum("resize" in e or e.get("event") == "resize" for e in events),
+        "replica groups lost": sum(e.get("event") == "replica_lost" for e in events),
+        "replica groups healed": sum(e.get("event") == "replica_healed" for e in events),
         "skipped samples": _skipped(rows, events),
         "skipped tokens": _skipped(rows, events) * _tokens_per_sample(rows),
         "rollbacks": len(rollbacks),
@@ -214,6 +230,7 @@ def summarize(run: RunRecord) -> dict:
         "data waits (s)": data_waits,
         "checkpoint stalls (s)": stalls,
         "time lost to failures (s)": lost,
+        "time lost to replica losses (s)": lost_to_replicas,
         "time lost to rollbacks (s)": lost_to_rollbacks,
         "wall time (s)": wall,
         "goodput": productive / accounted if accounted else None,

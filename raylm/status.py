@@ -25,7 +25,7 @@ from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, read_records
 from raylm.train.resilience.guard_stop import STOP_MARKER
 
 # What a user asks of a run's story: why it stopped or restarted, and what the guard did.
-NOTABLE_EVENTS = ("failure", "resumed", "preempted", "interrupted", "lease_taken_over", "lease_lost",
+NOTABLE_EVENTS = ("failure", "resumed", "replica_lost", "replica_healed", "preempted", "interrupted", "lease_taken_over", "lease_lost",
                   "checkpoint_failed", "checkpoint_recovered", "checkpoint_skipped", "config_changed",
                   "rollback", "batch_skipped", "lr_cut", "hard_batch", "samples_quarantined", "guard_stopped")
 RECENT_ROWS = 20  # the rows that throughput and the ETA are taken over

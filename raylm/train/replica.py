@@ -95,6 +95,7 @@ class ReplicaTrainer(Trainer):
         self.members: list[int] = []  # the groups of the last committed step
         self.lost: dict[int, float] = {}  # group -> when it was last seen in a committed step
         self.attempts = 0  # tries of the current step that did not commit
+        self.replica_s = 0.0  # seconds of given-up tries and their quorums since the last metrics
         self.step_samples: list[int] = []
         self.committed: Optional[bool] = None  # this step's should_commit, once asked
         print(f"raylm: replica group {place.group} of {place.groups} in process {os.getpid()}"
@@ -164,6 +165,10 @@ class ReplicaTrainer(Trainer):
         if self.state.step >= self.last:
             return None
         self.manager.start_quorum()
+        if self.attempts:  # the step given up and the wait for the quorum after it: not the step's time
+            now = self.timeline.mark()
+            self.replica_s += self.timeline.seconds(self.last_mark, now)
+            self.last_mark = now
         self.committed = None
         rank, groups = self.manager.participating_rank(), self.manager.num_participants()
         self.world.rank = rank
@@ -225,6 +230,7 @@ class ReplicaTrainer(Trainer):
     def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
         metrics = super()._step_metrics(q, loss, grad_norm, step_time, end_time)
         metrics["replicas"] = len(self.step_members)
+        metrics["replica_s"], self.replica_s = self.replica_s, 0.0
         self._record_quorum(q.batch.step + 1, end_time)
         return metrics
 

@@ -12,9 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.chaos import TrainDriver
+from cluster.local import process_tree
 from raylm.config import ConfigError, load_config
+from raylm.report import write_report
 from raylm.train.spec import check_config
 from tests.support.order import assert_every_sample_once
+from tests.support.sockets import listeners
 
 REPLICAS = ["parallel.fault_tolerance=replica", "parallel.num_workers=2", "parallel.dp_replicate=2"]
 
@@ -38,6 +41,20 @@ def test_fault_tolerance_is_checkpoint_by_default_and_an_unknown_value_names_the
 def test_a_replica_layout_ray_train_cannot_run_is_refused_naming_the_field(extra, refused):
     with pytest.raises(ConfigError, match=refused):
         load_config(None, [*REPLICAS, *extra])
+
+
+def _lighthouses(ray_session) -> list[int]:
+    """The torchft lighthouse actors' processes on the session's Ray (ray::Lighthouse.*)."""
+    raylet = ray_session._private.worker._global_node.all_processes["raylet"][0].process.pid
+    found = []
+    for pid in process_tree(raylet):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::Lighthouse"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
 
 
 def _group_processes(log: str) -> dict[int, list[int]]:
@@ -70,6 +87,10 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
         driver.wait_for("the groups trained 25 steps", lambda: driver.last_step() >= 25, timeout_s=120)
         started = _group_processes(driver.log.read_text(errors="replace"))
         assert sorted(started) == list(range(groups)) and all(len(p) == 1 for p in started.values()), started
+        # torchft's lighthouse and managers, the groups' stores and gloo: on loopback (their default is every interface).
+        servers = listeners([*(p for pids in started.values() for p in pids), *_lighthouses(ray_session)])
+        assert servers and all(s.loopback for s in servers), servers
+        assert any(s.process.startswith("ray::Lighthouse") for s in servers), servers
         os.kill(started[1][0], signal.SIGKILL)
         killed = time.time()
         driver.wait_for("group 1 healed", lambda: driver.events("replica_healed"), timeout_s=120)
@@ -94,5 +115,8 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     assert {rows[s]["replicas"] for s in range(lost["step"], healed["step"])} == {groups - 1}
     assert rows[healed["step"]]["replicas"] == groups and rows[lost["step"] - 1]["replicas"] == groups
     assert rows[lost["step"]]["global_batch"] == 4 * (groups - 1)
+    summary = write_report([str(driver.run_dir)], str(tmp_path / "report"))["runs"]["replicas"]
+    assert summary["replica groups lost"] == summary["replica groups healed"] == 1 and summary["restarts"] == 0
+    assert 0 < summary["time lost to replica losses (s)"] and 0 < summary["goodput"] < 1
     print(f"next step {lost['time'] - killed:.1f} s after the kill ({lost['seconds']:.1f} s since the last); "
           f"healed {healed['seconds']:.1f} s after the last step with group 1")
