@@ -29,8 +29,9 @@ loss:
   no training, the batches of each case's steps that the data check would skip (model-free: a
   clean run it skips nothing in trains as it did before it).
 
-`--quick` runs every case on fewer steps (300; the demo 100) and a fifth of the poison: the same
-code path, in minutes (tests/test_guard_panel.py runs it on a text every Python carries).
+`--quick` runs every case on fewer steps (300; the demo 100) and a fifth of the poison (the early
+windows in chunks of 1024 rows, or the first 10% of the steps could not meet it): the same code
+path, in minutes (tests/test_guard_panel.py runs it on a text every Python carries).
 """
 
 from __future__ import annotations
@@ -276,8 +277,10 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], boo
         else:
             lines = text.splitlines(keepends=True)
             write_documents(["".join(lines[i:i + 50]) for i in range(0, len(lines), 50)], text_dir, poison)
-        cfg = nanogpt(prepared([str(text_dir)], work / "data" / f"early-{name}-64", 64), "data.chunk_rows=4096",
-                      *steps)
+        # Quick: chunks of 1024 rows. A chunk's rows are shuffled too, so the first 10% of 300 steps
+        # meet a third of a chunk of 4096, and never half of a window a fifth as long.
+        cfg = nanogpt(prepared([str(text_dir)], work / "data" / f"early-{name}-64", 64),
+                      f"data.chunk_rows={1024 if quick else 4096}", *steps)
         if poison is not None:
             found = work / "data" / f"early-{name}-64.poison-rows.json"  # broken, the rows are not found again
             if not found.exists():
