@@ -27,7 +27,6 @@ looks for checkpoints before any of its processes needs torch, and a new run has
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -41,7 +40,8 @@ from typing import TYPE_CHECKING, Optional
 from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.train.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
-from raylm.train.checkpoint.integrity import MANIFEST, FileEntry, checksum_problem, file_entry, file_problem, read_file
+from raylm.train.checkpoint.integrity import (MANIFEST, FileEntry, checked_bytes, file_entry, file_problem,
+                                              parse_manifest, read_file, read_manifest)
 from raylm.train.checkpoint.integrity import bytes_read  # noqa: F401 - train/loop.py reads it here, until it imports it
 
 if TYPE_CHECKING:
@@ -205,26 +205,6 @@ class _Shared:
     metadata: Metadata
 
 
-def _checked_bytes(uri: str, name: str, manifest: Optional[dict[str, FileEntry]],
-                   storage_cfg: Optional[StorageConfig]) -> bytes:
-    """File `name` of the checkpoint, whole, matching its manifest entry (size, sha256)."""
-    entry = manifest.get(name) if manifest is not None else None
-    if manifest is not None and entry is None:
-        raise CheckpointError(f"no {name} in the manifest")
-    try:
-        data = read_file(storage.join(uri, name), storage_cfg)
-    except storage.StorageNotFoundError:
-        raise CheckpointError(f"{name} is missing, though {MANIFEST} lists it" if entry
-                              else f"no {name} (the save did not finish)") from None
-    if entry is None:
-        return data
-    if len(data) != entry.size:
-        raise CheckpointError(f"{name} is {len(data)} bytes, {MANIFEST} records {entry.size}")
-    if entry.sha256 is not None and (actual := hashlib.sha256(data).hexdigest()) != entry.sha256:
-        raise CheckpointError(checksum_problem(name, actual, entry.sha256))
-    return data
-
-
 def _read_shared(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[bytes], bytes, bytes]:
     """The manifest (None without one), train state and DCP metadata, as checked bytes."""
     from raylm.train.checkpoint.safe_load import METADATA_FILE
@@ -232,9 +212,9 @@ def _read_shared(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Option
     raw_manifest = None
     with contextlib.suppress(storage.StorageNotFoundError):
         raw_manifest = read_file(storage.join(uri, MANIFEST), storage_cfg)
-    manifest = _parse_manifest(raw_manifest) if raw_manifest is not None else None
-    return (raw_manifest, _checked_bytes(uri, TRAIN_STATE, manifest, storage_cfg),
-            _checked_bytes(uri, METADATA_FILE, manifest, storage_cfg))
+    manifest = parse_manifest(raw_manifest) if raw_manifest is not None else None
+    return (raw_manifest, checked_bytes(uri, TRAIN_STATE, manifest, storage_cfg),
+            checked_bytes(uri, METADATA_FILE, manifest, storage_cfg))
 
 
 def _parse_shared(uri: str, raw: tuple[Optional[bytes], bytes, bytes], world_size: int,
@@ -244,7 +224,7 @@ def _parse_shared(uri: str, raw: tuple[Optional[bytes], bytes, bytes], world_siz
     from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
 
     raw_manifest, raw_state, raw_metadata = raw
-    manifest = _parse_manifest(raw_manifest) if raw_manifest is not None else None
+    manifest = parse_manifest(raw_manifest) if raw_manifest is not None else None
     state = _parse_train_state(raw_state)
     try:
         metadata = read_metadata(raw_metadata)
@@ -287,7 +267,7 @@ def _read_rng(uri: str, rank: int, manifest: Optional[dict[str, FileEntry]],
 
     name = _rng_name(rank)
     try:
-        return torch.load(io.BytesIO(_checked_bytes(uri, name, manifest, storage_cfg)), weights_only=True)
+        return torch.load(io.BytesIO(checked_bytes(uri, name, manifest, storage_cfg)), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{name} is not an RNG state: {_first_lines(e)}") from e
 
@@ -375,41 +355,6 @@ def _read_state(state: dict, reader: FileSystemReader) -> None:
 
 
 # ----------------------------------------------------------------------------- checking
-
-def _parse_manifest(raw: bytes) -> dict[str, FileEntry]:
-    from raylm.train.checkpoint.safe_load import is_inside
-
-    try:
-        listed = json.loads(raw)["files"]
-        entries = {name: _parse_entry(e) for name, e in listed.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{MANIFEST} is not a valid manifest ({type(e).__name__}: {e})") from e
-    outside = [name for name in entries if not is_inside(name)]
-    if outside:
-        raise CheckpointError(f"{MANIFEST} names files outside the checkpoint: {outside[:3]}")
-    return entries
-
-
-def _parse_entry(e) -> FileEntry:
-    if type(e) is int:
-        return FileEntry(e, None)
-    size, sha256 = int(e["size"]), str(e["sha256"])
-    if e.get("block_sha256") is None:  # written before blocks were hashed: checked whole
-        return FileEntry(size, sha256)
-    length, blocks = int(e["block_bytes"]), tuple(map(str, e["block_sha256"]))
-    if length <= 0 or len(blocks) != -(-size // length):
-        raise ValueError(f"{len(blocks)} block hashes of {length} bytes for a file of {size}")
-    return FileEntry(size, sha256, length, blocks)
-
-
-def read_manifest(uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict[str, FileEntry]:
-    """The files the manifest at `uri` lists; CheckpointError when it is missing or unparseable."""
-    try:
-        raw = read_file(storage.join(uri, MANIFEST), storage_cfg)
-    except FileNotFoundError as e:
-        raise CheckpointError(f"no {MANIFEST} (the save did not finish)") from e
-    return _parse_manifest(raw)
-
 
 def _parse_train_state(raw: bytes) -> dict:
     try:

@@ -1,11 +1,13 @@
 """A checkpoint's files against its manifest: what the manifest records of each file (size, sha256,
-the sha256 of each block), how a file is hashed and checked against it, and the bytes this process
-has read from checkpoints (what a resume cost: the `resumed` event).
+the sha256 of each block), how the manifest is read, how a file is hashed and checked against its
+entry, and the bytes this process has read from checkpoints (what a resume cost: the `resumed`
+event).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from typing import Any, Optional
 
 from raylm.config import StorageConfig
 from raylm.data import storage
+from raylm.train.checkpoint.errors import CheckpointError
 
 MANIFEST = "checkpoint_manifest.json"
 _HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
@@ -104,3 +107,59 @@ def file_problem(uri: str, name: str, entry: FileEntry, storage_cfg: Optional[St
             where = f" in bytes {i * length}-{min((i + 1) * length, size) - 1}"
             return checksum_problem(name, block, recorded, where)
     return None
+
+
+def checked_bytes(uri: str, name: str, manifest: Optional[dict[str, FileEntry]],
+                  storage_cfg: Optional[StorageConfig]) -> bytes:
+    """File `name` of the checkpoint, whole, matching its manifest entry (size, sha256)."""
+    entry = manifest.get(name) if manifest is not None else None
+    if manifest is not None and entry is None:
+        raise CheckpointError(f"no {name} in the manifest")
+    try:
+        data = read_file(storage.join(uri, name), storage_cfg)
+    except storage.StorageNotFoundError:
+        raise CheckpointError(f"{name} is missing, though {MANIFEST} lists it" if entry
+                              else f"no {name} (the save did not finish)") from None
+    if entry is None:
+        return data
+    if len(data) != entry.size:
+        raise CheckpointError(f"{name} is {len(data)} bytes, {MANIFEST} records {entry.size}")
+    if entry.sha256 is not None and (actual := hashlib.sha256(data).hexdigest()) != entry.sha256:
+        raise CheckpointError(checksum_problem(name, actual, entry.sha256))
+    return data
+
+
+def parse_manifest(raw: bytes) -> dict[str, FileEntry]:
+    """The files a manifest's bytes list; CheckpointError when they are no manifest."""
+    from raylm.train.checkpoint.safe_load import is_inside
+
+    try:
+        listed = json.loads(raw)["files"]
+        entries = {name: _parse_entry(e) for name, e in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{MANIFEST} is not a valid manifest ({type(e).__name__}: {e})") from e
+    outside = [name for name in entries if not is_inside(name)]
+    if outside:
+        raise CheckpointError(f"{MANIFEST} names files outside the checkpoint: {outside[:3]}")
+    return entries
+
+
+def _parse_entry(e) -> FileEntry:
+    if type(e) is int:
+        return FileEntry(e, None)
+    size, sha256 = int(e["size"]), str(e["sha256"])
+    if e.get("block_sha256") is None:  # written before blocks were hashed: checked whole
+        return FileEntry(size, sha256)
+    length, blocks = int(e["block_bytes"]), tuple(map(str, e["block_sha256"]))
+    if length <= 0 or len(blocks) != -(-size // length):
+        raise ValueError(f"{len(blocks)} block hashes of {length} bytes for a file of {size}")
+    return FileEntry(size, sha256, length, blocks)
+
+
+def read_manifest(uri: str, storage_cfg: Optional[StorageConfig] = None) -> dict[str, FileEntry]:
+    """The files the manifest at `uri` lists; CheckpointError when it is missing or unparseable."""
+    try:
+        raw = read_file(storage.join(uri, MANIFEST), storage_cfg)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"no {MANIFEST} (the save did not finish)") from e
+    return parse_manifest(raw)
