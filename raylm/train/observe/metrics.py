@@ -84,7 +84,10 @@ class MetricsLogger(Hook):
             self._purge_board(run.state.step + 1)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
-            print(f"raylm: {n / 1e6:.2f}M parameters, {run.world.world_size} worker(s), "
+            p = run.cfg.parallel
+            workers = f"{p.dp_replicate} replica groups of 1 worker" if p.fault_tolerance == "replica" else \
+                f"{run.world.world_size} worker(s)"
+            print(f"raylm: {n / 1e6:.2f}M parameters, {workers}, "
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
 
