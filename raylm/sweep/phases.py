@@ -67,7 +67,8 @@ def _check_plan(plan: Plan, laws: analysis.Laws, bests: list[dict], rung: ladder
     return check
 
 
-def check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: TrialPlan, cpus: float):
+def check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: TrialPlan,
+                cpus: float) -> tuple[dict, list[dict]]:
     """Predict the held-out rung from the chosen predictor, then train it at the predicted
     learning rate and at that rate x 2^-1/2 and x 2^1/2: the loss at the picked rate is the
     check, and the best of the three says whether the pick was good. Then the check's repeats:

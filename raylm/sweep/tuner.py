@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from raylm.errors import ConfigError, RunInterrupted
 from raylm.sweep import ladder
@@ -15,6 +15,9 @@ from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
 from raylm.sweep.plan import Plan
 from raylm.sweep.results import ASHA_STATE_FILE
 from raylm.sweep.trial import FINAL_FILE, TrialPlan, trial_dir
+
+if TYPE_CHECKING:
+    from ray.tune import ResultGrid
 
 
 class SweepInterrupted(RunInterrupted):
@@ -48,7 +51,8 @@ _NO_TUNER_RESTORE_HINT = _NoTunerRestoreHint()
 
 
 def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict, *, searcher=None,
-              scheduler=None, param_space: Optional[dict] = None, num_samples: int = 1, concurrency: int = 1):
+              scheduler=None, param_space: Optional[dict] = None, num_samples: int = 1,
+              concurrency: int = 1) -> ResultGrid:
     """One Tune experiment in the sweep directory, restored if an earlier run of the command left it."""
     from ray import tune
 
@@ -86,7 +90,7 @@ def _trial_config(result) -> Optional[dict]:
     return None
 
 
-def trial_rows(plan: Plan, grid, phase: str, expected: int) -> list[dict]:
+def trial_rows(plan: Plan, grid: ResultGrid, phase: str, expected: int) -> list[dict]:
     """trials.csv rows of one experiment's results. Tune returns early when interrupted (Ctrl-C,
     SIGTERM): a trial neither finished, failed nor stopped by ASHA, or a trial not yet created,
     means the phase did not end, and the sweep stops there (the same command resumes it)."""
@@ -143,7 +147,7 @@ def repeats(plan: Plan, name: str, phase: str, slots: list, trials: TrialPlan, r
     return trial_rows(plan, grid, phase, expected=len(slots))
 
 
-def grid_search(values: list):
+def grid_search(values: list) -> dict:
     from ray import tune
 
     return tune.grid_search(values)

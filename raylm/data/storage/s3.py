@@ -22,7 +22,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow.fs as pafs
 
@@ -258,7 +258,7 @@ def bucket_key(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def boto3_client(storage: Optional[StorageConfig]):
+def boto3_client(storage: Optional[StorageConfig]) -> Any:
     """An S3 client (boto3, for what pyarrow's filesystem lacks: conditional writes) with the
     endpoint and region that raylm's filesystem uses; credentials from the same environment."""
     import boto3
