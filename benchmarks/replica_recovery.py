@@ -1,0 +1,130 @@
+"""What a lost worker costs under parallel.fault_tolerance=replica (issue 59).
+
+    .venv/bin/python benchmarks/replica_recovery.py --json-out replica.json [--faults 2] [--steps 300]
+
+Two runs of the demo model (`configs/demo-cpu.yaml` on the demo's BPE data) as 3 torchft replica
+groups of one CPU worker each (gloo), on the local Ray the driver starts: a clean one, then the same
+run in which a group's worker is SIGKILLed at random steps (another group each time, once the last
+one has healed). From the runs' own records:
+
+- next_step_s: from the kill to the surviving groups' next committed step (the `replica_lost` event);
+- heal_s: from the kill to the step at which the replaced group trains again (`replica_healed`);
+- steps_lost: the steps given up and trained again per fault (the step in flight, at most);
+- healthy_restarts: workers of the groups not killed that started again (their PIDs);
+- samples_once: every sample of the planned order trained exactly once (metrics.jsonl's audit);
+- val_loss, clean_val_loss: the final validation loss of both runs;
+- goodput: `raylm report`'s of the faulty run (committed compute over wall time, a lost group's
+  share of each step it was down for counted lost); not the drill's (benchmarks/drill.py has no
+  replica mode yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from _common import load_average
+from cluster.chaos import TrainDriver
+from raylm.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "configs" / "demo-cpu.yaml"
+GROUPS = 3
+# Ray folds alike lines of several workers into one: every group names its process on the console.
+LOCAL = SimpleNamespace(address="local", driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
+
+
+def group_processes(driver: TrainDriver) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {}
+    for group, pid in re.findall(r"raylm: replica group (\d+) of \d+ in process (\d+)",
+                                 driver.log.read_text(errors="replace")):
+        found.setdefault(int(group), []).append(int(pid))
+    return found
+
+
+def run(args: argparse.Namespace, name: str) -> TrainDriver:
+    return TrainDriver(LOCAL, args.workdir / name, [
+        str(DEMO_CONFIG), f"data.path={args.data}", f"run.storage_path={args.workdir}", f"run.name={name}",
+        f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.global_batch_size={8 * GROUPS}",
+        "train.micro_batch_size=8", "train.audit_samples=true", "train.log_every=50",
+        f"parallel.num_workers={GROUPS}", f"parallel.dp_replicate={GROUPS}", "parallel.fault_tolerance=replica",
+        "parallel.cpus_per_worker=1", f"run.max_failures={args.faults}", "checkpoint.every_steps=100",
+        *args.override])
+
+
+def strike(driver: TrainDriver, group: int, step: int) -> dict:
+    """SIGKILL `group`'s worker at `step`; its figures once it has healed."""
+    driver.wait_for(f"step {step}", lambda: driver.last_step() >= step, timeout_s=1800, poll_s=0.02)
+    lost_before, healed_before = len(driver.events("replica_lost")), len(driver.events("replica_healed"))
+    pid = group_processes(driver)[group][-1]
+    killed_at, killed = driver.last_step(), time.time()
+    os.kill(pid, signal.SIGKILL)
+    driver.wait_for("the group healed", lambda: len(driver.events("replica_healed")) > healed_before,
+                    timeout_s=600, poll_s=0.1)
+    lost = driver.events("replica_lost")[lost_before]
+    healed = driver.events("replica_healed")[healed_before]
+    return {"group": group, "killed_at_step": killed_at, "pid": pid, "next_step_s": lost["time"] - killed,
+            "stall_s": lost["seconds"], "heal_s": healed["time"] - killed, "healed_at_step": healed["step"],
+            "steps_lost": lost["retried"]}
+
+
+def audit(driver: TrainDriver) -> bool:
+    rows = {r["step"]: r for r in driver.metrics()}
+    trained = [i for s in sorted(rows) for i in rows[s]["samples"]]
+    return sorted(rows) == list(range(1, len(rows) + 1)) and trained == list(range(len(trained)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", type=int, default=2, help="workers killed, one at a time")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0, help="of the steps the kills come at")
+    parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench")
+    parser.add_argument("--data", type=Path, default=REPO / "runs" / "data" / "stdlib-bpe-2048-128",
+                        help="the demo's prepared data (make demo prepares it)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    clean = run(args, f"replica-clean-{stamp}")
+    clean.finish(timeout_s=3600)
+    rng = random.Random(args.seed)
+    # Spread over the run, leaving room for each heal (tens of seconds on 2 cores).
+    steps = sorted(rng.sample(range(args.steps // 10, args.steps // 2), args.faults))
+    faulty = run(args, f"replica-faults-{stamp}")
+    try:
+        faults = [strike(faulty, (1 + i) % GROUPS, step) for i, step in enumerate(steps)]
+        faulty.finish(timeout_s=3600)
+    finally:
+        faulty.stop()
+    processes = group_processes(faulty)
+    # Every process past the first of each group and the one each kill called for.
+    healthy_restarts = sum(len(pids) for pids in processes.values()) - GROUPS - len(faults)
+    summary = write_report([str(faulty.run_dir)], str(faulty.run_dir / "report"))["runs"][faulty.run_dir.name]
+    val = lambda d: [r["val_loss"] for r in d.metrics() if "val_loss" in r][-1]  # noqa: E731
+    result = {
+        "steps_lost": max(f["steps_lost"] for f in faults), "healthy_restarts": healthy_restarts,
+        "next_step_s": max(f["next_step_s"] for f in faults), "heal_s": max(f["heal_s"] for f in faults),
+        "samples_once": audit(faulty), "val_loss": val(faulty), "clean_val_loss": val(clean),
+        "goodput": summary["goodput"], "clean_goodput": write_report(
+            [str(clean.run_dir)], str(clean.run_dir / "report"))["runs"][clean.run_dir.name]["goodput"],
+        "faults": faults, "groups": GROUPS, "steps": args.steps, "processes": processes,
+        "load": load_average(), "runs": [str(clean.run_dir), str(faulty.run_dir)],
+    }
+    print(json.dumps(result, indent=2))
+    print(f"command: {' '.join([os.path.relpath(sys.executable, REPO), *sys.argv])}")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
