@@ -98,6 +98,7 @@ class ReplicaTrainer(Trainer):
         self.replica_s = 0.0  # seconds of given-up tries and their quorums since the last metrics
         self.step_samples: list[int] = []
         self.committed: Optional[bool] = None  # this step's should_commit, once asked
+        self.healed = False  # the last quorum sent this group a peer's state
         print(f"raylm: replica group {place.group} of {place.groups} in process {os.getpid()}"
               + (": joins the running quorum, healing from a live peer" if place.joining else ""), flush=True)
 
@@ -146,6 +147,7 @@ class ReplicaTrainer(Trainer):
             self.judge.load(*self.guard.history())
         self._weights_changed()
         self._take_skips()
+        self.healed = True
 
     # -- the steps ----------------------------------------------------------------------------------
 
@@ -164,7 +166,12 @@ class ReplicaTrainer(Trainer):
         share of the step's samples."""
         if self.state.step >= self.last:
             return None
+        asked = time.perf_counter()
         self.manager.start_quorum()
+        if self.healed:
+            print(f"raylm: replica group {self.place.group} healed from a peer after step {self.state.step} "
+                  f"(the quorum and the transfer: {time.perf_counter() - asked:.2f} s)", flush=True)
+            self.healed = False
         if self.attempts:  # the step given up and the wait for the quorum after it: not the step's time
             now = self.timeline.mark()
             self.replica_s += self.timeline.seconds(self.last_mark, now)

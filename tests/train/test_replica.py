@@ -136,6 +136,8 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     after = _group_processes(log)
     assert after[0] == started[0] and after[2] == started[2], after  # the healthy groups' workers went on
     assert len(after[1]) == 2 and "joins the running quorum" in log, after
+    (transfer,) = re.findall(r"raylm: replica group 1 healed from a peer at step \d+ \(the quorum and the transfer: "
+                             r"([\d.]+) s\)", log)
     (lost,) = driver.events("replica_lost")
     (healed,) = driver.events("replica_healed")
     (failure,) = driver.events("failure")
@@ -151,4 +153,4 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     assert summary["replica groups lost"] == summary["replica groups healed"] == 1 and summary["restarts"] == 0
     assert 0 < summary["time lost to replica losses (s)"] and 0 < summary["goodput"] < 1
     print(f"next step {lost['time'] - killed:.1f} s after the kill ({lost['seconds']:.1f} s since the last); "
-          f"healed {healed['seconds']:.1f} s after the last step with group 1")
+          f"healed {healed['seconds']:.1f} s after the last step with group 1 (quorum and transfer {transfer} s)")
