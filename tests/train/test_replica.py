@@ -136,7 +136,7 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     after = _group_processes(log)
     assert after[0] == started[0] and after[2] == started[2], after  # the healthy groups' workers went on
     assert len(after[1]) == 2 and "joins the running quorum" in log, after
-    (transfer,) = re.findall(r"raylm: replica group 1 healed from a peer at step \d+ \(the quorum and the transfer: "
+    (transfer,) = re.findall(r"raylm: replica group 1 healed from a peer after step \d+ \(the quorum and the transfer: "
                              r"([\d.]+) s\)", log)
     (lost,) = driver.events("replica_lost")
     (healed,) = driver.events("replica_healed")
