@@ -29,13 +29,13 @@ def seeds_phase(plan: Plan, rows: list[dict], noisy: Optional[str], trials: Tria
     the noise floor a prediction is judged by)."""
     from raylm.sweep.search import RungSlot
 
-    repeats = {rung: plan.sweep.ladder.seeds - 1 for rung in {r["rung"] for r in rows if r["status"] == COMPLETED}}
+    times = {rung: plan.sweep.ladder.seeds - 1 for rung in {r["rung"] for r in rows if r["status"] == COMPLETED}}
     if noisy is not None:
-        repeats[noisy] = max(repeats[noisy], NOISE_SEEDS)
+        times[noisy] = max(times[noisy], NOISE_SEEDS)
     slots = []
-    for rung in sorted(repeats, key=lambda name: -plan.rung(name).target_tokens * plan.rung(name).size.flops_per_token):
+    for rung in sorted(times, key=lambda name: -plan.rung(name).target_tokens * plan.rung(name).size.flops_per_token):
         best = min((r for r in rows if r["rung"] == rung and r["status"] == COMPLETED), key=lambda r: r["val_loss"])
-        slots += [RungSlot(rung, 1.0, best["lr"], best["batch"], seed) for seed in range(1, repeats[rung] + 1)]
+        slots += [RungSlot(rung, 1.0, best["lr"], best["batch"], seed) for seed in range(1, times[rung] + 1)]
     if not slots:
         return []
     resources = {"CPU": plan.sweep.trial.cpus, "GPU": plan.sweep.trial.gpus}
