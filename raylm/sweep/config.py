@@ -136,6 +136,12 @@ class SweepConfig:
     """The base run config (a `raylm train` YAML), relative to the sweep file."""
     base_overrides: list[str] = field(default_factory=list)
     """Dotted overrides of the base run (applied before the command line's)."""
+    parametrization: Literal["standard", "mup"] = "standard"
+    """standard: every rung searches its own learning rate (lr, search). mup: every trial's model
+    is µP (`model.parametrization`) with the ladder's smallest width as `model.mup_base_width`;
+    the learning rate is searched at that width only (lr, search, early_stopping: phase lr-search),
+    and every size trains at the best of it with ladder.seeds seeds (3 or more: the compute the
+    per-rung search took)."""
     ladder: LadderConfig = field(default_factory=LadderConfig)
     lr: LRConfig = field(default_factory=LRConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -232,9 +238,22 @@ def check_sweep(sweep: SweepConfig) -> None:
                           f"got {sweep.fit.local_sizes}")
     if ladder.seeds < 1:
         raise ConfigError(f"ladder.seeds must be at least 1 (the search's own trial), got {ladder.seeds}")
+    if sweep.parametrization == "mup":
+        _check_mup(sweep)
     if sweep.check and len(ladder.sizes or ladder.d_model) < 3:
         raise ConfigError("check: true holds the largest size out of the fit; the ladder then needs at "
                           "least 3 sizes (2 to fit, 1 to check)")
+
+
+def _check_mup(sweep: SweepConfig) -> None:
+    """What sweep.parametrization=mup contradicts: a learning rate or batch chosen per size."""
+    if sweep.lr.scale_exponent != 0:
+        raise ConfigError(f"sweep.parametrization=mup trains every size at the learning rate found at the base width, "
+                          f"but lr.scale_exponent={sweep.lr.scale_exponent:g} moves it per size: set "
+                          "sweep.lr.scale_exponent=0")
+    if len(sweep.ladder.batch_size) > 1:
+        raise ConfigError(f"sweep.parametrization=mup transfers the learning rate across widths, not a batch size "
+                          f"chosen per size: ladder.batch_size takes one value under mup, got {sweep.ladder.batch_size}")
 
 
 def sweep_to_dict(sweep: SweepConfig) -> dict:

@@ -83,11 +83,22 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
                 raise ConfigError(f"ladder.d_model[{i}]={d} is not a multiple of ladder.head_dim={ladder.head_dim}")
             shapes.append((f"ladder.d_model[{i}]", rule_shape(d, ladder.aspect_ratio, ladder.head_dim)))
     sizes = [_size(sweep, base, i, where, keys) for i, (where, keys) in enumerate(shapes)]
+    if sweep.parametrization == "mup":  # the base width is the smallest size's, known once it is built
+        sizes = [_size(sweep, base, i, where, {**keys, **mup_keys(sweep, sizes)})
+                 for i, (where, keys) in enumerate(shapes)]
     for a, b in zip(sizes, sizes[1:]):
         if b.params <= a.params:
             raise ConfigError(f"{b.where} ({b.params:,} parameters) is not larger than {a.where} ({a.params:,}): "
                               "list the ladder's sizes smallest first, each larger than the last")
     return sizes
+
+
+def mup_keys(sweep: SweepConfig, sizes: list[Size]) -> dict:
+    """The model keys of every model the sweep makes (ladder, check shapes, the recommended run):
+    under sweep.parametrization=mup, µP based at the ladder's smallest width; else none."""
+    if sweep.parametrization != "mup":
+        return {}
+    return {"parametrization": "mup", "mup_base_width": sizes[0].model.d_model}
 
 
 SHAPE_TOLERANCE = 0.25  # how far a check shape's parameter count may sit from the held-out size's
@@ -96,7 +107,7 @@ SHAPE_TOLERANCE = 0.25  # how far a check shape's parameter count may sit from t
 def build_check_shapes(sweep: SweepConfig, base: Config, sizes: list[Size]) -> list[Size]:
     """check_shapes as sizes numbered after the ladder's; each of about the held-out size."""
     held_out = sizes[-1]
-    shapes = [_size(sweep, base, len(sizes) + i, f"check_shapes[{i}]", dict(keys))
+    shapes = [_size(sweep, base, len(sizes) + i, f"check_shapes[{i}]", {**keys, **mup_keys(sweep, sizes)})
               for i, keys in enumerate(sweep.check_shapes)]
     for shape in shapes:
         if abs(shape.params / held_out.params - 1) > SHAPE_TOLERANCE:
@@ -254,6 +265,7 @@ def shape_for_params(target: float, sweep: SweepConfig, sizes: list[Size], base:
         aspect, head_dim = top.d_model / top.n_layers, top.d_model // top.n_heads
         keys = {k: v for k, v in dataclasses.asdict(top).items() if k not in ("size", "d_model", "n_layers", "n_heads")}
         min_layers = max((s.model.n_layers for s in sizes if s.params <= target), default=sizes[0].model.n_layers)
+    keys.update(mup_keys(sweep, sizes))
     step = head_dim if head_dim % 2 == 0 else 2 * head_dim  # RoPE wants an even head dimension
     best: Optional[Size] = None
     d = step

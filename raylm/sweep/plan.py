@@ -51,6 +51,10 @@ def resolve(path: str, overrides: list[str]) -> Plan:
         data=dataclasses.replace(base.data, loader="local"))  # in-process trials read with pyarrow
     spec = resolve_run(trials_base, announce=True)
     sizes = ladder.build_sizes(sweep, spec.config)
+    depths = sorted({s.model.n_layers for s in sizes})
+    if sweep.parametrization == "mup" and len(depths) > 1:
+        say(f"warning: µP transfers the learning rate across widths at one depth; the ladder's sizes are "
+            f"{depths[0]} to {depths[-1]} layers deep, where the transfer is not assured")
     shapes = ladder.build_check_shapes(sweep, spec.config, sizes) if sweep.check else []
     rungs = ladder.build_rungs(sweep, sizes, shapes)
     ladder.check_budgets(sweep, spec.config, rungs)
