@@ -22,6 +22,7 @@ from raylm.sweep.ladder import Size, build_rungs, schedule_shape, shape_for_para
 from raylm.train.spec import absolute, resolve_run
 
 COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", "error"
+LR_SEARCH = "lr-search"  # sweep.parametrization=mup: the phase that searches the rate at the base width
 CHINCHILLA, LOCAL = "chinchilla", "local"
 PREDICTORS = (CHINCHILLA, LOCAL)
 CHINCHILLA_FORM, LOCAL_FORM = "L(N, D) = E + A / N^alpha + B / D^beta", "L(N, D) = K / (N^a D^b)"
@@ -203,15 +204,17 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
     with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
     `log` is told how the slow fits progress."""
     bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
-    result: dict = {"params_count": sweep.fit.params, "rungs": bests}
+    result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests}
     per_size: dict[int, list[dict]] = defaultdict(list)
     for b in bests:
         per_size[b["size"]].append(b)
     size_lr = [{"size": s, "params": v[0]["params"], "lr": float(math.exp(np.mean([math.log(b["lr"]) for b in v])))}
                for s, v in sorted(per_size.items())]
-    result["lr"] = {"per_size": size_lr,
-                    "lr_vs_params": _safe(lambda: fit.power_law([s["params"] for s in size_lr],
-                                                                [s["lr"] for s in size_lr])),
+    if sweep.parametrization == "mup":  # every size trained at the one rate transferred from the base width
+        lr_law = {"coef": bests[0]["lr"], "exponent": 0.0}
+    else:
+        lr_law = _safe(lambda: fit.power_law([s["params"] for s in size_lr], [s["lr"] for s in size_lr]))
+    result["lr"] = {"per_size": size_lr, "lr_vs_params": lr_law,
                     "lr_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests], [b["lr"] for b in bests])),
                     "at_grid_edge": [b["rung"] for b in bests if b["lr_at_grid_edge"]]}
     batch_law = None
@@ -424,6 +427,10 @@ def warnings(result: dict) -> list[str]:
         if name in p and not 0.05 <= p[name] <= 1.5:
             out.append(f"parametric fit: {name} = {p[name]:.3g} lies outside [0.05, 1.5]: the ladder does not "
                        f"determine it; add {more}")
+    edge = result.get("transfer", {}).get("at_grid_edge", [])
+    if edge:
+        out.append(f"the best learning rate at µP's base width lies at the edge of the values tried in "
+                   f"{', '.join(edge)}, and every size trained at it: widen the learning-rate grid or range")
     edge = result.get("lr", {}).get("at_grid_edge", [])
     if edge:
         out.append(f"the best learning rate lies at the edge of the values tried in {', '.join(edge)}: widen the "
@@ -444,8 +451,11 @@ def warnings(result: dict) -> list[str]:
                    "held-out rung (degenerate: a constant past float range); its interval is of the others only")
     pick = check.get("lr_pick")
     if pick and pick.get("good") is False:
-        out.append(f"the extrapolated learning rate {pick['picked_lr']:.3g} lost {100 * pick['relative_gap']:.2f}% "
-                   f"against {pick['best_lr']:.3g}, more than the noise floor: lr_vs_params does not extrapolate well")
+        mup = result.get("parametrization") == "mup"
+        out.append(f"the {'transferred' if mup else 'extrapolated'} learning rate {pick['picked_lr']:.3g} lost "
+                   f"{100 * pick['relative_gap']:.2f}% against {pick['best_lr']:.3g}, more than the noise floor: "
+                   + ("µP's transfer from the base width did not hold at the held-out size" if mup else
+                      "lr_vs_params does not extrapolate well"))
     pick = check.get("batch_pick")
     if pick and pick.get("good") is False:
         out.append(f"the batch size {pick['picked_batch']:g} (the largest fitted size's best) lost "

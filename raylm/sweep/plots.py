@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 
 from raylm.sweep import fit
-from raylm.sweep.analysis import COMPLETED, STOPPED, Laws
+from raylm.sweep.analysis import COMPLETED, LR_SEARCH, STOPPED, Laws
 
 
 def _save(plt, fig, directory: str, name: str) -> str:
@@ -74,7 +74,7 @@ def _loss_vs_compute(plt, directory: str, rows: list[dict], result: dict, laws: 
 
 
 def _lr_curves(plt, directory: str, rows: list[dict]) -> str:
-    ladder = [r for r in rows if r["phase"] == "ladder"]
+    ladder = [r for r in rows if r["phase"] in ("ladder", LR_SEARCH)]  # µP's learning rates are the search's
     sizes = sorted({r["size"] for r in ladder})
     fig, axes = plt.subplots(1, len(sizes), figsize=(3.2 * len(sizes), 3.4), squeeze=False, sharey=True)
     for ax, size in zip(axes[0], sizes):

@@ -75,6 +75,9 @@ def recommended_yaml(cfg: Config, info: dict, sweep_dir: str) -> str:
               f"lr {info['lr']:.3g}, batch {info['batch']}.\n"
               f"# Predicted final val loss: {p['loss']:.4f} "
               f"(interval {p['interval'][0]:.4f} - {p['interval'][1]:.4f}).\n")
+    if cfg.model.parametrization == "mup":
+        header += (f"# µP based at d_model {cfg.model.mup_base_width}: the learning rate found there, at which every "
+                   "size of the ladder trained.\n")
     if allocation := info.get("allocation"):
         low, high = allocation["ladder_tokens_per_param"]
         header += (f"# {info['tokens_per_param']:.3g} tokens per parameter, not the fit's optimum "

@@ -27,11 +27,12 @@ from raylm.sweep.checks import measure_check, noise_floor, noise_rung, predict_c
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.phases import check_phase, seeds_phase
 from raylm.sweep.plan import Plan, check_same_sweep, resolve
-from raylm.sweep.results import (ASHA_STATE_FILE, CHECK_PLAN_FILE, FIT_FILE, RECOMMENDED_FILE, SWEEP_FILE, TRIALS_FILE,
+from raylm.sweep.results import (CHECK_PLAN_FILE, FIT_FILE, RECOMMENDED_FILE, SWEEP_FILE, TRIALS_FILE,
                                  asha_savings, fitted_with, read_trials, recommended_yaml, write_fit, write_trials)
 from raylm.sweep.summary import say
 from raylm.sweep.trial import TrialPlan
-from raylm.sweep.tuner import cluster_share, run_phase, threads, trial_rows
+from raylm.sweep.transfer import mup_ladder
+from raylm.sweep.tuner import cluster_share, search, threads
 from raylm.train.lease import RunLease
 
 
@@ -46,37 +47,31 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
 
 
 def _sweep(plan: Plan, path: str, started: float) -> dict:
-    from raylm.sweep.search import RungASHA, RungSearcher, plan_slots
-
     sweep = plan.sweep
     check_same_sweep(plan, path)
     base = plan.base
     start_ray(base.run.ray_address, base.run.ray_num_cpus, max(1, int(sweep.trial.cpus)), dashboard=base.run.dashboard)
     kind, per_trial = ("GPU", sweep.trial.gpus) if sweep.trial.gpus > 0 else ("CPU", sweep.trial.cpus)
-    concurrency = min(cluster_share(per_trial, kind), sweep.trial.max_concurrent or math.inf)
+    concurrency = int(min(cluster_share(per_trial, kind), sweep.trial.max_concurrent or math.inf))
     if sweep.check and sweep.trial.check_cpus:  # now, not after the ladder's hours
         cluster_share(sweep.trial.check_cpus, "CPU", "trial.check_cpus")
     trials = TrialPlan(sweep, plan.spec.to_dict(), {r.name: r for r in plan.rungs},
                        os.path.join(plan.directory, "trials"), threads(sweep.trial.cpus), sweep.trial.gpus > 0)
-    seq_len = plan.resolved.train.seq_len
-    cost = {r.name: r.target_tokens * r.size.flops_per_token for r in plan.rungs}
-    slots = plan_slots(sweep, plan.rungs, plan.batches, cost)
-    print(f"raylm: sweep {plan.directory}: {len(plan.sizes)} sizes, {len(plan.rungs)} rungs, {len(slots)} trials, "
-          f"{concurrency} at a time, {seq_len}-token sequences", flush=True)
-    scheduler = RungASHA(sweep.early_stopping.grace_fraction, sweep.early_stopping.reduction_factor,
-                         os.path.join(plan.directory, ASHA_STATE_FILE)) if sweep.early_stopping.asha else None
-    grid = run_phase(plan, "tune-ladder", trials, {"CPU": sweep.trial.cpus, "GPU": sweep.trial.gpus},
-                     searcher=RungSearcher(slots, sweep, plan.batches), scheduler=scheduler,
-                      num_samples=len(slots), concurrency=int(concurrency))
-    rows = trial_rows(plan, grid, "ladder", expected=len(slots))
-    if not any(r["status"] == COMPLETED for r in rows):
-        errors = [str(r.error) for r in grid if r.error]
-        raise RuntimeError(f"no trial of the sweep completed; first error: {errors[0] if errors else 'none reported'}")
+    print(f"raylm: sweep {plan.directory}: {len(plan.sizes)} sizes, {len(plan.rungs)} rungs, "
+          f"{plan.resolved.train.seq_len}-token sequences, {sweep.parametrization} parametrization", flush=True)
+    resources = {"CPU": sweep.trial.cpus, "GPU": sweep.trial.gpus}
+    search_rows, transfer = [], None
+    if sweep.parametrization == "mup":
+        search_rows, rows, transfer = mup_ladder(plan, trials, resources, concurrency)
+    else:
+        rows = search(plan, "tune-ladder", "ladder", plan.rungs, trials, resources, concurrency)
     completed = [r for r in rows if r["status"] == COMPLETED]
     noisy = noise_rung(completed, ladder.held_out_rung(plan.rungs).budget) if sweep.check else None
-    seed_rows = seeds_phase(plan, rows, noisy, trials, int(concurrency))
+    seed_rows = seeds_phase(plan, rows, noisy, trials, concurrency)
     result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows, log=say)
     result = {"sweep": plan.directory, "asha": asha_savings(rows), **result}
+    if transfer is not None:
+        result["transfer"] = transfer
     check_rows = []
     if sweep.check and laws.predictors:
         import ray
@@ -85,7 +80,7 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
         cpus = sweep.trial.check_cpus or ray.cluster_resources().get("CPU", 1)
         check, check_rows = check_phase(plan, laws, result["rungs"], trials, cpus)
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
-    rows += seed_rows + check_rows
+    rows = search_rows + rows + seed_rows + check_rows
     write_trials(plan.directory, rows)
     if (sweep.target.flops or sweep.target.params) and laws.parametric is not None:
         try:
@@ -147,6 +142,8 @@ def refit(directory: str) -> dict:
         noise = noise_floor(ladder_rows, [r for r in rows if r["phase"] == "seeds"],
                             noise_rung(result["rungs"], held_out_budget))
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
+    if "transfer" in previous:  # the search's decision, as the sweep took it
+        result["transfer"] = previous["transfer"]
     if "recommended" in previous:
         result["recommended"] = {**previous["recommended"], "refit": "carried over from the sweep: --refit does "
                                  "not place the recommended run again"}

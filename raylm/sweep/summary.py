@@ -21,7 +21,11 @@ def summary(result: dict) -> str:
     else:
         lines.append(f"fit: none ({p.get('error')})")
     law = result["lr"].get("lr_vs_params", {})
-    if "coef" in law:
+    transfer = result.get("transfer")
+    if transfer:
+        lines.append(f"µP: lr {transfer['lr']:.4g} found at the base width {transfer['base_width']} "
+                     f"({transfer['asha']['trials']} trials), every size trained at it")
+    elif "coef" in law:
         lines.append(f"best lr: {law['coef']:.3g} * N^{law['exponent']:.3f}")
     chosen = result.get("predictor")
     if chosen:

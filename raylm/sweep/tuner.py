@@ -147,6 +147,28 @@ def repeats(plan: Plan, name: str, phase: str, slots: list, trials: TrialPlan, r
     return trial_rows(plan, grid, phase, expected=len(slots))
 
 
+def search(plan: Plan, name: str, phase: str, rungs: list[ladder.Rung], trials: TrialPlan, resources: dict,
+           concurrency: int) -> list[dict]:
+    """The learning-rate search over `rungs` (lr, search, early_stopping: ASHA within each rung) as
+    one Tune experiment; its rows. Raises RuntimeError when none of its trials completed."""
+    from raylm.sweep.search import RungASHA, RungSearcher, plan_slots
+
+    sweep = plan.sweep
+    cost = {r.name: r.target_tokens * r.size.flops_per_token for r in rungs}
+    slots = plan_slots(sweep, rungs, plan.batches, cost)
+    print(f"raylm: {phase}: {len(slots)} trials over {len(rungs)} rungs, {concurrency} at a time", flush=True)
+    scheduler = RungASHA(sweep.early_stopping.grace_fraction, sweep.early_stopping.reduction_factor,
+                         os.path.join(plan.directory, ASHA_STATE_FILE)) if sweep.early_stopping.asha else None
+    grid = run_phase(plan, name, trials, resources, searcher=RungSearcher(slots, sweep, plan.batches),
+                     scheduler=scheduler, num_samples=len(slots), concurrency=concurrency)
+    rows = trial_rows(plan, grid, phase, expected=len(slots))
+    if not any(r["status"] == COMPLETED for r in rows):
+        errors = [str(r.error) for r in grid if r.error]
+        raise RuntimeError(f"no trial of the sweep's {phase} completed; first error: "
+                           f"{errors[0] if errors else 'none reported'}")
+    return rows
+
+
 def grid_search(values: list) -> dict:
     from ray import tune
 
