@@ -42,9 +42,12 @@ class Lighthouse:
 
         self.server = LighthouseServer(bind=bind, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                                        heartbeat_timeout_ms=heartbeat_timeout_ms)
+        self.host = bind.rsplit(":", 1)[0]
 
     def address(self) -> str:
-        return self.server.address()
+        # torchft names its server by the machine's hostname, which need not resolve to the address
+        # it listens on (a node of the local cluster on 127.0.0.2 was refused at "http://vm:PORT").
+        return f"http://{self.host}:{self.server.address().rsplit(':', 1)[1]}"
 
 
 def _set_env(values: dict[str, str]) -> None:
