@@ -1,6 +1,7 @@
 """What a lost worker costs under parallel.fault_tolerance=replica (issue 59).
 
     .venv/bin/python benchmarks/replica_recovery.py --json-out replica.json [--faults 2] [--steps 300]
+    .venv/bin/python benchmarks/replica_recovery.py --node-loss --json-out node.json [--node-down-s 20]
 
 Two runs of the demo model (`configs/demo-cpu.yaml` on the demo's BPE data) as 3 torchft replica
 groups of one CPU worker each (gloo), on the local Ray the driver starts: a clean one, then the same
@@ -50,8 +51,8 @@ def group_processes(driver: TrainDriver) -> dict[int, list[int]]:
     return found
 
 
-def run(args: argparse.Namespace, name: str) -> TrainDriver:
-    return TrainDriver(LOCAL, args.workdir / name, [
+def run(args: argparse.Namespace, name: str, ray: SimpleNamespace = LOCAL) -> TrainDriver:
+    return TrainDriver(ray, args.workdir / name, [
         str(DEMO_CONFIG), f"data.path={args.data}", f"run.storage_path={args.workdir}", f"run.name={name}",
         f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.global_batch_size={8 * GROUPS}",
         "train.micro_batch_size=8", "train.audit_samples=true", "train.log_every=50",
@@ -76,6 +77,39 @@ def strike(driver: TrainDriver, group: int, step: int) -> dict:
             "steps_lost": lost["retried"]}
 
 
+def node_loss(args: argparse.Namespace, name: str) -> dict:
+    """The same run on the local multi-node cluster (a node of 1 CPU a group): the node of group
+    1's worker killed (its raylet and every process on it), started again `--node-down-s` later;
+    the run is stopped (SIGTERM) a few steps after the group healed."""
+    from cluster.local import LocalCluster
+
+    with LocalCluster(num_nodes=GROUPS, cpus_per_node=1) as cluster:
+        env = {**cluster.driver_env(), "RAY_DEDUP_LOGS": "0"}
+        driver = run(args, name, SimpleNamespace(address=cluster.address, driver_env=lambda: env))
+        try:
+            driver.wait_for("step 20", lambda: driver.last_step() >= 20, timeout_s=900, poll_s=0.02)
+            driver.wait_for("group 1's process named", lambda: 1 in group_processes(driver), timeout_s=60)
+            pid = group_processes(driver)[1][0]
+            node = next(i for i, n in enumerate(cluster.nodes) if not n.is_head and pid in cluster.processes(i))
+            killed_at, killed = driver.last_step(), time.time()
+            cluster.kill_node(node)
+            driver.wait_for("the others' next step", lambda: driver.events("replica_lost"), timeout_s=300, poll_s=0.02)
+            time.sleep(max(0.0, killed + args.node_down_s - time.time()))
+            returned = time.time()
+            cluster.start_node(node)
+            driver.wait_for("the group healed", lambda: driver.events("replica_healed"), timeout_s=600, poll_s=0.1)
+            (lost,), (healed,) = driver.events("replica_lost"), driver.events("replica_healed")
+            driver.wait_for("3 steps more", lambda: driver.last_step() >= healed["step"] + 3, timeout_s=120)
+            driver.proc.send_signal(signal.SIGTERM)
+            driver.proc.wait(timeout=120)
+        finally:
+            driver.stop()
+    return {"group": lost["group"], "node": node, "killed_at_step": killed_at, "next_step_s": lost["time"] - killed,
+            "node_down_s": returned - killed, "heal_s": healed["time"] - killed,
+            "heal_after_return_s": healed["time"] - returned, "steps_lost": lost["retried"],
+            "samples_once": audit(driver), "resumed": len(driver.events("resumed")), "run": str(driver.run_dir)}
+
+
 def audit(driver: TrainDriver) -> bool:
     rows = {r["step"]: r for r in driver.metrics()}
     trained = [i for s in sorted(rows) for i in rows[s]["samples"]]
@@ -91,10 +125,19 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=REPO / "runs" / "data" / "stdlib-bpe-2048-128",
                         help="the demo's prepared data (make demo prepares it)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--node-loss", action="store_true",
+                        help="instead: a node of the local multi-node cluster lost and returned")
+    parser.add_argument("--node-down-s", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.node_loss:
+        result = {**node_loss(args, f"replica-node-{stamp}"), "load": load_average()}
+        print(json.dumps(result, indent=2))
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     clean = run(args, f"replica-clean-{stamp}")
     clean.finish(timeout_s=3600)
     rng = random.Random(args.seed)
