@@ -61,7 +61,8 @@ def test_export_draws_a_bar_on_a_terminal(tmp_path):
 
 @pytest.mark.slow
 def test_data_verify_counts_shards_on_a_terminal_and_in_a_log(tiny_dataset):
-    shown = run_on_terminal("data", "verify", tiny_dataset)
+    # The bar names the dataset: a terminal wide enough for its path (pytest-xdist's are longer).
+    shown = run_on_terminal("data", "verify", tiny_dataset, columns=len(tiny_dataset) + 100)
     assert shown.status == 0, shown.output
     assert f"raylm: verify {tiny_dataset}: 100%|" in shown.output and " shards/s]" in shown.output
     logged = run_cli("data", "verify", tiny_dataset)

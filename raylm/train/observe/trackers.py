@@ -59,7 +59,7 @@ class MLflowTracker:
 
 class WandbTracker:
     def __init__(self, cfg: Config, run_dir: str):
-        wandb = _import("wandb")
+        self.wandb = wandb = _import("wandb")
         run_id = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]  # stable across restarts
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "raylm"), name=cfg.run.name, id=run_id,
                               resume="allow", dir=run_dir, config=config_to_dict(cfg))
@@ -74,6 +74,10 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before W&B's service process has written the run's file (seen: a
+        # 7-byte offline file after it); Ray ends a worker's process as soon as training returns,
+        # before W&B's exit hook would wait for it. teardown() waits, and stops the service.
+        self.wandb.teardown()
 
 
 TRACKERS = {"mlflow": MLflowTracker, "wandb": WandbTracker}
