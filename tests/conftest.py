@@ -34,6 +34,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                                     f"{SUITE_BUDGET_S // 60}-minute budget (issue 57)")
 
 # =============================================================================================
+# `make test` runs the tests on two pytest-xdist workers (`-n 2 --dist loadgroup`): on 2 cores a
+# test that trains in one process, or waits on Ray, leaves a core idle. The groups keep what
+# must not run side by side on one worker:
+# - every module that starts a local multi-node cluster: they all take 127.0.0.2, 127.0.0.3, ...
+#   (tests/support/clusters.py), and share one cluster in the order they are collected in;
+# - each other module whole, so that its module-scoped runs and datasets are made once.
+# =============================================================================================
+
+LOCAL_CLUSTER_FIXTURES = {"shared_cluster", "addresses_of_local_clusters_free"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def pytest_collection_modifyitems(config, items) -> None:
+    on_clusters = {item.path for item in items if LOCAL_CLUSTER_FIXTURES & set(item.fixturenames)}
+    for item in items:
+        group = "local-clusters" if item.path in on_clusters else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+# =============================================================================================
 # S3: one real SeaweedFS server per test session (no mocks)
 #
 #   def test_x(s3_server, s3_bucket):           # s3_bucket == "s3://raylm-test-1a2b3c4d5e6f"
