@@ -26,7 +26,8 @@ def transferred(search_rows: list[dict], base_width: int) -> dict:
     """fit.json's `transfer`: the rate every size trains at, and the search at the base width it
     came from."""
     bests = analysis.rung_bests(search_rows)
-    lr = float(math.exp(np.mean([math.log(b["lr"]) for b in bests])))
+    # To 12 digits: the mean of equal rates is that rate, not one a rounding error off it.
+    lr = float(f"{math.exp(np.mean([math.log(b['lr']) for b in bests])):.12g}")
     return {"base_width": base_width, "lr": lr,
             "search": [{k: b[k] for k in ("rung", "lr", "loss", "best_trial_loss", "lr_at_grid_edge", "trials")}
                        for b in bests],
