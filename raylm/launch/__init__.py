@@ -7,7 +7,7 @@
     backend.py   the torch backend: the process group, its rendezvous bound to the node's address
     scaling.py   the worker group's size on a Ray raylm started (no autoscaler to ask)
     recovery.py  the record of worker failures (`events.jsonl`), in Train's controller
-    watchdog.py  the progress watchdog's view of the cluster, and its way to fail the group
+    ray_watchdog.py  the progress watchdog's view of the cluster, and its way to fail the group
     submit.py    `raylm submit`: a run as a Ray job, followed to its end
 
 Ray Train's internals raylm relies on, and why (each use keeps Ray's own behaviour when the

@@ -17,7 +17,7 @@ import torch
 from raylm.config import Config
 from raylm.data import storage
 from raylm.parallel.world import World
-from raylm.launch.watchdog import progress_watchdog
+from raylm.launch.ray_watchdog import progress_watchdog
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.resilience.health import LocalTimeProbe, StragglerMonitor, self_test
 from raylm.train.loop import train

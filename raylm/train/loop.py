@@ -38,6 +38,7 @@ from raylm.model.transformer import Transformer
 from raylm.parallel.float8 import after_optimizer_step
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
+from raylm.train.checkpoint.integrity import bytes_read
 from raylm.train.checkpoint.policy import Checkpointer
 from raylm.train.checkpoint.resume import changes_since, record_config_change
 from raylm.train.clock import StepClock, Timeline
@@ -197,7 +198,7 @@ class Trainer:
     def _restore(self) -> TrainState:
         """The run state of the newest usable checkpoint (model and optimizer loaded), or a fresh one."""
         env, cfg, world = self.env, self.cfg, self.world
-        read_before = checkpoint.bytes_read()
+        read_before = bytes_read()
 
         def load(uri: str) -> tuple[str, dict]:
             return uri, checkpoint.load(uri, self.model, self.optimizer, world, self.spec.tokenizer_sha256, cfg.storage)
@@ -209,10 +210,10 @@ class Trainer:
             if world.rank == 0 and (changes := changes_since(uri, cfg, cfg.storage)):
                 record_config_change(env.run_dir, state.step, changes)  # an operator's change mid-flight, as OPT's
         # Every rank's reads of the checkpoint, for the `resumed` event: its share, not the whole.
-        self.restore_read_bytes = [checkpoint.bytes_read() - read_before]
+        self.restore_read_bytes = [bytes_read() - read_before]
         if world.world_size > 1:
             self.restore_read_bytes = [0] * world.world_size
-            dist.all_gather_object(self.restore_read_bytes, checkpoint.bytes_read() - read_before)
+            dist.all_gather_object(self.restore_read_bytes, bytes_read() - read_before)
         return state
 
     def train(self) -> dict:

@@ -42,7 +42,6 @@ from raylm.data import storage
 from raylm.train.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from raylm.train.checkpoint.integrity import (MANIFEST, FileEntry, checked_bytes, file_entry, file_problem,
                                               parse_manifest, read_file, read_manifest)
-from raylm.train.checkpoint.integrity import bytes_read  # noqa: F401 - train/loop.py reads it here, until it imports it
 
 if TYPE_CHECKING:
     import torch

@@ -55,7 +55,7 @@ class StartTime(Hook):
 
 def test_a_run_whose_data_never_arrives_fails_within_the_limit_naming_the_wait(
         ray_session, stuck_dataset, tmp_path):
-    from raylm.launch.watchdog import describe_pending
+    from raylm.launch.ray_watchdog import describe_pending
 
     job_id = ray_session.get_runtime_context().get_job_id()
     watchdog = ProgressWatchdog(startup_s=5, factor=20, min_s=2, describe=lambda: describe_pending(job_id))
@@ -152,7 +152,7 @@ def _stuck_ray_train_worker(config: dict) -> None:
     import ray
 
     from raylm.launch.worker import RayTrainEnv
-    from raylm.launch.watchdog import describe_pending, fail_worker_group
+    from raylm.launch.ray_watchdog import describe_pending, fail_worker_group
     from raylm.train.spec import RunSpec
 
     spec = RunSpec.from_dict(config["run"])
