@@ -75,10 +75,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_job_config(cfg)
     from raylm.launch.driver import launch  # Ray and torch: only to train
 
-    metrics = launch(cfg)
-    if metrics:
-        print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
-              + (f", val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+    launch(cfg)  # its last line: done: step N, loss ...
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:

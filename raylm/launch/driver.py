@@ -110,6 +110,10 @@ def launch(cfg: Config) -> dict:
                     console.keep_in(local_run_dir(cfg))
                     training = True
                     _fit(trainer, cfg)
+                    metrics = last_metrics(uri, cfg)
+                    if metrics:  # here, so that console.log (and its copy on S3) ends with it
+                        print(f"done: step {metrics['step']}, loss {metrics['loss']:.4f}"
+                              + (f", val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""), flush=True)
                 except (SystemExit, KeyboardInterrupt) as stop:
                     # Here, inside the lease and before the driver's records go to S3: the run's
                     # events say that the operator stopped it, and where.
@@ -125,7 +129,7 @@ def launch(cfg: Config) -> dict:
         # SIGTERM is a Ctrl-C here from the start (held while Ray starts, `raylm.ray_runtime`).
         # Say what is left and how to go on.
         raise _interruption(uri, cfg, stopped_by_sigterm(stop), training) from None
-    return last_metrics(uri, cfg)
+    return metrics
 
 
 def _finished(restore: str, cfg: Config) -> Optional[str]:

@@ -59,6 +59,7 @@ def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp
     kept = storage.read_bytes(storage.join(run, CONSOLE_FILE), storage_cfg).decode()
     assert "raylm: parallel.cpus_per_worker=auto" in kept  # held from the start of the command
     assert "step      4/4 | loss" in kept  # the workers' lines, relayed by Ray
+    assert kept.endswith(done.stdout.splitlines()[-1] + "\n") and kept.splitlines()[-1].startswith("done: step 4, ")
     assert kept == open(os.path.join(local_run_dir(load_config(None, args)), CONSOLE_FILE)).read()
     # And `raylm status` of the run, where it lies, without Ray.
     endpoint = ["--endpoint-url", request.getfixturevalue("s3_server").endpoint_url] if where == "s3" else []
