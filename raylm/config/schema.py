@@ -60,6 +60,10 @@ class ModelConfig:
     rate and init stay put as d_model grows: tune them at mup_base_width, train every width at them."""
     mup_base_width: Optional[int] = None
     """The d_model at which mup and standard are the same model (mup needs it)."""
+    mup_base_head_dim: Optional[int] = None
+    """The base model's head size, against which mup's attention scale 1/d_head is taken. None:
+    mup_base_width / n_heads, for widths that keep the head count; widths that keep the head size
+    and add heads (the sweep's ladders) give that size, so the scale stays 1/sqrt(d_head)."""
 
 
 @dataclass

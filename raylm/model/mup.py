@@ -11,7 +11,8 @@
 
 The head's rule equals the embedding's but for its forward multiplier, so a tied head (the
 embedding's own matrix) needs nothing else. Attention's 1/d_head is taken relative to the base:
-sqrt(d_head_base) / d_head, which is 1/sqrt(d_head) at the base width. At the base width every
+sqrt(d_head_base) / d_head, which is 1/sqrt(d_head) at the base width, and at every width whose
+heads keep the base's size (model.mup_base_head_dim). At the base width every
 rule is 1: the model is the standard one, and LR and init tuned there transfer to every width.
 Weight decay is AdamW's decoupled lr x wd, so it follows each group's LR.
 """
@@ -62,7 +63,8 @@ def attention_scale(cfg: ModelConfig) -> Optional[float]:
     """SDPA's scale of the attention scores; None: its default, 1/sqrt(d_head)."""
     if not is_mup(cfg):
         return None
-    head_dim, base_head_dim = cfg.d_model // cfg.n_heads, cfg.mup_base_width / cfg.n_heads
+    head_dim = cfg.d_model // cfg.n_heads
+    base_head_dim = cfg.mup_base_head_dim or cfg.mup_base_width / cfg.n_heads
     return math.sqrt(base_head_dim) / head_dim
 
 
@@ -77,7 +79,7 @@ def folded(cfg: ModelConfig) -> tuple[ModelConfig, Callable[[str], tuple[str, fl
     head = output_multiplier(cfg)
     query = attention_scale(cfg) * math.sqrt(cfg.d_model // cfg.n_heads)  # over SDPA's default 1/sqrt(d_head)
     untie = cfg.tie_embeddings and head != 1.0
-    standard = dataclasses.replace(cfg, parametrization="standard", mup_base_width=None,
+    standard = dataclasses.replace(cfg, parametrization="standard", mup_base_width=None, mup_base_head_dim=None,
                                    tie_embeddings=cfg.tie_embeddings and not untie)
 
     def source(name: str) -> tuple[str, float]:

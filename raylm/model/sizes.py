@@ -57,6 +57,9 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
     if cfg.parametrization == "mup" and not (isinstance(cfg.mup_base_width, int) and cfg.mup_base_width > 0):
         raise ConfigError(f"model.parametrization=mup needs model.mup_base_width, the d_model at which the LR and "
                           f"init were tuned (a positive int), got {cfg.mup_base_width!r}")
+    if cfg.mup_base_head_dim is not None and not (isinstance(cfg.mup_base_head_dim, int) and cfg.mup_base_head_dim > 0):
+        raise ConfigError(f"model.mup_base_head_dim must be a positive int (the base model's head size), got "
+                          f"{cfg.mup_base_head_dim!r}")
 
 
 def _norm_params(cfg: ModelConfig) -> int:

@@ -138,7 +138,8 @@ class SweepConfig:
     """Dotted overrides of the base run (applied before the command line's)."""
     parametrization: Literal["standard", "mup"] = "standard"
     """standard: every rung searches its own learning rate (lr, search). mup: every trial's model
-    is µP (`model.parametrization`) with the ladder's smallest width as `model.mup_base_width`;
+    is µP (`model.parametrization`) based at the ladder's smallest size (`model.mup_base_width`,
+    `model.mup_base_head_dim`);
     the learning rate is searched at that width only (lr, search, early_stopping: phase lr-search),
     and every size trains at the best of it with ladder.seeds seeds (3 or more: the compute the
     per-rung search took)."""

@@ -95,10 +95,12 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
 
 def mup_keys(sweep: SweepConfig, sizes: list[Size]) -> dict:
     """The model keys of every model the sweep makes (ladder, check shapes, the recommended run):
-    under sweep.parametrization=mup, µP based at the ladder's smallest width; else none."""
+    under sweep.parametrization=mup, µP based at the ladder's smallest size (its width and its head
+    size: a ladder may add heads of one size as it widens); else none."""
     if sweep.parametrization != "mup":
         return {}
-    return {"parametrization": "mup", "mup_base_width": sizes[0].model.d_model}
+    base = sizes[0].model
+    return {"parametrization": "mup", "mup_base_width": base.d_model, "mup_base_head_dim": base.d_model // base.n_heads}
 
 
 SHAPE_TOLERANCE = 0.25  # how far a check shape's parameter count may sit from the held-out size's

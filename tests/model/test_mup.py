@@ -5,6 +5,7 @@ their size as the width grows, where under the standard parametrization they gro
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def test_a_blocks_matrices_train_at_lr_over_the_width_ratio_the_rest_at_lr():
 def test_mup_needs_its_base_width():
     with pytest.raises(ConfigError, match="model.parametrization=mup needs model.mup_base_width"):
         Transformer(dataclasses.replace(config(BASE, "standard"), parametrization="mup"))
+
+
+def test_attention_is_scaled_against_the_base_models_head_size():
+    # Heads kept, each 4x wider: 1/d_head relative to the base's, sqrt(16) / 64.
+    assert mup.attention_scale(config(4 * BASE, "mup")) == pytest.approx(math.sqrt(16) / 64)
+    # Heads of the base's size added (a ladder of head_dim 16): SDPA's own 1/sqrt(16) at every width.
+    added = dataclasses.replace(config(4 * BASE, "mup"), n_heads=16, mup_base_head_dim=16)
+    assert mup.attention_scale(added) == pytest.approx(1 / math.sqrt(16))
+    with pytest.raises(ConfigError, match="model.mup_base_head_dim must be a positive int"):
+        Transformer(dataclasses.replace(added, mup_base_head_dim=0))
 
 
 def activation_sizes(parametrization: str, width: int) -> dict[str, float]:

@@ -64,8 +64,9 @@ def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_tra
         (saved,) = glob.glob(os.path.join(directory, "trials", r["trial_id"], "checkpoint_*", "config.yaml"))
         with open(saved) as f:
             tree = yaml.safe_load(f)
-        assert (tree["model"]["parametrization"], tree["model"]["mup_base_width"], tree["optim"]["lr"]) == \
-            ("mup", 16, r["lr"])
+        model = tree["model"]
+        assert (model["parametrization"], model["mup_base_width"], model["mup_base_head_dim"], tree["optim"]["lr"]) == \
+            ("mup", 16, 8, r["lr"])  # the ladder adds heads of 8 (ladder.head_dim) as it widens
 
     # The check: the held-out size at the transferred rate and x 2^-1/2, x 2^1/2, and seed 1 at it.
     check = result["check"]
@@ -78,7 +79,8 @@ def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_tra
 
     # The recommended run trains in µP at the transferred rate.
     recommended = load_config(os.path.join(directory, "recommended.yaml"))
-    assert (recommended.model.parametrization, recommended.model.mup_base_width) == ("mup", 16)
+    model = recommended.model
+    assert (model.parametrization, model.mup_base_width, model.mup_base_head_dim) == ("mup", 16, 8)
     assert recommended.optim.lr == transfer["lr"] == result["recommended"]["lr"]
 
     # The same command again resumes every phase by name: nothing trains again, the same rate.
