@@ -125,6 +125,11 @@ def test_gopher_drops_exactly_the_bad_documents_and_the_manifest_counts_them_by_
             "gopher_above_avg_threshold 1, gopher_quality/gopher_below_avg_threshold 1, gopher_quality/"
             "gopher_short_doc 1, gopher_repetition/dup_line_frac 1), from 2 file(s)") in outcome.stdout
     assert verify_dataset(out) == []
+    shown = run_main("data", "inspect", out)
+    assert shown.status == 0, shown.stderr[-3000:]
+    assert (f"quality      the gopher filter ({info.library}) dropped 4 documents (gopher_quality/"
+            "gopher_above_avg_threshold 1, gopher_quality/gopher_below_avg_threshold 1, gopher_quality/"
+            "gopher_short_doc 1, gopher_repetition/dup_line_frac 1) from 2 file(s)") in shown.stdout, shown.stdout
 
 
 def test_a_manifest_whose_drop_counts_do_not_add_up_is_refused(filtered, tmp_path):
