@@ -250,10 +250,13 @@ class TokenStream:
     def batch_at(self, step: int, position: int, size: Optional[int] = None) -> Batch:
         """This rank's share of the global batch of `step` (`size` sequences, the final size by
         default), which starts at global `position`."""
-        size = size or self.schedule.final
-        indices, next_position = batch_indices(position, size, self.skip)
+        return self.batch_of(step, *batch_indices(position, size or self.schedule.final, self.skip))
+
+    def batch_of(self, step: int, indices: list[int], next_position: int) -> Batch:
+        """This rank's share of the global batch of `step` made of `indices`, global sample indices
+        (`batch_indices`), followed by `next_position`."""
         mine = rank_slice(indices, self.dp_rank, self.dp_size)
-        return Batch(step, self.source.rows(mine), mine, next_position, size)
+        return Batch(step, self.source.rows(mine), mine, next_position, len(indices))
 
     def batches(self, position: int, first_step: int, last_step: int, consumed: int = 0) -> Iterator[Batch]:
         """The batches of steps [first_step, last_step), the first at `position` after `consumed`

@@ -180,10 +180,10 @@ class ReplicaTrainer(Trainer):
         rank, groups = self.manager.participating_rank(), self.manager.num_participants()
         self.world.rank = rank
         size = groups * self.per_group
-        indices = batch_indices(self.state.position, size, self._skip())[0]
+        skip = self._skip()
+        indices, next_position = batch_indices(self.state.position, size, skip)
         self.step_samples = indices
-        batch = TokenStream(self.source, size, rank, groups, self._skip()).batch_at(self.state.step,
-                                                                                   self.state.position, size)
+        batch = TokenStream(self.source, size, rank, groups, skip).batch_of(self.state.step, indices, next_position)
         return batch, batch
 
     def _across_replicas(self, loss: torch.Tensor, noise_share: Optional[torch.Tensor]
