@@ -42,10 +42,8 @@ def inspect_dataset(uri: str, storage: Optional[StorageConfig] = None) -> str:
         f"split rule   {manifest.split_rule}, val_fraction {manifest.val_fraction}",
     ]
     if (quality := manifest.quality_filter) is not None:
-        reasons = ", ".join(f"{name}/{reason} {n:,}" for name, by_reason in quality.dropped.items()
-                            for reason, n in by_reason.items())
         lines.append(f"quality      the {quality.name} filter ({quality.library}) dropped {quality.documents:,} documents"
-                     + (f" ({reasons}) from {len(quality.files)} file(s)" if quality.documents else ""))
+                     + (f" ({quality.reasons()}) from {len(quality.files)} file(s)" if quality.documents else ""))
     for name, split in manifest.splits.items():
         if manifest.split_rule == "position":  # one document cut in two: `documents` counts end-of-text tokens
             documents = "part of the one document"

@@ -149,6 +149,11 @@ class QualityFilterInfo:
     def documents(self) -> int:
         return sum(n for reasons in self.dropped.values() for n in reasons.values())
 
+    def reasons(self) -> str:
+        """"filter/reason n, ..." of every reason that dropped a document."""
+        return ", ".join(f"{name}/{reason} {n:,}" for name, by_reason in self.dropped.items()
+                         for reason, n in by_reason.items())
+
 
 @dataclass
 class Manifest:

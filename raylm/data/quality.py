@@ -113,10 +113,10 @@ class DropCounts:
                                  files={file: _nested(counts) for file, counts in self.by_file.items()})
 
     def summary(self) -> str:
-        total = self.total
-        reasons = ", ".join(f"{filter_name}/{reason} {n:,}" for (filter_name, reason), n in sorted(total.items()))
-        return (f"the {self.name} quality filter dropped {total.total():,} of {self.judged:,} documents"
-                + (f" ({reasons}), from {len(self.by_file)} file(s): by file in manifest.json" if total else ""))
+        info = self.info()
+        return (f"the {self.name} quality filter dropped {info.documents:,} of {self.judged:,} documents"
+                + (f" ({info.reasons()}), from {len(info.files)} file(s): by file in manifest.json"
+                   if info.documents else ""))
 
 
 def _nested(counts: Counter[tuple[str, str]]) -> dict[str, dict[str, int]]:
