@@ -36,4 +36,4 @@ demo: $(VENV)/.installed
 	@echo "Its checkpoints: $$(ls -d $(DEMO_RUN)/checkpoint_* | tr '\n' ' ')"
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -ra --durations=40 -n 2 --dist loadgroup
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -ra --durations=40 -n 2 --dist loadscope

@@ -6,7 +6,8 @@ no human acts.
     .venv/bin/python benchmarks/drill.py --phase clean; ... --phase faults  # the full one in two sittings
     .venv/bin/python benchmarks/drill.py --rounds 2 ...                     # each fault twice: one every ~10 min
 
-It starts the README's local multi-node cluster (a head and 3 nodes of 2 CPUs on 127.0.0.x) and
+It starts a local multi-node cluster (a head and 3 nodes of 2 CPUs, on 127.0.1.x: addresses of
+its own, so that it runs beside the README's local cluster on 127.0.0.x) and
 runs the demo model elastically (`parallel.min_workers=1`, 2 workers) as `raylm train` driver
 processes, as `ray job submit` would, on the built-in corpus with a poisoned window (random
 printable bytes as one document of the training split). At steps spread over the run, jittered
@@ -455,7 +456,7 @@ def main() -> None:
     clean_dir = workdir / "runs" / "clean" if saved else None
     report["clean_wall_s"] = saved["wall_s"] if saved else None
     try:
-        with LocalCluster(3, 2) as cluster:
+        with LocalCluster(3, 2, subnet="127.0.1") as cluster:
             if args.phase != "clean":
                 drill, start, end = run_one(cluster, storage,
                                             run_args(poisoned, storage.path, steps, quick,

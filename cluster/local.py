@@ -10,8 +10,9 @@
 Node 0 is the head (GCS, and the dashboard with the job server on 127.0.0.1 for `ray job
 submit`; `head_cpus` CPUs, 0 by default so that work lands on worker nodes and killing a node
 kills the work on it). Nodes 1..num_nodes are workers with `cpus_per_node`
-CPUs each. Node i has IP 127.0.0.{i+2}, its own temp dir and explicitly chosen free ports.
-Not 127.0.0.1: Ray rewrites that address to the machine's external one when a node joins
+CPUs each. Node i has IP 127.0.0.{i+2} (or {subnet}.{i+2}: `subnet` gives a second cluster,
+such as benchmarks/drill.py's, addresses of its own so that it runs beside one of the README's),
+its own temp dir and explicitly chosen free ports. Not 127.0.0.1: Ray rewrites that address to the machine's external one when a node joins
 (unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, with which `ray start` refuses to join a cluster at
 all); 127.0.0.2.. are taken as they are. Every address the cluster advertises and dials is on
 loopback, and the dashboard and job server bind 127.0.0.1; but Ray 2.60 binds its gRPC servers
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -182,9 +184,12 @@ class LocalCluster:
     def __init__(self, num_nodes: int, cpus_per_node: int, head_cpus: int = 0,
                  system_config: Optional[dict] = None, env: Optional[dict[str, str]] = None,
                  root: Optional[str] = None, object_store_mb: int = 128, start_timeout_s: float = 180.0,
-                 dashboard: bool = True):
+                 dashboard: bool = True, subnet: str = "127.0.0"):
         if not 1 <= num_nodes <= 250:
-            raise ValueError(f"num_nodes={num_nodes}: need 1..250 worker nodes (IPs 127.0.0.3..)")
+            raise ValueError(f"num_nodes={num_nodes}: need 1..250 worker nodes (IPs {subnet}.3..)")
+        if not re.fullmatch(r"127(\.(25[0-5]|2[0-4]\d|1?\d?\d)){2}", subnet):
+            raise ValueError(f"subnet={subnet!r}: need the first three numbers of a loopback address, "
+                             "such as 127.0.0 or 127.0.1")
         if cpus_per_node < 1 or head_cpus < 0:
             raise ValueError(f"cpus_per_node={cpus_per_node}, head_cpus={head_cpus}: need ≥ 1 and ≥ 0")
         self.system_config = {**FAST_FAILURE_DETECTION, **(system_config or {})}
@@ -193,7 +198,7 @@ class LocalCluster:
         # Short: Ray's unix sockets live under the temp dir and paths are limited to 107 bytes.
         self.owns_root = root is None
         self.root = root or tempfile.mkdtemp(prefix="raylm-cluster-", dir="/tmp")
-        self.nodes = [Node(i, f"127.0.0.{i + 2}", head_cpus if i == 0 else cpus_per_node,
+        self.nodes = [Node(i, f"{subnet}.{i + 2}", head_cpus if i == 0 else cpus_per_node,
                            os.path.join(self.root, f"node{i}")) for i in range(num_nodes + 1)]
         self.gcs_port: Optional[int] = None
         self.dashboard_port: Optional[int] = None

@@ -34,23 +34,53 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                                     f"{SUITE_BUDGET_S // 60}-minute budget (issue 57)")
 
 # =============================================================================================
-# `make test` runs the tests on two pytest-xdist workers (`-n 2 --dist loadgroup`): on 2 cores a
-# test that trains in one process, or waits on Ray, leaves a core idle. The groups keep what
-# must not run side by side on one worker:
-# - every module that starts a local multi-node cluster: they all take 127.0.0.2, 127.0.0.3, ...
-#   (tests/support/clusters.py), and share one cluster in the order they are collected in;
-# - each other module whole, so that its module-scoped runs and datasets are made once.
+# `make test` runs the tests on two pytest-xdist workers (`-n 2 --dist loadscope`): on 2 cores a
+# test that trains in one process, or waits on Ray, leaves a core idle. A unit of work goes to one
+# worker whole:
+# - every module on the session's local multi-node cluster (tests/support/clusters.py): they
+#   share one, made whole between modules, in the order they are collected in, first of all,
+#   since together they take the longest;
+# - each other module, so that its module-scoped runs and datasets are made once.
+# The units are made here from node ids, in the controller, which sees no fixtures: xdist's own
+# `--dist loadgroup` marks no longer reach it on pytest >= 9.2 (pytest-xdist#1386: every test
+# went to either worker, and a module's fixtures were made on both).
 # =============================================================================================
 
-LOCAL_CLUSTER_FIXTURES = {"shared_cluster", "addresses_of_local_clusters_free"}
+LOCAL_CLUSTER_FIXTURE = "shared_cluster"
+LOCAL_CLUSTER_MODULES = ("tests/cluster/test_chaos.py", "tests/cluster/test_elastic.py",
+                         "tests/cluster/test_jobs.py", "tests/cluster/test_local_cluster.py",
+                         "tests/cluster/test_preemption.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def unit_of_work(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return "local-clusters" if module in LOCAL_CLUSTER_MODULES else module
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    on_clusters = {item.path for item in items if LOCAL_CLUSTER_FIXTURES & set(item.fixturenames)}
-    for item in items:
-        group = "local-clusters" if item.path in on_clusters else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+    # A module on the shared cluster left out of the list above would start a second cluster
+    # beside it, in the other worker, on the same addresses.
+    rootdir = config.rootpath
+    on_cluster = {item.path for item in items if LOCAL_CLUSTER_FIXTURE in item.fixturenames}
+    unlisted = sorted(str(path.relative_to(rootdir)) for path in on_cluster
+                      if str(path.relative_to(rootdir)) not in LOCAL_CLUSTER_MODULES)
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)}: on the {LOCAL_CLUSTER_FIXTURE} fixture but not in "
+                                "LOCAL_CLUSTER_MODULES (tests/conftest.py): add it there")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain `pytest` may not have
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    config.option.loadscopereorder = False  # collection order: the local-cluster modules first
+    return ModuleScheduling(config, log)
 
 
 # =============================================================================================

@@ -22,7 +22,6 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.usefixtures("addresses_of_local_clusters_free")  # the drill's cluster takes 127.0.0.2-5
 def test_the_quick_drill_needs_no_human_and_loses_no_sample(tmp_path):
     out = tmp_path / "drill.json"
     done = subprocess.run([sys.executable, "benchmarks/drill.py", "--quick", "--workdir", str(tmp_path / "drill"),

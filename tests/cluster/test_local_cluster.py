@@ -194,5 +194,11 @@ def test_state_file_round_trip_and_argument_errors(tmp_path):
         loaded.kill_node(0)
     with pytest.raises(ValueError, match="num_nodes=0"):
         LocalCluster(0, 2)
+    # A second cluster beside the README's (benchmarks/drill.py's) has addresses of its own.
+    assert [n.ip for n in LocalCluster(2, 1, subnet="127.0.1", root=str(tmp_path)).nodes] == \
+        ["127.0.1.2", "127.0.1.3", "127.0.1.4"]
+    for subnet in ("10.0.0", "127.0", "127.0.256", "127.0.1.2"):
+        with pytest.raises(ValueError, match=f"subnet='{subnet}'"):
+            LocalCluster(1, 1, subnet=subnet, root=str(tmp_path))
     with pytest.raises(LocalClusterError, match="not started"):
         LocalCluster(1, 1, root=str(tmp_path)).address

@@ -11,9 +11,8 @@ failure leaves nothing (a drained node, a stray actor) to the next module. A mod
 for a fresh one after it (test_local_cluster.py, whose last test stops the cluster and whose
 detached actors hold CPUs). The cluster is stopped as soon as no later test of the session asks
 for it, so that the rest of the suite does not share the CPUs with its idle daemons. A cluster
-of a test's own takes the same 127.0.0.x addresses: `addresses_of_local_clusters_free`
-(benchmarks/drill.py's, in tests/test_drill.py) stops the shared one first, whatever order the
-tests were asked to run in.
+of a test's own needs addresses of its own (benchmarks/drill.py's, in tests/test_drill.py, is on
+127.0.1.x), as the shared one may be running in the other pytest-xdist worker.
 """
 
 from __future__ import annotations

@@ -78,13 +78,6 @@ def shared_cluster(request) -> Iterator[SharedCluster]:
     SHARED.release()
 
 
-@pytest.fixture
-def addresses_of_local_clusters_free() -> None:
-    """For a test whose subprocess starts a local cluster of its own on 127.0.0.2, 127.0.0.3, ...:
-    the shared cluster, which takes those addresses, is stopped first (if it runs)."""
-    SHARED.release()
-
-
 @pytest.fixture(scope="session")
 def tiny_dataset(ray_session, tmp_path_factory) -> str:
     """~120 documents, byte tokenizer, seq_len 32, small shards so chunks cross shard borders."""
