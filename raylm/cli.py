@@ -153,14 +153,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           overwrite=args.overwrite)
     print(text)
     if args.failures_per_day is not None:
-        from raylm.model.sizes import count_params
-        from raylm.parallel.planner.plan import model_from_arg
-        from raylm.train.checkpoint.interval import describe, project
+        from raylm.parallel.planner.failures import project_failures
+        from raylm.parallel.planner.plan import model_from_arg, parse_memory
+        from raylm.train.checkpoint.interval import describe
 
+        # With restarts alone, and with the recommended layout's data-parallel ranks as replica groups.
+        cfg, config_seq_len, _ = model_from_arg(args.model, args.vocab_size)
+        projection, _ = project_failures(
+            cfg, args.gpus, args.gpus_per_node, parse_memory(args.gpu_memory), args.failures_per_day, args.restart_s,
+            args.storage_gbps_per_node, args.seq_len or config_seq_len, args.global_batch_tokens, args.precision,
+            args.micro_batch_size, args.activation_checkpointing)
         nodes = -(-args.gpus // args.gpus_per_node)
-        projection = project(count_params(model_from_arg(args.model, args.vocab_size)[0]), nodes,
-                             args.storage_gbps_per_node, args.failures_per_day, args.restart_s)
         print(describe(projection, args.failures_per_day, nodes, args.storage_gbps_per_node))
+        if projection.replica is None:
+            print("# with parallel.fault_tolerance=replica: no split of the recommended layout's data-parallel ranks "
+                  "into 2 or more replica groups fits")
     if not fits:  # a script that goes on to train with the plan must stop here
         print("raylm: error: no layout fits (see the table above)", file=sys.stderr)
         sys.exit(1)
@@ -357,7 +364,8 @@ def _planning_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output (refused without)")
     p.add_argument("--failures-per-day", type=positive_float,
                    help="the whole cluster's failures a day (OPT-175B's: ~0.6): also print the checkpoint "
-                   "interval that maximises goodput (Young–Daly) and that goodput")
+                   "interval that maximises goodput (Young–Daly) and that goodput, with restarts alone and with "
+                   "the layout's data-parallel ranks as replica groups (parallel.fault_tolerance=replica)")
     p.add_argument("--restart-s", type=positive_float, default=60.0,
                    help="seconds from a failure to training again, before the checkpoint is read (default: "
                    "%(default)s; benchmarks/drill.py measures it)")
