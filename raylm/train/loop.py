@@ -1,38 +1,35 @@
 """The training loop, in torchtitan's shape: `Trainer.train` owns the schedule, the hooks,
 evaluation and checkpoints; `_queue` is one optimizer step; `forward_backward` runs the
-micro-batches (`ParallelModel.forward_backward`) and clips the gradients.
+micro-batches (`ParallelModel.forward_backward`) and clips the gradients. The batches come from
+`BatchFeed` (raylm.train.feed); `GuardedSteps` (raylm.train.guarded) carries out the stability
+guard's decisions.
 
 A step is queued on the device whole, its verdict included (`raylm.train.resilience.judge`: the
 update a suspect step must not take is withheld there), and the host reads what the steps did
 only every `train.read_every` steps or where it needs the model as a step leaves it (`_read`):
-a steady step makes no host sync, so the device never waits for the host's bookkeeping. A step
-the device withheld is then decided by the host as the guard always has, from the model as that
-step found it, and the batches queued behind it are queued again.
+a steady step makes no host sync, so the device never waits for the host's bookkeeping.
 
-Plain torch: Ray stays at the edges. `TrainEnv` is how the loop reaches storage and the cluster;
-`raylm.launch.worker` gives it the Ray Train one, `LocalEnv` plain files. `raylm train`'s
-workers, sweeps' trials, benchmarks and tests all run `train` on a `RunSpec` resolved before it.
+`TrainEnv` is how the loop reaches storage and the cluster (`raylm.launch.worker` gives it the Ray
+Train one, `LocalEnv` plain files); with data.loader=ray the stream starts a reader actor. Workers,
+sweeps' trials, benchmarks and tests all run `train` on a `RunSpec` resolved before it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import NoReturn, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from raylm.config import CONFIG_FILE, Config, config_to_yaml
-from raylm.data.order import batch_indices
-from raylm.data.stream import Batch, TokenStream
+from raylm.data.stream import Batch
 from raylm.data.tokenizer import TOKENIZER_FILE
-from raylm.errors import DivergedError, Preempted
+from raylm.errors import DivergedError
 from raylm.model.sizes import flops_per_token
 from raylm.model.transformer import Transformer
 from raylm.parallel.float8 import after_optimizer_step
@@ -43,6 +40,8 @@ from raylm.train.checkpoint.policy import Checkpointer
 from raylm.train.checkpoint.resume import changes_since, record_config_change
 from raylm.train.clock import StepClock, Timeline
 from raylm.train.env import LocalEnv, TrainEnv
+from raylm.train.feed import BatchFeed
+from raylm.train.guarded import GuardedSteps
 from raylm.train.hooks import Hook, Run
 from raylm.train.lease import RunLease
 from raylm.train.observe.metrics import MetricsLogger, peak_flops
@@ -51,17 +50,17 @@ from raylm.train.observe.profile import ProfileHook
 from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.optim import apply_lr, build_optimizer, lr_at, step_where
 from raylm.train.preflight import preflight
+from raylm.train.queued import QueuedStep
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience import judge
-from raylm.train.resilience.guard import Guard, skipped_samples
-from raylm.train.resilience.datacheck import DataCheck, data_limit
-from raylm.train.resilience.judge import StepJudge, Verdict
-from raylm.train.resilience.preemption import Notice
-from raylm.train.resilience.quarantine import Quarantine
+from raylm.train.resilience.decisions import Action
+from raylm.train.resilience.guard import skipped_samples
+from raylm.train.resilience.judge import Verdict
+from raylm.train.resilience.preemption import stop_for_preemption
 from raylm.train.spec import RunSpec, resolve_run
 from raylm.train.state import TrainState
 from raylm.train.step import LossScaler, build_model, needs_loss_scaling
-from raylm.train.validation import TaskScores, ValidationSet, unigram_loss
+from raylm.train.validation import TaskScores, ValidationSet
 
 
 def train(spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...] = ()) -> dict:
@@ -85,21 +84,6 @@ def train_local(cfg: Config, run_dir: str, hooks: tuple[Hook, ...] = (), use_gpu
         return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
 
 
-@dataclass
-class QueuedStep:
-    """A step whose work is queued on the device and whose outcome the host has not read yet."""
-
-    batch: Batch  # as trained: labelled with its step
-    raw: Batch  # as the stream gave it: queued again, it is labelled anew
-    lr: float
-    record: torch.Tensor  # its verdict, loss and gradient norm on the device (raylm.train.resilience.judge)
-    rng: tuple[torch.Tensor, Optional[torch.Tensor]]  # the RNG before its forward: the host computes it again from there
-    data_wait: float  # seconds the loop waited for its batch
-    mark: object  # the device's timeline once its update was queued (Timeline.mark)
-    due: frozenset[str]  # the step clock's timers due at its boundary that need the model as it leaves it
-    notice: Optional[Notice]  # the cluster takes nodes back: stop after this step
-
-
 def _rng_state() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
 
@@ -110,9 +94,10 @@ def _set_rng_state(state: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
         torch.cuda.set_rng_state(state[1])
 
 
-class Trainer:
+class Trainer(BatchFeed, GuardedSteps):
     """One rank's run: the model with its layout, the optimizer, the run state restored from the
-    newest checkpoint, the stability guard, checkpoints, evaluation and the hooks."""
+    newest checkpoint, the stability guard (`GuardedSteps`), the batches (`BatchFeed`),
+    checkpoints, evaluation and the hooks."""
 
     def __init__(self, spec: RunSpec, env: TrainEnv, hooks: tuple[Hook, ...]):
         cfg = self.cfg = spec.config
@@ -125,27 +110,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parts, cfg.optim, cfg.model)
         self.restored_world_size: Optional[int] = None
         self.state = self._restore()
-        self.guard: Optional[Guard] = None
-        if cfg.guard.enabled:
-            # Whole micro-batches on every data-parallel rank: the canary runs as an evaluation does.
-            unit = self.model.dp_size * cfg.train.micro_batch_size
-            canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1, across_split=False)
-            self.guard = Guard(cfg, self.model, self.optimizer, world, canary, unigram_loss(spec), self.events_path,
-                               env.checkpoint_root)
-            self.guard.start(self.state)
-        unigram = self.guard.unigram if self.guard is not None else None
-        self.data_check: Optional[DataCheck] = None
-        if self.guard is not None:
-            limit, why_off = data_limit(spec.datasets.manifests, spec.datasets.uris, cfg.guard.data_deviations)
-            self.data_check = DataCheck(limit, world.device) if limit is not None else None
-            if why_off and world.rank == 0:
-                print(f"raylm: guard: {why_off}", flush=True)
-        self.judge = StepJudge(world.device, cfg.guard if self.guard is not None else None, unigram,
-                               needs_loss_scaling(cfg), data_check=self.data_check is not None)
-        if self.guard is not None:
-            self.judge.load(*self.guard.history())
-        self.quarantine = Quarantine(self.source.order, self.events_path, world.rank) \
-            if cfg.guard.enabled and cfg.guard.quarantine else None
+        self._build_guard()
         if needs_loss_scaling(cfg):
             self.state.loss_scale = self.state.loss_scale or cfg.train.loss_scale_initial
         self.scaler = LossScaler(self.state.loss_scale, cfg.train.loss_scale_growth_interval) \
@@ -227,59 +192,6 @@ class Trainer:
             return metrics
         finally:
             self.logger.close()
-
-    # -- the stream ------------------------------------------------------------------------------
-
-    def _open_stream(self) -> None:
-        """The run's batches from its current state; the guard's skip ranges grow at each rollback."""
-        cfg, state, model = self.cfg, self.state, self.model
-        self._take_skips()
-        # An auto loader left undecided means no launch onto a cluster decided it: a run in one process.
-        stream = TokenStream(self.source, self.spec.batch_schedule, model.dp_rank, model.dp_size,
-                             self._skip(), engine="ray" if cfg.data.loader == "ray" else "local",
-                             prefetch=cfg.data.prefetch_chunks)
-        self.batches = stream.batches(state.position, state.step, self.last, state.tokens_seen // self.spec.seq_len)
-        self.behind = 0  # steps the stream's labels run ahead of the run: batches skipped without a new stream
-
-    def _take_skips(self) -> None:
-        """The skip ranges a stream from the run's state leaves out, as they are now."""
-        state = self.state
-        self.stream_skip = [list(r) for r in state.skip]
-        if self.quarantine is not None:
-            self.quarantine.place(state, self._remaining_samples(), [*self.cfg.data.skip, *state.skip])
-            self.quarantine.stream_started()
-
-    def _restart_stream(self) -> None:
-        self.batches.close()
-        self.replay.clear()
-        self._open_stream()
-
-    def _skip(self) -> list[list[int]]:
-        """Every sample range the data order leaves out: data.skip, the guard's, the quarantine's."""
-        quarantined = self.quarantine.ranges() if self.quarantine is not None else []
-        return [*self.cfg.data.skip, *self.state.skip, *quarantined]
-
-    def _remaining_samples(self) -> int:
-        return (self.last - self.state.step) * self.spec.batch_schedule.final
-
-    def _next_batch(self) -> Optional[tuple[Batch, Batch]]:
-        """The next batch to queue, as the stream gave it and labelled with its step (batches sent
-        back by a withheld step first); None at the stream's end, or where the queued steps must be
-        read before the run knows what comes next."""
-        while True:
-            raw = self.replay.popleft() if self.replay else next(self.batches, None)
-            # Planned before the rows it would reach were quarantined: a new stream, from the run's state.
-            stale = raw is not None and self.quarantine is not None and self.quarantine.stream_stale(raw.next_position)
-            if raw is not None and not stale:
-                return raw, dataclasses.replace(raw, step=raw.step - self.behind) if self.behind else raw
-            if self.queued:  # a new stream starts where the run is: the steps in flight are read first
-                if stale:
-                    self.replay.appendleft(raw)
-                return None
-            if stale or self.behind and self.state.step < self.last:  # or the steps the skips left at the end
-                self._restart_stream()
-                continue
-            return None
 
     def _steps(self) -> dict:
         self._open_stream()
@@ -416,7 +328,7 @@ class Trainer:
     # -- reading the queued steps -----------------------------------------------------------------
 
     def _read(self) -> None:
-        """The queued steps' records, read at once (the one host sync of the window), taken in order:
+        """The queued steps' records, read in one host sync, taken in order:
         the steps the device applied are committed; the first it withheld is the host's to decide,
         and the batches queued behind it go back to be queued again."""
         queued, self.queued = self.queued, []
@@ -454,8 +366,8 @@ class Trainer:
         if not self._scale_after(q, record):
             return False
         self._advance(batch)
-        if record[judge.VERDICT] == Verdict.OK and self.guard is not None and \
-                not self.guard.healthy(state, loss, grad_norm, batch.tokens):
+        if record[judge.VERDICT] == Verdict.OK and self.decisions is not None and \
+                self.decisions.trained(state, loss, grad_norm, batch.tokens) is Action.ROLL_BACK:
             self._roll_back(batch.step, state.position, q.lr)  # the canary finds the model drifted since its snapshot
             return False
         self._finish(q, loss, grad_norm, step_time, end_time)
@@ -474,12 +386,18 @@ class Trainer:
             self.state.loss_scale = scaler.scale
         if scaler.scale >= cfg.train.loss_scale_min:
             return True
-        if self.guard is None:
+        if self.decisions is None:
             raise DivergedError(f"step {batch.step}: the fp16 loss scale fell to {scaler.scale:g}, below "
                                 f"train.loss_scale_min={cfg.train.loss_scale_min:g}: the run diverges")
-        self.guard.loss_scale_floor(record[judge.LOSS], scaler.scale, cfg.train.loss_scale_min)
-        self._roll_back(batch.step, batch.next_position, q.lr)
+        if self.decisions.loss_scale_floor(record[judge.LOSS], scaler.scale, cfg.train.loss_scale_min) \
+                is Action.ROLL_BACK:
+            self._roll_back(batch.step, batch.next_position, q.lr)
         return False
+
+    def _rewind(self, q: QueuedStep) -> None:
+        """The RNG and LR as the step `q` found them: the host computes it again from there."""
+        _set_rng_state(q.rng)
+        apply_lr(self.optimizer, q.lr)  # the optimizer holds the last queued step's
 
     def _advance(self, batch: Batch) -> None:
         state = self.state
@@ -494,166 +412,8 @@ class Trainer:
         self.metrics = self._step_metrics(q, loss, grad_norm, step_time, end_time)
         self._after_step(q.batch.step, self.metrics, q.due)
         if q.notice is not None and self.state.step < self.last:
-            self._stop_for_preemption(q.notice, self.metrics)
-
-    # -- a withheld step: the host decides ----------------------------------------------------------
-
-    def _withheld(self, q: QueuedStep, record: list[float], later: list[Batch], wasted: float) -> None:
-        """The first step the device withheld (suspect or non-finite), the model as it found it: its
-        gradients computed again from its RNG, then the guard's decision as it always was: a
-        non-finite step computed once more (a transient fault passes), a suspect one judged by the
-        canary. `later`: the batches queued behind it, queued again unless the run goes back."""
-        cfg, state, batch = self.cfg, self.state, q.batch
-        self.read_each_until = batch.step + self.read_every
-        self.judge.resume()
-        _set_rng_state(q.rng)
-        apply_lr(self.optimizer, q.lr)  # the optimizer holds the last queued step's
-        nonfinite = record[judge.VERDICT] == Verdict.NONFINITE
-        if nonfinite and self.guard is None:
-            # Nothing is lost: no update was applied since, and the last checkpoint stands.
-            raise DivergedError(
-                f"step {batch.step}: loss {record[judge.LOSS]} / grad norm {record[judge.GRAD_NORM]} is not finite; "
-                f"the weights were not updated. Samples of this step: global positions [{state.position}, "
-                f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
-        self.guard.withheld(record)
-        if nonfinite:  # computed again: its verdict decides
-            first = {"loss": record[judge.LOSS], "grad_norm": record[judge.GRAD_NORM]}
-            record = self.timeline.read(self._step(batch)[None])[0]
-            if record[judge.VERDICT] != Verdict.NONFINITE:
-                self.guard.rerun(batch.step, first)
-            if record[judge.VERDICT] in (Verdict.SUSPECT, Verdict.NONFINITE):
-                self.guard.withheld(record)
-        elif not record[judge.OFF_DATA]:  # the gradients of a withheld update, for the probe (data off
-            self.forward_backward(batch)  # the dataset's distribution is skipped without one)
-        verdict = Verdict(int(record[judge.VERDICT]))
-        if verdict in (Verdict.OK, Verdict.OVERFLOW):
-            self.judge.resume()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self._commit(q, record, *self._handled(q, wasted)):
-                self._send_back(later)
-            return
-        # The batch's samples, for a quarantine, before a skip joins its span to the skip ranges.
-        indices = self._global_indices(batch) if self.quarantine is not None else []
-        outcome = self._probe(batch, q.lr, verdict, record)
-        self.judge.resume()
-        self.judge.load(*self.guard.history())
-        if outcome == "rollback":
-            self._roll_back(batch.step, batch.next_position, q.lr)
-            return
-        if outcome == "skipped":  # the step is trained on the batches after it: as if data.skip held it
-            if self.quarantine is not None:
-                self.quarantine.add(state, indices, batch.next_position, self._remaining_samples(),
-                                    [*cfg.data.skip, *state.skip])
-            self._abandon(batch.step)
-            self.discarded_s += self.timeline.seconds(self.last_mark, self.timeline.mark())
-            self.last_mark = self.timeline.mark()
-            if self._stream_goes_on(batch):
-                self.behind += 1
-                self._send_back(later)
-            else:
-                self._restart_stream()
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        self._advance(batch)
-        self._finish(q, record[judge.LOSS], record[judge.GRAD_NORM], *self._handled(q, wasted))
-        self._send_back(later)
-
-    def _handled(self, q: QueuedStep, wasted: float) -> tuple[float, float]:
-        """A withheld step's time, up to the host's decision, less the steps computed in vain behind it."""
-        end = self.timeline.mark()
-        step_time = self.timeline.seconds(self.last_mark, end) - wasted
-        self.last_mark = end
-        return step_time, time.time()
-
-    def _send_back(self, later: list[Batch]) -> None:
-        self.replay.extendleft(reversed(later))
-
-    def _probe(self, batch: Batch, lr: float, verdict: Verdict, record: list[float]) -> str:
-        """A suspect (or twice non-finite) step, judged by the canary: "stepped" when its update is
-        trained on, at the LR or at the LR cut (not one for the healthy history: a strange batch);
-        "skipped" when its update damages a sound model at either LR, or when the batch is noise to
-        the model and its update hurts the canary at all; "rollback" when the model was damaged
-        before it (see raylm.train.resilience.guard)."""
-        guard, state, step = self.guard, self.state, batch.step
-        samples = [state.position, batch.next_position]
-        if record[judge.OFF_DATA]:  # the data judged, not the model: no canary
-            guard.skip_batch(step, state, samples, noise_share=record[judge.NOISE_ROWS])
-            return "skipped"
-        before = guard.canary_loss()
-        if guard.damaged(before) and not guard.learning():
-            guard.trigger.update(canary=before, reference=guard.reference)
-            return "rollback"
-        if verdict == Verdict.NONFINITE:
-            if guard.nonfinite_in_a_row(step):
-                return "rollback"
-            guard.skip_batch(step, state, samples, canary=before)
-            return "skipped"
-        held = guard.hold(state)
-        self.optimizer.step()
-        self._weights_changed()
-        after = guard.canary_loss()
-        noise = bool(record[judge.NOISE])
-        if not guard.damaged(after, before, tolerance=0.0 if noise else None):
-            guard.hard_batch(step, samples, before, after)
-            return "stepped"
-        guard.undo(held)
-        self._weights_changed()
-        if noise:
-            guard.skip_batch(step, state, samples, canary_before=before, canary_after=after,
-                             unigram=guard.unigram)
-            return "skipped"
-        apply_lr(self.optimizer, lr * self.cfg.guard.lr_factor)
-        self.optimizer.step()
-        self._weights_changed()
-        cut = guard.canary_loss()
-        if guard.helped(cut, before):
-            guard.lr_cut(step, state, lr, before, cut)
-            self.step_lr = lr * self.cfg.guard.lr_factor
-            return "stepped"
-        if not guard.damaged(cut, before):
-            guard.hard_batch(step, samples, before, cut, lr_factor=self.cfg.guard.lr_factor)
-            self.step_lr = lr * self.cfg.guard.lr_factor  # for this step alone
-            return "stepped"
-        guard.undo(held)
-        self._weights_changed()
-        guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
-        return "skipped"
-
-    def _stream_goes_on(self, batch: Batch) -> bool:
-        """Whether the batches in flight are those a stream restarted from the run's state would
-        give, one step behind their labels: after a skipped batch, at a constant batch size, when
-        the skip ranges added since the stream began all end where the batch ends. A restart
-        costs seconds with the ray loader (a new reader actor), and a poisoned window skips batch after batch."""
-        state, schedule = self.state, self.spec.batch_schedule
-        if state.step != batch.step or schedule.start is not None and \
-                state.tokens_seen // self.spec.seq_len < schedule.ramp_samples:
-            return False
-        if any(end > batch.next_position for start, end in state.skip if [start, end] not in self.stream_skip):
-            return False
-        skip = self._skip()
-        return batch_indices(state.position, 1, skip)[0] == batch_indices(batch.next_position, 1, skip)[0]
-
-    def _roll_back(self, step: int, consumed_until: int, lr: float) -> None:
-        self._abandon(step)
-        self.guard.roll_back(step, self.state, consumed_until, lr)
-        self._weights_changed()
-        self.checkpointer.abandon_after(self.state.step)
-        self.judge.resume()
-        self.judge.load(*self.guard.history())
-        now = self.timeline.mark()
-        self.discarded_s += self.timeline.seconds(self.last_mark, now)
-        self.last_mark = now
-        self._restart_stream()
-
-    def _global_indices(self, batch: Batch) -> list[int]:
-        """Every rank's samples of `batch` (this rank holds its share only)."""
-        return batch_indices(self.state.position, batch.global_batch, self._skip())[0]
-
-    def _abandon(self, step: int) -> None:
-        """The step ends without metrics; the batches go on from the run's state (and skip ranges)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        for hook in self.hooks:
-            hook.on_step_abandoned(self.run, step)
+            stop_for_preemption(q.notice, self.state.step, self.checkpointer, self.world,
+                                lambda: self._save(self.metrics))
 
     def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
         state, run, batch = self.state, self.run, q.batch
@@ -684,8 +444,13 @@ class Trainer:
         return metrics
 
     def _step_samples(self, batch: Batch) -> list[int]:
-        """The global sample indices the whole step trained on (train.audit_samples)."""
-        return _samples_of_step(self.model.dp_rank, batch.indices)
+        """The global sample indices the whole step trained on (train.audit_samples). Ranks of one
+        data-parallel rank's tensor/pipeline group hold the same rows: each dp rank's count once."""
+        if not dist.is_initialized():
+            return sorted(batch.indices)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.model.dp_rank, batch.indices))
+        return sorted(i for rows in dict(gathered).values() for i in rows)
 
     def _after_step(self, step: int, metrics: dict, due: frozenset[str]) -> None:
         """Evaluation, the hooks, then a checkpoint or a report to the cluster (`due`: the step
@@ -708,7 +473,7 @@ class Trainer:
         elif "report" in due:
             self.env.report(metrics)
             self.last_report = time.monotonic()
-        self._checkpoint_health()
+        self.checkpointer.warn_if_failing()
 
     def _save(self, metrics: dict) -> None:
         save_start = time.perf_counter()
@@ -718,38 +483,3 @@ class Trainer:
         self.last_mark = self.timeline.mark()
         self.checkpoint_s = time.perf_counter() - save_start  # outside step_time: reported with the next step
         self.last_report = time.monotonic()
-
-    def _stop_for_preemption(self, notice: Notice, metrics: dict) -> NoReturn:
-        """Nodes of the run are being taken back: a checkpoint of this step boundary (unless this
-        step's own is already written, or the deadline has passed), then every rank stops with
-        `Preempted`, for Ray Train to restart the run from it without those nodes. Stopping, not
-        training on until the node goes: a step after the save would be trained again."""
-        step = self.state.step
-        self.checkpointer.wait()
-        # Rank 0's clock decides for all: the save is collective.
-        if self.world.agree(self.checkpointer.published_step != step and not notice.passed(), "rank0"):
-            self._save(metrics)
-            self.checkpointer.wait()
-        # Also a barrier: rank 0 gets here only once it has finalized the checkpoint, which a rank
-        # stopping sooner could otherwise have Ray Train tear down half-written.
-        saved = self.world.agree(self.checkpointer.published_step == step, "all")
-        raise Preempted(notice.node_ranks, notice.deadline, step, saved)
-
-    def _checkpoint_health(self) -> None:
-        """Loud while no checkpoint can be written (checkpoint.allow_failures): a warning every step
-        besides each step's `unprotected_steps` metric (the checkpointer records the events)."""
-        saver = self.checkpointer
-        if saver.failing_since is not None and self.world.rank == 0:
-            print(f"WARNING: no checkpoint could be written since step {saver.failing_since} ({saver.last_error}): "
-                  f"a failure now loses {saver.unsaved}; this run is not protected against failures "
-                  "(checkpoint.allow_failures=true)", flush=True)
-
-
-def _samples_of_step(dp_rank: int, indices: list[int]) -> list[int]:
-    """The global sample indices the whole step trained on. Ranks of one data-parallel rank's
-    tensor/pipeline group hold the same rows, so each dp rank's rows count once."""
-    if not dist.is_initialized():
-        return sorted(indices)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, indices))
-    return sorted(i for rows in dict(gathered).values() for i in rows)

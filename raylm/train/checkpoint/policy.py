@@ -314,6 +314,14 @@ class Checkpointer:
         return "all its steps (it has no checkpoint)" if newest is None else \
             f"the steps since step {newest} (its newest checkpoint)"
 
+    def warn_if_failing(self) -> None:
+        """Loud while no checkpoint can be written (allow_failures): a warning at every step,
+        besides each step's `unprotected_steps` metric (the events are recorded as saves fail)."""
+        if self.failing_since is not None and self.world.rank == 0:
+            print(f"WARNING: no checkpoint could be written since step {self.failing_since} ({self.last_error}): "
+                  f"a failure now loses {self.unsaved}; this run is not protected against failures "
+                  "(checkpoint.allow_failures=true)", flush=True)
+
     def require_final(self, step: int) -> None:
         """At the run's end, after the last save: a run whose final checkpoint could not be written
         must not end as if it had (`checkpoint.allow_failures` let it train on): its weights are

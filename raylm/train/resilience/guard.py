@@ -6,7 +6,9 @@ domain, a mixture boundary) from a damaged model. So the guard asks the model: t
 fixed canary batch from the validation split (in eval mode, a pure function of the weights), and
 whether it still does better on the batches it just trained on than it did before training on
 them ("learning": true of a model meeting a new domain, false of a damaged one or of one whose
-steps are too large to learn from).
+steps are too large to learn from). `Guard` holds that evidence (the rolling history, the canary,
+the snapshot) and records what is decided; `raylm.train.resilience.decisions` walks the decision
+tree below and tells the loop what to do.
 
 - A step whose loss and gradient norm are within `sigmas` deviations of recent healthy steps
   trains as usual, unless its batch is noise to the model (below). That judgement is taken on the
@@ -67,12 +69,10 @@ import statistics
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from raylm.config import Config
 from raylm.data import storage
@@ -82,6 +82,7 @@ from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
 from raylm.train.resilience import judge
 from raylm.train.resilience.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
+from raylm.train.resilience.snapshot import Snapshot, copy_state
 from raylm.train.state import TrainState
 from raylm.train.step import ParallelModel
 from raylm.train.validation import ValidationSet
@@ -102,53 +103,8 @@ NONFINITE_IN_A_ROW = "non-finite on consecutive batches"
 OFF_DATA = "noise by the data check"  # a third of its rows beyond the dataset's own (from step 0)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-@dataclass
-class Snapshot:
-    """A point to return to: this rank's shards of the weights and optimizer state, copied to host
-    memory, the RNG, and the train state."""
-
-    state: TrainState
-    params: list[torch.Tensor]
-    optim: list[dict]
-    rng: torch.Tensor
-    cuda_rng: Optional[torch.Tensor]
-
-    @classmethod
-    def take(cls, state: TrainState, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> "Snapshot":
-        copy = lambda t: _local(t).detach().to("cpu", copy=True) if torch.is_tensor(t) else t  # noqa: E731
-        return cls(_copy_state(state), [copy(p) for p in params],
-                   [{k: copy(v) for k, v in optimizer.state[p].items()} for p in params],
-                   torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
-
-    def restore(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        with torch.no_grad():
-            for p, saved in zip(params, self.params):
-                _local(p).copy_(saved)
-            for p, saved in zip(params, self.optim):
-                state = optimizer.state[p]
-                if not saved:  # taken before the first step: the optimizer starts afresh
-                    state.clear()
-                for k, v in saved.items():  # in place: the state keeps its types (DTensor or plain)
-                    if torch.is_tensor(v):
-                        _local(state[k]).copy_(v)
-                    else:
-                        state[k] = v
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng)
-
-
-def _copy_state(state: TrainState) -> TrainState:
-    return dataclasses.replace(state, skip=[list(r) for r in state.skip], rollbacks=list(state.rollbacks),
-                               quarantine=[list(r) for r in state.quarantine], guard=dict(state.guard))
-
-
 class Guard:
-    """Judges each step, and acts on what the canary says (see the module docstring)."""
+    """The guard's evidence and its record of what was decided (see the module docstring)."""
 
     def __init__(self, run_cfg: Config, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
                  canary: ValidationSet, unigram: Optional[float], events_path: str, run_uri: str):
@@ -370,8 +326,8 @@ class Guard:
 
     # -- actions ------------------------------------------------------------------------------
 
-    def hard_batch(self, step: int, samples: list[int], before: float, after: float, lr_factor: float = 1.0) -> None:
-        """A strange batch trained on (at `lr_factor` of the LR, for this step alone). Unless it
+    def hard_batch(self, step: int, samples: list[int], before: float, after: float, at_cut: bool = False) -> None:
+        """A strange batch trained on (`at_cut`: at the LR cut, for this step alone). Unless it
         is noise, its loss and gradient norm join the history the z-scores are taken from: text
         of a new kind is the data's new normal, and judged against the old kind alone every batch
         of it was probed (24% of a contiguous run's step time went to the guard)."""
@@ -380,7 +336,7 @@ class Guard:
             self.losses.append(self.trigger["loss"])
             self.norms.append(self.trigger["grad_norm"])
         self._event("hard_batch", step=step, samples=samples, canary_before=before, canary_after=after,
-                    lr_factor=lr_factor, **self.trigger)
+                    lr_factor=self.cfg.lr_factor if at_cut else 1.0, **self.trigger)
 
     def lr_cut(self, step: int, state: TrainState, lr: float, before: float, after: float) -> None:
         """The update at the cut of `lr` helped the model: keep the cut."""
@@ -432,7 +388,7 @@ class Guard:
             self._stop(step, state, f"{stalls - 1} rollback(s) of a run stalled at the unigram level, its LR "
                                     f"scaled to {state.lr_scale:.3g} of the schedule")
         left_out = [] if stall else [[snap.state.position, consumed_until]] if same_place else list(self.suspects)
-        restored = _copy_state(snap.state)
+        restored = copy_state(snap.state)
         restored.rollbacks = [*state.rollbacks, step]
         restored.skip = merge_ranges([*state.skip, *left_out])
         restored.quarantine = state.quarantine  # what the data is does not roll back
@@ -456,7 +412,7 @@ class Guard:
         cut = stall or same_place or not left_out  # a stall's cut is the schedule's scale
         if cut and not stall:
             self._cut(state, lr)
-        self.snapshot = dataclasses.replace(snap, state=_copy_state(state))
+        self.snapshot = dataclasses.replace(snap, state=copy_state(state))
         self._event("rollback", step=step, to_step=state.step, lr_cap=state.lr_cap, lr_scale=state.lr_scale,
                     lr_cut=cut, skipped=left_out, skipped_samples=skipped_samples(state), **self.trigger)
         cap = f", LR at most {state.lr_cap:.3g}" if state.lr_cap is not None else ""
@@ -464,11 +420,16 @@ class Guard:
         self._say(f"{self.trigger.get('reason')} at step {step}; rolled back to step {state.step}{cap}"
                   + (f", skipping samples {left_out}" if left_out else ""))
 
+    def cut_rate(self, lr: float) -> float:
+        """`lr` cut by guard.lr_factor: the rate a probe tries after an update at `lr` damaged the
+        model, and the cap a cut sets."""
+        return lr * self.cfg.lr_factor
+
     def _cut(self, state: TrainState, lr: float) -> None:
         """Cap the LR below `lr`, the rate that did the damage: the schedule runs on beneath the cap
         (a decaying schedule soon passes under it), which may climb back to halfway, in log space,
         to `lr` (guard.lr_recovery_steps), never to it."""
-        cap = lr * self.cfg.lr_factor
+        cap = self.cut_rate(lr)
         state.lr_cap = cap if state.lr_cap is None else min(state.lr_cap, cap)
         state.guard = {**state.guard, "lr_ceiling": lr * math.sqrt(self.cfg.lr_factor)}
 
