@@ -24,20 +24,7 @@ def validate(cfg: Config) -> None:
     if t.profile is not None and not (1 <= t.profile.start_step <= t.steps and t.profile.steps >= 1):
         raise ConfigError(f"train.profile: start_step must be in [1, train.steps={t.steps}] and steps >= 1, "
                           f"got start_step={t.profile.start_step}, steps={t.profile.steps}")
-    tasks = t.eval_tasks
-    if tasks is not None:
-        if not tasks.tasks or tasks.every_steps < 1 or tasks.batch_size < 1:
-            raise ConfigError(f"train.eval_tasks: tasks must name at least one task, every_steps and batch_size "
-                              f"must be >= 1, got tasks={tasks.tasks}, every_steps={tasks.every_steps}, "
-                              f"batch_size={tasks.batch_size}")
-        if (tasks.limit is not None and not (tasks.limit > 0 and (tasks.limit < 1 or tasks.limit.is_integer()))) \
-                or (tasks.num_fewshot is not None and tasks.num_fewshot < 0):
-            raise ConfigError(f"train.eval_tasks: limit must be a whole number of documents or a fraction in (0, 1) "
-                              f"and num_fewshot >= 0, got limit={tasks.limit}, num_fewshot={tasks.num_fewshot}")
-        if cfg.parallel.pp > 1:
-            # Its forwards run outside the pipeline schedule, on a whole model per rank.
-            raise ConfigError("train.eval_tasks needs a layout without pipeline stages (parallel.pp=1); "
-                              "score the run's checkpoints with `raylm eval CHECKPOINT --tasks ...` instead")
+    _check_eval_tasks(cfg)
     if (t.global_batch_size is None) == (t.global_batch_tokens is None):
         raise ConfigError("set exactly one of train.global_batch_size and train.global_batch_tokens "
                           "(set the other to null)")
@@ -55,6 +42,45 @@ def validate(cfg: Config) -> None:
     if t.z_loss < 0 or (t.z_loss and cfg.parallel.loss_parallel):
         raise ConfigError(f"train.z_loss must be >= 0 and cannot be combined with parallel.loss_parallel "
                           f"(the logits stay sharded by vocabulary there), got {t.z_loss}")
+    _check_guard(cfg)
+    if cfg.data.shard_cache_mb < 0:
+        raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")
+    r = cfg.run
+    if min(r.watchdog_startup_s, r.watchdog_factor, r.watchdog_min_s) < 0:
+        raise ConfigError("run.watchdog_startup_s, run.watchdog_factor and run.watchdog_min_s must be >= 0")
+    cpus = cfg.parallel.cpus_per_worker
+    if cpus != "auto" and cpus <= 0:
+        raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")
+    for i, pair in enumerate(cfg.data.skip):
+        if len(pair) != 2 or not 0 <= pair[0] < pair[1]:
+            raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")
+    _check_schedule(cfg)
+    _check_ranges(cfg)
+    _check_float8(cfg)
+    if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
+        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
+                          f"got {t.eval_every} and {t.eval_batches}")
+
+
+def _check_eval_tasks(cfg: Config) -> None:
+    tasks = cfg.train.eval_tasks
+    if tasks is None:
+        return
+    if not tasks.tasks or tasks.every_steps < 1 or tasks.batch_size < 1:
+        raise ConfigError(f"train.eval_tasks: tasks must name at least one task, every_steps and batch_size "
+                          f"must be >= 1, got tasks={tasks.tasks}, every_steps={tasks.every_steps}, "
+                          f"batch_size={tasks.batch_size}")
+    if (tasks.limit is not None and not (tasks.limit > 0 and (tasks.limit < 1 or tasks.limit.is_integer()))) \
+            or (tasks.num_fewshot is not None and tasks.num_fewshot < 0):
+        raise ConfigError(f"train.eval_tasks: limit must be a whole number of documents or a fraction in (0, 1) "
+                          f"and num_fewshot >= 0, got limit={tasks.limit}, num_fewshot={tasks.num_fewshot}")
+    if cfg.parallel.pp > 1:
+        # Its forwards run outside the pipeline schedule, on a whole model per rank.
+        raise ConfigError("train.eval_tasks needs a layout without pipeline stages (parallel.pp=1); "
+                          "score the run's checkpoints with `raylm eval CHECKPOINT --tasks ...` instead")
+
+
+def _check_guard(cfg: Config) -> None:
     g = cfg.guard
     guard_positive = {"guard.window": g.window, "guard.sigmas": g.sigmas, "guard.canary_rows": g.canary_rows,
                       "guard.damage": g.damage, "guard.max_rollbacks": g.max_rollbacks}
@@ -71,20 +97,12 @@ def validate(cfg: Config) -> None:
     if g.min_history < 2 or g.snapshot_every < 0:
         raise ConfigError(f"guard.min_history must be >= 2 and guard.snapshot_every >= 0 (0: by cost), got "
                           f"{g.min_history} and {g.snapshot_every}")
-    if cfg.data.shard_cache_mb < 0:
-        raise ConfigError(f"data.shard_cache_mb must be >= 0, got {cfg.data.shard_cache_mb}")
-    r = cfg.run
-    if min(r.watchdog_startup_s, r.watchdog_factor, r.watchdog_min_s) < 0:
-        raise ConfigError("run.watchdog_startup_s, run.watchdog_factor and run.watchdog_min_s must be >= 0")
-    cpus = cfg.parallel.cpus_per_worker
-    if cpus != "auto" and cpus <= 0:
-        raise ConfigError(f"parallel.cpus_per_worker must be positive or auto, got {cpus}")
-    for i, pair in enumerate(cfg.data.skip):
-        if len(pair) != 2 or not 0 <= pair[0] < pair[1]:
-            raise ConfigError(f"data.skip[{i}] must be [start, end) with 0 <= start < end")
-    s = cfg.schedule
-    if s.warmup_steps < 0 or s.warmup_steps > t.steps:
-        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={t.steps}]")
+
+
+def _check_schedule(cfg: Config) -> None:
+    s, steps = cfg.schedule, cfg.train.steps
+    if s.warmup_steps < 0 or s.warmup_steps > steps:
+        raise ConfigError(f"schedule.warmup_steps ({s.warmup_steps}) must be in [0, train.steps={steps}]")
     if not 0.0 < s.decay_fraction <= 1.0:
         raise ConfigError(f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
     if cfg.optim.lr <= 0:
@@ -92,11 +110,6 @@ def validate(cfg: Config) -> None:
     if s.name in ("cosine", "wsd") and s.min_lr > cfg.optim.lr:
         raise ConfigError(f"schedule.min_lr ({s.min_lr}) is above optim.lr ({cfg.optim.lr}): the {s.name} "
                           "schedule would rise while it decays; lower schedule.min_lr or raise optim.lr")
-    _check_ranges(cfg)
-    _check_float8(cfg)
-    if t.eval_every < 0 or t.eval_batches <= 0 and t.eval_every > 0:
-        raise ConfigError(f"train.eval_every must be >= 0 and train.eval_batches positive when evaluating, "
-                          f"got {t.eval_every} and {t.eval_batches}")
 
 
 def _check_ranges(cfg: Config) -> None:
