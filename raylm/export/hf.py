@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
-from raylm.config import Config, ConfigError, StorageConfig, config_to_yaml, saved_config
+from raylm.config import Config, ConfigError, ModelConfig, StorageConfig, config_to_yaml, saved_config
 from raylm.data import storage
 from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
 from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, read_hf_tokenizer, write_tokenizer_files
@@ -33,7 +33,7 @@ from raylm.export.safetensors_io import INDEX_FILE, HFTensors, Planned, write_sh
 from raylm.inference.load import read_checkpoint_tokenizer, resolve_checkpoint, sound_checkpoint
 from raylm.model import mup
 from raylm.model.transformer import Transformer
-from raylm.data.tokenizer import TOKENIZER_FILE
+from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.optim import build_optimizer
 from raylm.train.place import refuse_a_place_of_another
@@ -188,14 +188,9 @@ def _fresh_optimizer(model: Transformer, cfg: Config) -> torch.optim.Optimizer:
     return optimizer
 
 
-def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_cfg: Optional[StorageConfig] = None,
-              overwrite: bool = False) -> dict:
-    """Turn the Llama or GPT-2 model directory `hf_dir` (local) into the raylm run directory
-    `output` (local or s3://) holding config.yaml and checkpoint_00000000; returns a summary.
-
-    `seq_len` (default: the model's context, at most 2048) is the training sequence length the
-    config fixes, as every checkpoint does: the data must be prepared with it."""
-    storage.refuse_file(hf_dir, f"the Hugging Face model directory that holds {CONFIG_FILE}")
+def _read_hf_model(hf_dir: str) -> tuple[Adapter, ModelConfig, list[str]]:
+    """The adapter for the model of `hf_dir`, the raylm model config of its config.json, and what
+    that config could not carry exactly."""
     config_path = os.path.join(hf_dir, CONFIG_FILE)
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no {CONFIG_FILE})")
@@ -213,15 +208,33 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
         raise ConfigError(f"{config_path}: no {e.args[0]!r}, which a {adapter.architecture} config holds") from None
     except (TypeError, ArithmeticError) as e:  # a field of the wrong type, e.g. "hidden_size": "x"
         raise ConfigError(f"{config_path}: {adapter.architecture} fields of the wrong type or value ({e})") from None
+    return adapter, model_cfg, inexact
+
+
+def _read_hf_tokenizer(hf_dir: str, vocab_size: int) -> Tokenizer:
+    """The raylm tokenizer of `hf_dir`'s tokenizer.json, whose tokens must fit the model's vocabulary."""
     tokenizer_path = os.path.join(hf_dir, TOKENIZER_FILE)
     if not os.path.exists(tokenizer_path):
         raise FileNotFoundError(f"{hf_dir}: no {TOKENIZER_FILE}; raylm needs the fast tokenizer file to tokenize "
                                 "data for continued pretraining")
     with open(tokenizer_path) as f:
         tokenizer = read_hf_tokenizer(f.read(), name=tokenizer_path)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
+    if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{model_cfg.vocab_size}")
+                          f"{vocab_size}")
+    return tokenizer
+
+
+def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_cfg: Optional[StorageConfig] = None,
+              overwrite: bool = False) -> dict:
+    """Turn the Llama or GPT-2 model directory `hf_dir` (local) into the raylm run directory
+    `output` (local or s3://) holding config.yaml and checkpoint_00000000; returns a summary.
+
+    `seq_len` (default: the model's context, at most 2048) is the training sequence length the
+    config fixes, as every checkpoint does: the data must be prepared with it."""
+    storage.refuse_file(hf_dir, f"the Hugging Face model directory that holds {CONFIG_FILE}")
+    adapter, model_cfg, inexact = _read_hf_model(hf_dir)
+    tokenizer = _read_hf_tokenizer(hf_dir, model_cfg.vocab_size)
     seq_len = seq_len or min(model_cfg.max_seq_len, DEFAULT_SEQ_LEN)
     if not 0 < seq_len <= model_cfg.max_seq_len:
         raise ConfigError(f"--seq-len {seq_len} must be in [1, {model_cfg.max_seq_len}] (the model's context)")
