@@ -317,29 +317,48 @@ def run_error(worker_failures: dict, max_failures: int, max_preemptions: int) ->
 
 def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> type:
     """Ray Train's data-parallel trainer (what its TorchTrainer is, given raylm's torch backend
-    config) with raylm's failure policy and without the parts that a raylm run has no use for:
+    config) with raylm's failure policy (`raylm.launch.recovery.RaylmFailurePolicy`: it ends the
+    run at a deterministic error instead of replaying it `max_failures` times), a Ctrl-C that ends
+    it in bounded time (`_abort_on_sigint`), and without the parts that a raylm run has no use for
+    (`_unused_callbacks`, `_scaling_policy`). On a Ray whose internals moved, a part not found is
+    kept, as Ray Train would run it."""
+    # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    unused = _unused_callbacks(own_ray, dashboard)
+    policy = _scaling_policy(fixed_on_own_ray)
+
+    class RaylmTrainer(DataParallelTrainer):
+        def _create_default_callbacks(self):
+            return [callback for callback in super()._create_default_callbacks()
+                    if not isinstance(callback, unused)]
+
+        def _register_sigint_handler(self, controller) -> None:
+            _abort_on_sigint(controller)
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if policy is not None:
+                controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
+            if RaylmFailurePolicy is not None:
+                controller_init_kwargs["failure_policy"] = RaylmFailurePolicy(self.run_config.failure_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return RaylmTrainer
+
+
+def _unused_callbacks(own_ray: bool, dashboard: bool) -> tuple[type, ...]:
+    """Ray Train's callbacks that a raylm run has no use for:
 
     - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
       to the trainer to its workers. raylm gives none (each worker reads its own shards,
-      `raylm.data.stream`), and the actor was a process importing Ray Data at start (1.4 s of
+      `raylm.data.stream`), and the actor is a process importing Ray Data at start (1.4 s of
       CPU while the workers start) and waking 100 times a second all run.
-    - for a fixed-size run on a Ray that this process started (`fixed_on_own_ray`), the scaling
-      policy's requests to an autoscaler there is none of (`raylm.launch.scaling`); an elastic run
-      keeps Ray's policy, which sizes the group from the coordinator's view of the nodes.
-    - the failure policy: raylm's (`raylm.launch.recovery.RaylmFailurePolicy`) ends the run at
-      a deterministic error instead of replaying it `max_failures` times.
     - on a Ray that this process started (`own_ray`) without a `dashboard`: the placement-group
       cleaner, an actor that asks the State API (the dashboard) every second whether the
       controller lives, to remove the run's placement group should it die while Ray goes on; this
       Ray ends with this process and takes the placement group with it, and without the State API
-      the cleaner would only warn each second.
-
-    On a Ray whose internals moved, a part not found is kept, as Ray Train would run it."""
-    # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
+      the cleaner would only warn each second."""
     unused: list[type] = []
-    policy: Optional[type] = None
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
@@ -350,47 +369,41 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
             unused.append(PlacementGroupCleanerCallback)
     except ImportError:
         pass
-    if fixed_on_own_ray:
+    return tuple(unused)
+
+
+def _scaling_policy(fixed_on_own_ray: bool) -> Optional[type]:
+    """For a fixed-size run on a Ray that this process started, a scaling policy that makes no
+    requests to an autoscaler there is none of (`raylm.launch.scaling`); None keeps Ray's, which
+    an elastic run needs: it sizes the group from the coordinator's view of the nodes."""
+    if not fixed_on_own_ray:
+        return None
+    try:
+        from raylm.launch.scaling import OwnRayFixedScalingPolicy
+    except ImportError:
+        return None
+    return OwnRayFixedScalingPolicy
+
+
+def _abort_on_sigint(controller) -> None:
+    """Ctrl-C (and `ray job stop`) aborts the run's controller, waiting at most ABORT_TIMEOUT_S.
+    Ray Train's own handler waits without end, and a controller waiting for workers the cluster
+    cannot place blocks in each attempt to start them (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S at a
+    time), past `ray job stop`'s grace period, which then kills the driver before it releases its
+    lease. An abort not done in time kills the controller (the worker actors it owns go with it);
+    the driver then stops as from any Ctrl-C."""
+    import ray
+
+    def abort(signum: int, frame: object) -> None:
         try:
-            from raylm.launch.scaling import OwnRayFixedScalingPolicy
+            ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(controller, no_restart=True)
+        except ray.exceptions.RayActorError:
+            pass  # aborted: the controller exits as its abort ends
+        sys.exit(0)
 
-            policy = OwnRayFixedScalingPolicy
-        except ImportError:
-            pass
-
-    class RaylmTrainer(DataParallelTrainer):
-        def _create_default_callbacks(self):
-            return [callback for callback in super()._create_default_callbacks()
-                    if not isinstance(callback, tuple(unused))]
-
-        def _register_sigint_handler(self, controller) -> None:
-            # Ray Train's handler waits for the controller's abort without end. A controller
-            # waiting for workers the cluster cannot place blocks its loop in each attempt to
-            # start them (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S at a time) and took the abort
-            # past `ray job stop`'s grace period: the driver was killed without a word, its
-            # lease left behind. An abort not done in ABORT_TIMEOUT_S kills the controller (the
-            # worker actors it owns go with it); the driver then stops as from any Ctrl-C.
-            import ray
-
-            def abort(signum: int, frame: object) -> None:
-                try:
-                    ray.get(controller.abort.remote(), timeout=ABORT_TIMEOUT_S)
-                except ray.exceptions.GetTimeoutError:
-                    ray.kill(controller, no_restart=True)
-                except ray.exceptions.RayActorError:
-                    pass  # aborted: the controller exits as its abort ends
-                sys.exit(0)
-
-            signal.signal(signal.SIGINT, abort)
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            if policy is not None:
-                controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
-            if RaylmFailurePolicy is not None:
-                controller_init_kwargs["failure_policy"] = RaylmFailurePolicy(self.run_config.failure_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    return RaylmTrainer
+    signal.signal(signal.SIGINT, abort)
 
 
 def last_metrics(uri: str, cfg: Config) -> dict:
