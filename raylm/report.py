@@ -172,6 +172,21 @@ def replica_capacity_lost(rows: list[dict]) -> float:
     return sum(r["step_time"] * (1 - r["replicas"] / groups) for r in rows if "replicas" in r and "step_time" in r)
 
 
+def time_lost_to_failures(events: list[dict], median_step: float) -> float:
+    """Seconds from each failure (or preemption) to the resume that followed it, plus the steps
+    that resume trained again (its `steps_lost`, at `median_step` seconds each)."""
+    lost, failure_time = 0.0, None
+    for event in sorted((e for e in events if "time" in e), key=lambda e: e["time"]):
+        if event.get("event") in ("failure", "preempted"):
+            failure_time = failure_time or event["time"]
+        elif event.get("event") == "resumed":
+            if failure_time is not None:
+                lost += event["time"] - failure_time
+            lost += event.get("steps_lost", 0) * median_step
+            failure_time = None
+    return lost
+
+
 def summarize(run: RunRecord) -> dict:
     """Final losses, tokens, time; time lost to failures; goodput.
 
@@ -188,15 +203,7 @@ def summarize(run: RunRecord) -> dict:
     productive, guard_s, data_waits = split_step_time(rows)
     median_step = statistics.median(step_times) if step_times else 0.0
     stalls = sum(r.get("checkpoint_s", 0.0) for r in rows)
-    lost, failure_time = 0.0, None
-    for event in sorted((e for e in events if "time" in e), key=lambda e: e["time"]):
-        if event.get("event") in ("failure", "preempted"):
-            failure_time = failure_time or event["time"]
-        elif event.get("event") == "resumed":
-            if failure_time is not None:
-                lost += event["time"] - failure_time
-            lost += event.get("steps_lost", 0) * median_step
-            failure_time = None
+    lost = time_lost_to_failures(events, median_step)
     # A lost replica group: the others' step given up and their wait for the quorum without it
     # (`replica_s`, outside step_time), and the share of each step the group was down for.
     lost_to_replicas = sum(r.get("replica_s", 0.0) for r in rows) + replica_capacity_lost(rows)
