@@ -198,13 +198,9 @@ def _safe(f: Callable[[], dict]) -> dict:
         return {"error": str(e)}
 
 
-def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = (),
-            log: Optional[Callable[[str], None]] = None) -> tuple[dict, Laws]:
-    """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`);
-    with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
-    `log` is told how the slow fits progress."""
-    bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
-    result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests}
+def _lr_fits(bests: list[dict], sweep: SweepConfig) -> dict:
+    """fit.json's "lr": each size's best LR (the geometric mean over its rungs), the LR's power laws
+    in parameters and in FLOPs, and the rungs whose best LR lies at the edge of the grid."""
     per_size: dict[int, list[dict]] = defaultdict(list)
     for b in bests:
         per_size[b["size"]].append(b)
@@ -214,16 +210,31 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
         lr_law = {"coef": bests[0]["lr"], "exponent": 0.0}
     else:
         lr_law = _safe(lambda: fit.power_law([s["params"] for s in size_lr], [s["lr"] for s in size_lr]))
-    result["lr"] = {"per_size": size_lr, "lr_vs_params": lr_law,
-                    "lr_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests], [b["lr"] for b in bests])),
-                    "at_grid_edge": [b["rung"] for b in bests if b["lr_at_grid_edge"]]}
+    return {"per_size": size_lr, "lr_vs_params": lr_law,
+            "lr_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests], [b["lr"] for b in bests])),
+            "at_grid_edge": [b["rung"] for b in bests if b["lr_at_grid_edge"]]}
+
+
+def _batch_fits(bests: list[dict]) -> dict:
+    """fit.json's "batch" (a ladder of several batch sizes): each rung's best batch size, and its
+    power laws in parameters and in FLOPs."""
+    batches = [b["batch"] for b in bests]
+    return {"per_rung": [{"rung": b["rung"], "batch": b["batch"]} for b in bests],
+            "batch_vs_params": _safe(lambda: fit.power_law([b["params"] for b in bests], batches)),
+            "batch_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests], batches))}
+
+
+def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = (),
+            log: Optional[Callable[[str], None]] = None) -> tuple[dict, Laws]:
+    """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`);
+    with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
+    `log` is told how the slow fits progress."""
+    bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
+    result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests}
+    result["lr"] = _lr_fits(bests, sweep)
     batch_law = None
     if len(sweep.ladder.batch_size) > 1:
-        result["batch"] = {"per_rung": [{"rung": b["rung"], "batch": b["batch"]} for b in bests],
-                           "batch_vs_params": _safe(lambda: fit.power_law([b["params"] for b in bests],
-                                                                          [b["batch"] for b in bests])),
-                           "batch_vs_flops": _safe(lambda: fit.power_law([b["flops"] for b in bests],
-                                                                         [b["batch"] for b in bests]))}
+        result["batch"] = _batch_fits(bests)
         batch_law = result["batch"]["batch_vs_flops"] if "coef" in result["batch"]["batch_vs_flops"] else None
     f_law = fit.flops_per_token_law([s.params for s in sizes], [s.flops_per_token for s in sizes])
 
@@ -303,6 +314,46 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     resolved against the data (vocabulary, seq_len). Raises ValueError when the fit cannot place
     the target (a size the fit never makes compute-optimal)."""
     seq_len = resolved.train.seq_len
+    size, tokens, allocation, (low, high) = _place_target(sweep, laws, sizes, resolved)
+    if laws.batch_vs_flops:
+        batch = fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token)
+    else:
+        t = resolved.train
+        batch = t.global_batch_size if t.global_batch_size is not None else t.global_batch_tokens // seq_len
+    if sweep.target.gpus:  # at least one micro-batch per GPU; the layout may then need a larger batch
+        parallel = _cluster_layout(sweep, size, max(batch, sweep.target.gpus * base.train.micro_batch_size) * seq_len,
+                                   seq_len, base)
+    else:
+        parallel = base.parallel
+    dp = ParallelDims.of(parallel, parallel.num_workers).dp
+    unit = dp * base.train.micro_batch_size  # whole micro-batches on every data-parallel rank
+    batch = unit * max(1, round(batch / unit))
+    steps = steps_for(tokens, batch, seq_len)
+    lr = predicted_lr(laws, size.params, base.optim.lr)
+    cfg = _recommended_config(base, resolved, size, parallel, lr, batch, steps)
+    # Everything `raylm train` checks before starting (shape, layout, batch split, the data), but
+    # the shard checksums: the sweep has just read the data.
+    resolve_run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, verify=False)))
+    trained = steps * batch * seq_len
+    info = {"target": {"flops": sweep.target.flops, "params": sweep.target.params},
+            "params": size.params, "params_non_embedding": size.params_non_embedding,
+            "params_total": size.params_total, "tokens": trained, "flops": trained * size.flops_per_token,
+            "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
+            "lr": lr, "batch": batch, "steps": steps,
+            "tokens_per_param": trained / size.params,
+            "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
+            # Chinchilla's form, whatever predicted the check: the recommendation is a far
+            # extrapolation, where a local power law has nothing to stand on.
+            "predicted_loss": laws.predict(size.params, trained, CHINCHILLA)}
+    if allocation is not None:
+        info["allocation"] = {"fit_tokens_per_param": allocation, "ladder_tokens_per_param": [low, high]}
+    return cfg, info
+
+
+def _place_target(sweep: SweepConfig, laws: Laws, sizes: list[Size], resolved: Config
+                  ) -> tuple[Size, float, Optional[float], tuple[float, float]]:
+    """The target's model size and tokens; the tokens per parameter the fit asked for where the run
+    is kept inside the ladder's range instead (else None), and that range."""
     # The fit's balance of N and D is measured only across the ladder's tokens per parameter:
     # an optimum it puts outside them (a far or degenerate extrapolation: thousands of tokens per
     # parameter) is not placed; the run stays at the nearest ratio the ladder trained.
@@ -325,21 +376,12 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
         if not low <= tokens / size.params <= high:
             allocation = tokens / size.params
             tokens = min(max(allocation, low), high) * size.params
-    if laws.batch_vs_flops:
-        batch = fit.eval_power_law(laws.batch_vs_flops, tokens * size.flops_per_token)
-    else:
-        t = resolved.train
-        batch = t.global_batch_size if t.global_batch_size is not None else t.global_batch_tokens // seq_len
-    if sweep.target.gpus:  # at least one micro-batch per GPU; the layout may then need a larger batch
-        parallel = _cluster_layout(sweep, size, max(batch, sweep.target.gpus * base.train.micro_batch_size) * seq_len,
-                                   seq_len, base)
-    else:
-        parallel = base.parallel
-    dp = ParallelDims.of(parallel, parallel.num_workers).dp
-    unit = dp * base.train.micro_batch_size  # whole micro-batches on every data-parallel rank
-    batch = unit * max(1, round(batch / unit))
-    steps = steps_for(tokens, batch, seq_len)
-    lr = predicted_lr(laws, size.params, base.optim.lr)
+    return size, tokens, allocation, (low, high)
+
+
+def _recommended_config(base: Config, resolved: Config, size: Size, parallel: ParallelConfig, lr: float,
+                        batch: int, steps: int) -> Config:
+    """The user's base run with the recommended model, LR, schedule, batch, steps and layout."""
     warmup_fraction, min_lr_fraction = schedule_shape(base)
     tree = config_to_dict(base)
     tree["model"] = {**config_to_dict(size.model), "size": None, "vocab_size": base.model.vocab_size}
@@ -354,24 +396,7 @@ def recommend(sweep: SweepConfig, laws: Laws, sizes: list[Size], base: Config, r
     tree["run"]["name"] = f"{base.run.name}-recommended"
     tree["run"]["storage_path"] = resolved.run.storage_path
     tree["parallel"] = config_to_dict(parallel)
-    cfg = config_from_dict(tree)
-    # Everything `raylm train` checks before starting (shape, layout, batch split, the data), but
-    # the shard checksums: the sweep has just read the data.
-    resolve_run(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, verify=False)))
-    trained = steps * batch * seq_len
-    info = {"target": {"flops": sweep.target.flops, "params": sweep.target.params},
-            "params": size.params, "params_non_embedding": size.params_non_embedding,
-            "params_total": size.params_total, "tokens": trained, "flops": trained * size.flops_per_token,
-            "d_model": size.model.d_model, "n_layers": size.model.n_layers, "n_heads": size.model.n_heads,
-            "lr": lr, "batch": batch, "steps": steps,
-            "tokens_per_param": trained / size.params,
-            "extrapolation": trained * size.flops_per_token / largest_flops,  # x the most compute of any trial
-            # Chinchilla's form, whatever predicted the check: the recommendation is a far
-            # extrapolation, where a local power law has nothing to stand on.
-            "predicted_loss": laws.predict(size.params, trained, CHINCHILLA)}
-    if allocation is not None:
-        info["allocation"] = {"fit_tokens_per_param": allocation, "ladder_tokens_per_param": [low, high]}
-    return cfg, info
+    return config_from_dict(tree)
 
 
 def _cluster_layout(sweep: SweepConfig, size: Size, batch_tokens: int, seq_len: int, base: Config):
