@@ -99,6 +99,7 @@ class ReplicaTrainer(Trainer):
         self.step_samples: list[int] = []
         self.committed: Optional[bool] = None  # this step's should_commit, once asked
         self.healed = False  # the last quorum sent this group a peer's state
+        self.first_quorum = True
         print(f"raylm: replica group {place.group} of {place.groups} in process {os.getpid()}"
               + (": joins the running quorum, healing from a live peer" if place.joining else ""), flush=True)
 
@@ -138,6 +139,26 @@ class ReplicaTrainer(Trainer):
         self.optimizer.load_state_dict(peer["optim"])
         self.state.__dict__.update(peer["state"])
         self.members, self.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
+        self._state_replaced()
+        self.healed = True
+
+    def _restore_alone(self) -> None:
+        """A replacement group whose first quorum had no peer ahead of it to heal from: the others
+        are gone (they finished the run while it started, or were all lost). It goes on as a whole-job
+        restart would, from the newest checkpoint: it must not train the run again from step 0 over
+        the run's records. A run already finished leaves it nothing to train."""
+        # The group's one rank reads it (world.rank is the quorum's rank otherwise: alone, 0 too).
+        self.world.rank = 0
+        self.state.__dict__.update(vars(Trainer._restore(self)))  # in place: the run's hooks hold it
+        self.manager.load_state_dict({"step": self.state.step, "batches_committed": 0})
+        print(f"raylm: replica group {self.place.group} found no live peer to heal from: resumes from the newest "
+              f"checkpoint, step {self.state.step}", flush=True)
+        if 0 < self.state.step < self.last:  # as a restart records it: the rows of the steps to train again dropped
+            self.logger._record_resume(self.state.step, self.restored_world_size, self.restore_read_bytes)
+        self._state_replaced()
+
+    def _state_replaced(self) -> None:
+        """What follows the run state once it came from elsewhere (a peer, a checkpoint)."""
         if self.scaler is not None:
             self.scaler.scale = self.state.loss_scale
         if self.guard is not None:
@@ -147,7 +168,6 @@ class ReplicaTrainer(Trainer):
             self.judge.load(*self.guard.history())
         self._weights_changed()
         self._take_skips()
-        self.healed = True
 
     # -- the steps ----------------------------------------------------------------------------------
 
@@ -168,6 +188,12 @@ class ReplicaTrainer(Trainer):
             return None
         asked = time.perf_counter()
         self.manager.start_quorum()
+        if self.first_quorum:
+            self.first_quorum = False
+            if self.place.joining and not self.healed:
+                self._restore_alone()
+                if self.state.step >= self.last:
+                    return None
         if self.healed:
             print(f"raylm: replica group {self.place.group} healed from a peer after step {self.state.step} "
                   f"(the quorum and the transfer: {time.perf_counter() - asked:.2f} s)", flush=True)

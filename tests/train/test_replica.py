@@ -75,6 +75,42 @@ def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_
     assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
 
 
+
+def test_a_replacement_group_with_no_peer_left_resumes_from_the_checkpoint_instead_of_step_0(tiny_dataset, tmp_path):
+    """Without Ray: group 0 trains to step 6 (a checkpoint at 6) and is gone; group 1, started as a
+    replacement into the running quorum, finds no peer to heal from. It resumes from the checkpoint,
+    as a whole-job restart would, and trains steps 7-10; started again once the run is finished, it
+    trains nothing. (The quick replica drill met it: the survivor finished the run while the
+    replacement started, which then trained the run again from step 0 over its records.)"""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    from raylm.train.env import LocalEnv
+    from raylm.train.replica import ReplicaPlace, ReplicaTrainer
+    from raylm.train.spec import resolve_run
+    from tests.train.test_loop import tiny_config
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    first = ReplicaPlace(group=0, groups=2, joining=False, lighthouse=lighthouse.address(),
+                         store=f"127.0.0.1:{stores[0].port}", host="127.0.0.1", timeout_s=10)
+    replacement = dataclasses.replace(first, group=1, joining=True, store=f"127.0.0.1:{stores[1].port}")
+    run_dir = str(tmp_path / "run")
+    try:
+        for place, stop in ((first, 6), (replacement, 10), (replacement, 10)):
+            cfg = tiny_config(tiny_dataset, *REPLICAS, "train.steps=10", f"train.stop_at_step={stop}",
+                              "checkpoint.every_steps=3", "train.eval_every=0", "train.audit_samples=true")
+            ReplicaTrainer(resolve_run(cfg), LocalEnv(run_dir), (), place).train()
+    finally:
+        lighthouse.shutdown()
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert_every_sample_once({r["step"]: r for r in rows}, global_batch=4)
+    (resumed,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "resumed"]
+    assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
+
 def _lighthouses(ray_session) -> list[int]:
     """The torchft lighthouse actors' processes on the session's Ray (ray::Lighthouse.*)."""
     raylet = ray_session._private.worker._global_node.all_processes["raylet"][0].process.pid
