@@ -73,3 +73,45 @@ def test_rounds_strike_each_fault_again_in_order_and_every_injected_nan_is_repor
     faults = drill.nan_faults(events, rows)
     assert [(f.kind, f.at_step, f.next_good_step_s, f.detail) for f in faults] == \
         [("non_finite_loss", 4000, 1.5, {"reruns": 2}), ("non_finite_loss", 9000, 0.25, {"reruns": 1})]
+
+
+def _drill_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("drill", REPO / "benchmarks" / "drill.py")
+    drill = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "drill", drill)
+    spec.loader.exec_module(drill)
+    return drill
+
+
+def test_replica_mode_counts_given_up_steps_reduced_quorum_heals_and_restarted_workers(monkeypatch, tmp_path):
+    """`--fault-tolerance replica`: the goodput's replica costs and each group loss's figures, from
+    records such as a run writes (2 groups; group 0 lost after step 2, healed at step 4)."""
+    drill = _drill_module(monkeypatch)
+    assert "parallel.fault_tolerance=replica" in drill.run_args("d", tmp_path, 10, True, [], "replica")
+    assert "parallel.min_workers=1" in drill.run_args("d", tmp_path, 10, True, [])
+    # Steps of 1 s; steps 3 and 4 trained by one group of 2 (half of each lost), step 3 after 2.5 s
+    # given up and waited for the quorum.
+    rows = [{"step": s, "time": 100.0 + s, "step_time": 1.0, "replicas": 2 if s not in (3, 4) else 1,
+             "replica_s": 2.5 if s == 3 else 0.0} for s in range(1, 7)]
+    times = drill.goodput(rows, [], 90.0, 110.0)
+    assert times["replica_given_up_s"] == 2.5 and times["reduced_quorum_s"] == 1.0
+    assert times["reduced_quorum_steps"] == 2 and times["useful_s"] == 5.0 and times["goodput"] == 5.0 / 20
+    assert times["startup_restarts_resizes_evaluation_s"] == 20 - 5.0 - 2.5 - 1.0
+    # Each group loss: the first replica_lost after it and that group's next replica_healed.
+    log = tmp_path / "driver.log"
+    log.write_text("(RayTrainWorker pid=7) raylm: replica group 0 of 2 in process 7\n"
+                   "(RayTrainWorker pid=8) raylm: replica group 1 of 2 in process 8\n"
+                   "(RayTrainWorker pid=9) raylm: replica group 0 of 2 in process 9: joins the running quorum\n")
+    assert drill.group_processes(log) == {0: [7, 9], 1: [8]}
+    events = [{"event": "replica_lost", "group": 0, "step": 3, "retried": 1, "time": 103.0},
+              {"event": "replica_healed", "group": 0, "step": 5, "seconds": 2.0, "time": 105.5}]
+    kill = drill.Fault("worker_killed", at_step=2, time=101.5)
+    nan = drill.Fault("non_finite_loss", at_step=4, time=104.0)
+    fake = type("FakeDrill", (), {"lives": [drill.group_processes(log), {0: [10], 1: [11]}]})()
+    figures = drill.replica_figures(fake, [kill, nan], events)
+    assert kill.detail == {"group": 0, "steps_lost": 1, "next_step_s": 1.5, "heal_s": 4.0, "healed_at_step": 5}
+    assert nan.detail == {}
+    # Two drivers started 2 groups each; the kill started one more: no healthy worker restarted.
+    assert {k: figures[k] for k in ("steps_lost", "next_step_s", "heal_s", "healthy_restarts", "replica_faults")} == \
+        {"steps_lost": 1, "next_step_s": 1.5, "heal_s": 4.0, "healthy_restarts": 0, "replica_faults": 1}
