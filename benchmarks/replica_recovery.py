@@ -15,8 +15,8 @@ one has healed). From the runs' own records:
 - samples_once: every sample of the planned order trained exactly once (metrics.jsonl's audit);
 - val_loss, clean_val_loss: the final validation loss of both runs;
 - goodput: `raylm report`'s of the faulty run (committed compute over wall time, a lost group's
-  share of each step it was down for counted lost); not the drill's (benchmarks/drill.py has no
-  replica mode yet).
+  share of each step it was down for counted lost); not the drill's (`benchmarks/drill.py
+  --fault-tolerance replica` measures that, among the drill's other faults).
 """
 
 from __future__ import annotations
