@@ -38,8 +38,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # test that trains in one process, or waits on Ray, leaves a core idle. A unit of work goes to one
 # worker whole:
 # - every module on the session's local multi-node cluster (tests/support/clusters.py): they
-#   share one, made whole between modules, in the order they are collected in, first of all,
-#   since together they take the longest;
+#   share one, made whole between modules; first of all, since together they take the longest;
 # - each other module, so that its module-scoped runs and datasets are made once.
 # The units are made here from node ids, in the controller, which sees no fixtures: xdist's own
 # `--dist loadgroup` marks no longer reach it on pytest >= 9.2 (pytest-xdist#1386: every test
@@ -47,9 +46,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # =============================================================================================
 
 LOCAL_CLUSTER_FIXTURE = "shared_cluster"
+# In the order they run in. test_local_cluster.py last: its tests leave a cluster no other module
+# can take over (a stopped one; detached actors holding CPUs), so it would cost the next module a
+# start of its own.
 LOCAL_CLUSTER_MODULES = ("tests/cluster/test_chaos.py", "tests/cluster/test_elastic.py",
-                         "tests/cluster/test_jobs.py", "tests/cluster/test_local_cluster.py",
-                         "tests/cluster/test_preemption.py")
+                         "tests/cluster/test_jobs.py", "tests/cluster/test_preemption.py",
+                         "tests/cluster/test_local_cluster.py")
 
 
 def unit_of_work(nodeid: str) -> str:
@@ -67,6 +69,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     if unlisted:
         raise pytest.UsageError(f"{', '.join(unlisted)}: on the {LOCAL_CLUSTER_FIXTURE} fixture but not in "
                                 "LOCAL_CLUSTER_MODULES (tests/conftest.py): add it there")
+    # The local-cluster modules first, in the list's order; the rest as collected.
+    first = {module: i for i, module in enumerate(LOCAL_CLUSTER_MODULES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a plain `pytest` may not have
@@ -79,7 +84,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of_work(nodeid)
 
-    config.option.loadscopereorder = False  # collection order: the local-cluster modules first
+    config.option.loadscopereorder = False  # the collection's order (above), not the units' sizes
     return ModuleScheduling(config, log)
 
 
