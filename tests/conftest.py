@@ -37,21 +37,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 # `make test` runs the tests on two pytest-xdist workers (`-n 2 --dist loadscope`): on 2 cores a
 # test that trains in one process, or waits on Ray, leaves a core idle. A unit of work goes to one
 # worker whole:
-# - every module on the session's local multi-node cluster (tests/support/clusters.py): they
-#   share one, made whole between modules; first of all, since together they take the longest;
-# - each other module, so that its module-scoped runs and datasets are made once.
+# - every module that runs a local multi-node cluster (tests/support/clusters.py's shared one, made
+#   whole between modules, or the drill's own), one after another; first of all, since together
+#   they take the longest;
+# - each other module, so that its module-scoped runs and datasets are made once; the longest
+#   of them next.
 # The units are made here from node ids, in the controller, which sees no fixtures: xdist's own
 # `--dist loadgroup` marks no longer reach it on pytest >= 9.2 (pytest-xdist#1386: every test
 # went to either worker, and a module's fixtures were made on both).
 # =============================================================================================
 
 LOCAL_CLUSTER_FIXTURE = "shared_cluster"
-# In the order they run in. test_local_cluster.py last: its tests leave a cluster no other module
-# can take over (a stopped one; detached actors holding CPUs), so it would cost the next module a
-# start of its own.
+# In the order they run in. test_local_cluster.py after the others on the shared cluster: its
+# tests leave it unusable (stopped; detached actors holding CPUs), which would cost the next
+# module a start of its own. The drill's cluster is its own (on 127.0.1.x), but it runs here too:
+# two multi-node clusters starting nodes at once on 2 cores time nodes out (Ray's raylet waits
+# 15 s for its dashboard agent).
 LOCAL_CLUSTER_MODULES = ("tests/cluster/test_chaos.py", "tests/cluster/test_elastic.py",
                          "tests/cluster/test_jobs.py", "tests/cluster/test_preemption.py",
-                         "tests/cluster/test_local_cluster.py")
+                         "tests/cluster/test_local_cluster.py", "tests/test_drill.py")
+# Then the longest other modules, longest first (their seconds in a `make test` at load ~30,
+# --durations=0), so that no worker is left alone with one of them at the end while the other
+# idles: longest processing time first. The rest follow as collected.
+LONG_MODULES = ("tests/sweep/test_sweep.py",  # 786 s
+                "tests/launch/test_driver.py",  # 417
+                "tests/test_guard_panel.py",  # 272
+                "tests/launch/test_s3.py",  # 211
+                "tests/train/resilience/test_guard.py",  # 145
+                "tests/sweep/test_mup_sweep.py",  # 143
+                "tests/parallel/test_layouts.py",  # 108
+                "tests/launch/test_one_writer.py",  # 106
+                "tests/downstream/test_lm_eval.py",  # 104
+                "tests/launch/test_sockets.py")  # 101
 
 
 def unit_of_work(nodeid: str) -> str:
@@ -69,8 +86,9 @@ def pytest_collection_modifyitems(config, items) -> None:
     if unlisted:
         raise pytest.UsageError(f"{', '.join(unlisted)}: on the {LOCAL_CLUSTER_FIXTURE} fixture but not in "
                                 "LOCAL_CLUSTER_MODULES (tests/conftest.py): add it there")
-    # The local-cluster modules first, in the list's order; the rest as collected.
-    first = {module: i for i, module in enumerate(LOCAL_CLUSTER_MODULES)}
+    first = {module: i for i, module in enumerate(LOCAL_CLUSTER_MODULES + LONG_MODULES)}
+    if gone := [module for module in first if not (rootdir / module).exists()]:
+        raise pytest.UsageError(f"tests/conftest.py names modules that are not there: {', '.join(gone)}")
     items.sort(key=lambda item: first.get(item.nodeid.split("::", 1)[0], len(first)))
 
 

@@ -11,8 +11,8 @@ failure leaves nothing (a drained node, a stray actor) to the next module. A mod
 for a fresh one after it (test_local_cluster.py, whose last test stops the cluster and whose
 detached actors hold CPUs: tests/conftest.py runs it after the others). The cluster is stopped as soon as no later test of the session asks
 for it, so that the rest of the suite does not share the CPUs with its idle daemons. A cluster
-of a test's own needs addresses of its own (benchmarks/drill.py's, in tests/test_drill.py, is on
-127.0.1.x), as the shared one may be running in the other pytest-xdist worker.
+of a test's own takes addresses of its own (benchmarks/drill.py's, in tests/test_drill.py, is on
+127.0.1.x); tests/conftest.py runs it after the shared one's modules, on the same xdist worker.
 """
 
 from __future__ import annotations
