@@ -34,7 +34,7 @@ leaves it out). It reports, printed and as JSON (`--json-out`):
 - each fault's step and the seconds from it to the next good step;
 - the same figures projected to OPT-175B's run (992 A100s, ~35 restarts in two months), with the
   Young–Daly checkpoint interval, from the costs measured here (`raylm.train.checkpoint.interval`),
-  with restarts alone and with replica groups (`raylm.parallel.planner.failures`).
+  with restarts alone and with replica groups (`raylm.train.checkpoint.failures`).
 
 `--fault-tolerance replica` runs the same drill with `parallel.fault_tolerance=replica`: 2 torchft
 replica groups of one worker (`parallel.dp_replicate=2`, the checkpoint drill's 2 workers; not
@@ -79,7 +79,7 @@ from raylm.config import load_config
 from raylm.data.prepare import _digest, _is_val, prepare_dataset
 from raylm.data.stream import Datasets
 from raylm.data.tokenizer import load_tokenizer
-from raylm.parallel.planner.failures import project_failures
+from raylm.train.checkpoint.failures import project_failures
 from raylm.parallel.planner.plan import model_from_arg, parse_memory
 from raylm.report import replica_capacity_lost, split_step_time
 from raylm.train.checkpoint import format as checkpoint

@@ -153,7 +153,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                           overwrite=args.overwrite)
     print(text)
     if args.failures_per_day is not None:
-        from raylm.parallel.planner.failures import project_failures
+        from raylm.train.checkpoint.failures import project_failures
         from raylm.parallel.planner.plan import model_from_arg, parse_memory
         from raylm.train.checkpoint.interval import describe
 

@@ -89,7 +89,7 @@ class PlanRow:
         return self.compute_s + self.comm_s
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -110,10 +110,10 @@ def enumerate_layouts(world_size: int, gpus_per_node: int, n_heads: int, n_layer
                               tp=tp, pp=pp, sharding=sharding, sequence_parallel=tp > 1, loss_parallel=tp > 1)
 
     layouts = []
-    for tp in _divisors(world_size):
+    for tp in divisors(world_size):
         if gpus_per_node % tp or n_heads % tp or kv % tp or (max_tp and tp > max_tp):
             continue
-        for pp in _divisors(world_size // tp):
+        for pp in divisors(world_size // tp):
             if pp > n_layers or (max_pp and pp > max_pp):
                 continue
             dp = world_size // (tp * pp)
@@ -121,7 +121,7 @@ def enumerate_layouts(world_size: int, gpus_per_node: int, n_heads: int, n_layer
                 layouts.append(candidate(dp, 1, tp, pp, "none"))
             if dp == 1:
                 continue
-            shards = [d for d in _divisors(dp) if d == dp or (1 < d and gpus_per_node % (tp * d) == 0)]
+            shards = [d for d in divisors(dp) if d == dp or (1 < d and gpus_per_node % (tp * d) == 0)]
             for sharding in (s for s in SHARDINGS[1:] if s in shardings):
                 for d in shards:
                     layouts.append(candidate(dp // d, d, tp, pp, sharding))
@@ -136,9 +136,10 @@ def _complexity(layout: ParallelConfig) -> tuple[int, int, int, bool, int]:
     return model_parallel, layout.pp, layout.tp, hsdp, SHARDINGS.index(layout.sharding)
 
 
-def _evaluate(model_cfg: ModelConfig, layout: ParallelConfig, precision: str, seq_len: int, micro_batch_size: int,
-              global_seqs: int, gpus_per_node: int, limit: float, hardware: Hardware,
-              flash_attention: bool) -> PlanRow:
+def evaluate_layout(model_cfg: ModelConfig, layout: ParallelConfig, precision: str, seq_len: int,
+                    micro_batch_size: int, global_seqs: int, gpus_per_node: int, limit: float, hardware: Hardware,
+                    flash_attention: bool) -> PlanRow:
+    """One layout's row of the plan: its per-GPU memory against `limit`, and its step-time proxy."""
     dims = layout_dims(layout)
     per_step = dims.dp * micro_batch_size
     m = max(1, global_seqs // per_step)
@@ -194,8 +195,8 @@ def plan(model_cfg: ModelConfig, gpus: int, gpus_per_node: int, gpu_memory_bytes
     rows = []
     for layout in enumerate_layouts(gpus, gpus_per_node, model_cfg.n_heads, model_cfg.n_layers, model_cfg.n_kv_heads):
         for mode in modes:
-            row = _evaluate(model_cfg, replace(layout, activation_checkpointing=mode, **dtypes), precision, seq_len,
-                            micro_batch_size, tokens // seq_len, gpus_per_node, limit, hardware, flash_attention)
+            row = evaluate_layout(model_cfg, replace(layout, activation_checkpointing=mode, **dtypes), precision, seq_len,
+                                  micro_batch_size, tokens // seq_len, gpus_per_node, limit, hardware, flash_attention)
             if row.feasible:
                 break
         rows.append(row)

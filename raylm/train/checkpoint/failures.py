@@ -21,7 +21,7 @@ from typing import Optional
 
 from raylm.config import ModelConfig
 from raylm.model.sizes import count_params
-from raylm.parallel.planner.plan import Hardware, PlanRow, _divisors, _evaluate, plan
+from raylm.parallel.planner.plan import Hardware, PlanRow, divisors, evaluate_layout, plan
 from raylm.train.checkpoint.interval import QUORUM_S, Projection, ReplicaScale, project
 
 
@@ -30,10 +30,10 @@ def replica_split(model_cfg: ModelConfig, best: PlanRow, gpus_per_node: int, gpu
                   headroom: float = 0.10, hardware: Hardware = Hardware()) -> Optional[PlanRow]:
     """`best` with its data-parallel ranks as the most replica groups (at least 2) that fit, or None."""
     dp = best.layout.dp_replicate * best.layout.dp_shard
-    for groups in sorted((g for g in _divisors(dp) if g >= 2), reverse=True):
+    for groups in sorted((g for g in divisors(dp) if g >= 2), reverse=True):
         layout = replace(best.layout, dp_replicate=groups, dp_shard=dp // groups)
-        row = _evaluate(model_cfg, layout, precision, seq_len, micro_batch_size, global_batch_tokens // seq_len,
-                        gpus_per_node, gpu_memory_bytes * (1 - headroom), hardware, True)
+        row = evaluate_layout(model_cfg, layout, precision, seq_len, micro_batch_size, global_batch_tokens // seq_len,
+                              gpus_per_node, gpu_memory_bytes * (1 - headroom), hardware, True)
         if row.feasible:
             return row
     return None

@@ -1,4 +1,4 @@
-"""The failure projection beside a plan (raylm.parallel.planner.failures): the replica groups the
+"""The failure projection beside a plan (raylm.train.checkpoint.failures): the replica groups the
 recommended layout splits into, and `raylm plan --failures-per-day` printing both modes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from raylm.config import ModelConfig
 from raylm.config.presets import preset
 from raylm.model.sizes import count_params
-from raylm.parallel.planner.failures import project_failures, replica_split
-from raylm.parallel.planner.plan import Hardware, _evaluate, plan
+from raylm.train.checkpoint.failures import project_failures, replica_split
+from raylm.parallel.planner.plan import Hardware, evaluate_layout, plan
 from raylm.train.checkpoint.interval import LLAMA3_ABSORBED, QUORUM_S, ReplicaScale, project
 from tests.support.cli import run_main
 
@@ -26,8 +26,8 @@ def test_opt_175b_on_1024_gpus_splits_into_the_most_replica_groups_that_hold_a_c
     split = replica_split(OPT_175B, best, 8, 80 * GB, 2048, tokens, "mixed", 1)
     assert (split.layout.dp_replicate, split.layout.dp_shard, split.layout.tp) == (4, 32, 8)
     # 8 groups of 16 shards hold a copy each in more than the 72 GB a GPU has to give (80 GB less 10%).
-    eight = _evaluate(OPT_175B, replace(best.layout, dp_replicate=8, dp_shard=16), "mixed", 2048, 1, 1024, 8,
-                      72 * GB, Hardware(), True)
+    eight = evaluate_layout(OPT_175B, replace(best.layout, dp_replicate=8, dp_shard=16), "mixed", 2048, 1, 1024, 8,
+                            72 * GB, Hardware(), True)
     assert not eight.feasible and eight.memory.total > 72 * GB and split.memory.total <= 72 * GB
 
     p, row = project_failures(OPT_175B, 1024, 8, 80 * GB, failures_per_day=0.6, restart_overhead_s=60.0,
