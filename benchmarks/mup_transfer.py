@@ -8,7 +8,7 @@ LR's index on the grid should move by at most one step across the widths under Â
 moves under the standard parametrization is the comparison.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mup_transfer.py --json-out FILE \\
-        [--widths 64,128,256] [--lrs 7] [--tokens-per-param 1.0] [--data DIR]
+        [--widths 64,128,256] [--lrs 7] [--tokens-per-param 1.0] [--data DIR] [--jobs 2]
 
 JSON: `best_lr` ({parametrization: {width: lr}}), `shift_steps` ({parametrization: grid steps
 between the widths' best LRs, the largest minus the smallest index}), `val_loss`
@@ -18,7 +18,9 @@ between the widths' best LRs, the largest minus the smallest index}), `val_loss`
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import math
 import os
 import shutil
@@ -78,6 +80,8 @@ def main() -> None:
     parser.add_argument("--lrs", type=int, default=7, help="grid points, âˆš2 apart around 3e-3 (default 7)")
     parser.add_argument("--tokens-per-param", type=float, default=1.0)
     parser.add_argument("--data", help="a prepared dataset (default: the built-in corpus, prepared here)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once, each in a process of its own (with OMP_NUM_THREADS=1: one a core)")
     args = parser.parse_args()
 
     from raylm.config import ModelConfig
@@ -94,21 +98,26 @@ def main() -> None:
         steps = {w: max(10, round(args.tokens_per_param * count_params(
             ModelConfig(d_model=w, n_layers=LAYERS, n_heads=HEADS, vocab_size=vocab, max_seq_len=SEQ_LEN))
             / (BATCH * SEQ_LEN))) for w in widths}
+        runs = [(p, w, lr) for p in ("standard", "mup") for w in widths for lr in grid]
         losses: dict = {}
-        for parametrization in ("standard", "mup"):
-            for width in widths:
-                for lr in grid:
-                    loss = run(data, workdir, parametrization, width, widths[0], lr, steps[width])
-                    losses.setdefault(parametrization, {}).setdefault(width, {})[lr] = loss
-                    print(f"{parametrization:8} width {width:4} lr {lr:.2e}: val {loss:.4f} ({steps[width]} steps)",
-                          flush=True)
+        # Processes started afresh (spawn), not forked from this one after Ray ran in it.
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(run, data, workdir, p, w, widths[0], lr, steps[w]): (p, w, lr) for p, w, lr in runs}
+            for future in concurrent.futures.as_completed(futures):
+                parametrization, width, lr = futures[future]
+                loss = future.result()
+                losses.setdefault(parametrization, {}).setdefault(width, {})[lr] = loss
+                print(f"{parametrization:8} width {width:4} lr {lr:.2e}: val {loss:.4f} ({steps[width]} steps)",
+                      flush=True)
+        losses = {p: {w: dict(sorted(losses[p][w].items())) for w in widths} for p in ("standard", "mup")}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     best = {p: {w: min(by_lr, key=by_lr.get) for w, by_lr in per_width.items()} for p, per_width in losses.items()}
     shift = {p: max(grid.index(lr) for lr in b.values()) - min(grid.index(lr) for lr in b.values())
              for p, b in best.items()}
     result = {"best_lr": best, "shift_steps": shift, "val_loss": losses, "steps": steps, "grid": grid,
-              "widths": widths, "tokens_per_param": args.tokens_per_param, "seconds": time.time() - started,
+              "widths": widths, "tokens_per_param": args.tokens_per_param, "jobs": args.jobs,
+              "seconds": time.time() - started,
               "load_average": load_average()}
     with open(args.json_out, "w") as f:
         json.dump(result, f, indent=1)
