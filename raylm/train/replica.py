@@ -154,7 +154,7 @@ class ReplicaTrainer(Trainer):
         print(f"raylm: replica group {self.place.group} found no live peer to heal from: resumes from the newest "
               f"checkpoint, step {self.state.step}", flush=True)
         if 0 < self.state.step < self.last:  # as a restart records it: the rows of the steps to train again dropped
-            self.logger._record_resume(self.state.step, self.restored_world_size, self.restore_read_bytes)
+            self.logger.record_resume(self.state.step, self.restored_world_size, self.restore_read_bytes)
         self._state_replaced()
 
     def _state_replaced(self) -> None:

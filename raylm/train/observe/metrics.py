@@ -80,7 +80,7 @@ class MetricsLogger(Hook):
     def on_train_start(self, run: Run) -> None:
         # Earlier rows at step 0 mean a restart before the first checkpoint: they are redone too.
         if self.rank0 and (run.state.step > 0 or os.path.exists(self.path) and os.path.getsize(self.path) > 0):
-            self._record_resume(run.state.step, run.restored_world_size, run.restore_read_bytes)
+            self.record_resume(run.state.step, run.restored_world_size, run.restore_read_bytes)
             self._purge_board(run.state.step + 1)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
@@ -91,7 +91,7 @@ class MetricsLogger(Hook):
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
 
-    def _record_resume(self, restored_step: int, restored_world_size: Optional[int], read_bytes: list[int]) -> None:
+    def record_resume(self, restored_step: int, restored_world_size: Optional[int], read_bytes: list[int]) -> None:
         """Drop the metrics of steps that will be trained again, and log how many were lost,
         whether the worker group changed size (an elastic shrink or grow-back) and what each rank
         read of the checkpoint."""
