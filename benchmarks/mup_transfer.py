@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in a process of its own (with OMP_NUM_THREADS=1: one a core)")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
 
     from raylm.config import ModelConfig
     from raylm.data.manifest import load_manifest
