@@ -126,12 +126,16 @@ def test_killed_node_is_declared_dead_and_rejoins_under_load(local_cluster: Loca
 
     dead_after = local_cluster.wait_for_alive([0, 1], timeout_s=15)
     print(f"node 2 declared dead {dead_after:.1f} s after SIGKILL")
-    # Other jobs: a load average far past the 2 cores while the node starts. They run niced, as
-    # the kernel's autogroup shares them out where it is on: without it (CI), twelve busy loops at
-    # equal weight starve the node's dashboard agent, and Ray 2.60's raylet aborts when that agent
-    # has not written its port within a fixed 15 s, a limit outside raylm (the LocalClusterError
-    # then quotes the raylet's last words).
-    load = [subprocess.Popen([sys.executable, "-c", "import os\nos.nice(10)\nwhile True: pass"]) for _ in range(12)]
+    # Other jobs: a load average far past the 2 cores while the node starts (what raylm's waits
+    # scale their deadlines by). They run niced, as the kernel's autogroup shares them out where
+    # it is on, and on one core: Ray 2.60's raylet aborts when the node's dashboard agent has not
+    # written its port within a fixed 15 s, a limit outside raylm (the LocalClusterError then
+    # quotes the raylet's last words). Without autogroup (CI), twelve loops at equal weight starve
+    # the agent; niced on both cores, with the other xdist worker's un-niced work beside them,
+    # they still did (`make test`, 2026-12-05: three starts in a row).
+    one_core = min(os.sched_getaffinity(0))
+    busy = f"import os\nos.nice(10)\nos.sched_setaffinity(0, {{{one_core}}})\nwhile True: pass"
+    load = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(12)]
     try:
         time.sleep(5)
         began = time.monotonic()
