@@ -68,7 +68,7 @@ from raylm.train.resilience.guard import STALLED
 REPO = Path(__file__).resolve().parents[1]
 NANOGPT = REPO / "configs" / "nanogpt-shakespeare-char-cpu.yaml"
 DEMO = REPO / "configs" / "demo-cpu.yaml"
-ACTIONS = ("hard_batch", "lr_cut", "batch_skipped", "rerun", "rollback", "guard_stopped")
+ACTIONS = ("hard_batch", "lr_cut", "batch_skipped", "noise_masking", "rows_masked", "rerun", "rollback", "guard_stopped")
 
 
 @dataclass
@@ -335,7 +335,7 @@ def judge(results: dict[str, dict[bool, Outcome]]) -> list[list[object]]:
             ref = results.get("clean text, chunks of 64 (poison's reference)", {}).get(True)
             ref = ref.val_loss if ref is not None else float("nan")
             goal = f"guard acts, val within 3% of clean ({ref:.4f})"
-            acted = any(on.actions[k] for k in ("batch_skipped", "lr_cut", "rollback"))
+            acted = any(on.actions[k] for k in ("batch_skipped", "rows_masked", "lr_cut", "rollback"))
             met = acted and on.val_loss is not None and on.val_loss <= ref * 1.03
         elif name.startswith("early window"):
             corpus = name.rsplit(", ", 1)[1]

@@ -38,7 +38,8 @@ EVENT_COLORS = {"failure": "tab:red", "resumed": "tab:orange", "resize": "tab:pu
                 "batch_skipped": "tab:olive", "lr_cut": "tab:blue", "hard_batch": "tab:gray", "rerun": "tab:pink",
                 "guard_stopped": "black", "checkpoint_failed": "tab:red", "checkpoint_recovered": "tab:green",
                 "lease_taken_over": "tab:cyan", "preempted": "gold", "samples_quarantined": "khaki",
-                "replica_lost": "crimson", "replica_healed": "seagreen"}
+                "replica_lost": "crimson", "replica_healed": "seagreen", "noise_masking": "olive",
+                "rows_masked": "yellowgreen"}
 RUN_STYLES = ("-", "--", ":", "-.")
 
 

@@ -27,7 +27,7 @@ from raylm.train.resilience.guard_stop import STOP_MARKER
 # What a user asks of a run's story: why it stopped or restarted, and what the guard did.
 NOTABLE_EVENTS = ("failure", "resumed", "replica_lost", "replica_healed", "preempted", "interrupted", "lease_taken_over", "lease_lost",
                   "checkpoint_failed", "checkpoint_recovered", "checkpoint_skipped", "config_changed",
-                  "rollback", "batch_skipped", "lr_cut", "hard_batch", "samples_quarantined", "guard_stopped")
+                  "rollback", "batch_skipped", "noise_masking", "lr_cut", "hard_batch", "samples_quarantined", "guard_stopped")
 RECENT_ROWS = 20  # the rows that throughput and the ETA are taken over
 SHOWN_EVENTS = 5
 

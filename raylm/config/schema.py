@@ -472,8 +472,9 @@ class GuardConfig:
     data_deviations: float = 8.0
     """The data check, before any model can judge: a row whose tokens' cross-entropy under the
     dataset's unigram lies this many median absolute deviations above its rows' median (and whose
-    own token counts spread wide, as noise's do) is noise; a batch a third noise is skipped from
-    step 0, without the canary (raylm.train.resilience.datacheck; the statistics are recorded by
+    own token counts spread wide, as noise's do) is noise; a batch a third noise has them left out
+    of the loss, and those of the rest of its chunk, from step 0, without the canary (a batch of
+    noise alone is skipped; raylm.train.resilience.datacheck; the statistics are recorded by
     `raylm prepare`). 0: off; off, said once, on a dataset prepared before them, or a mixture."""
 
 

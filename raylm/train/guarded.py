@@ -14,10 +14,10 @@ from raylm.data.order import batch_indices
 from raylm.data.stream import Batch
 from raylm.errors import DivergedError
 from raylm.train.queued import QueuedStep
-from raylm.train.resilience.datacheck import DataCheck, data_limit
+from raylm.train.resilience.datacheck import DataCheck, data_limit, masking_steps
 from raylm.train.resilience.decisions import Action, Decisions
 from raylm.train.resilience.guard import Guard
-from raylm.train.resilience.judge import GRAD_NORM, LOSS, StepJudge
+from raylm.train.resilience.judge import GRAD_NORM, LOSS, MASKED, NOISE_ROWS, StepJudge
 from raylm.train.resilience.quarantine import Quarantine
 from raylm.train.step import needs_loss_scaling
 from raylm.train.validation import ValidationSet, unigram_loss
@@ -45,10 +45,13 @@ class GuardedSteps:
             self.decisions = Decisions(self.guard)
             limit, why_off = data_limit(spec.datasets.manifests, spec.datasets.uris, cfg.guard.data_deviations)
             self.data_check = DataCheck(limit, world.device) if limit is not None else None
+            # The data check's flags of a step's rows: one slot for each row of the largest global batch.
+            self.row_slots = max(spec.batch_schedule.sizes())
             if why_off and world.rank == 0:
                 print(f"raylm: guard: {why_off}", flush=True)
             if cfg.guard.quarantine:
                 self.quarantine = Quarantine(self.source.order, self.events_path, world.rank)
+        self.masked_samples: list[int] = []  # the samples the step being committed left out of its loss
         self.judge = StepJudge(world.device, cfg.guard if self.guard is not None else None,
                                self.guard.unigram if self.guard is not None else None,
                                needs_loss_scaling(cfg), data_check=self.data_check is not None)
@@ -69,10 +72,13 @@ class GuardedSteps:
                 f"step {batch.step}: loss {record[LOSS]} / grad norm {record[GRAD_NORM]} is not finite; "
                 f"the weights were not updated. Samples of this step: global positions [{state.position}, "
                 f"{batch.next_position}); skip them with data.skip or lower optim.lr and resume.")
-        action = self.decisions.withheld(record)
+        action = self.decisions.withheld(record, state, batch.step, self._masking_steps())
         if action is Action.RERUN:
             again = self.timeline.read(self._step(batch)[None])[0]
             action, record = self.decisions.rerun(batch.step, record, again), again
+        elif action is Action.MASK:
+            again = self.timeline.read(self._step(batch)[None])[0]
+            action, record = self.decisions.masked(again), again
         elif action is Action.RECOMPUTE_GRADIENTS:
             self.forward_backward(batch)
         if action is Action.COMMIT:
@@ -94,9 +100,21 @@ class GuardedSteps:
             if action is Action.KEEP_AT_CUT:
                 self.step_lr = self.guard.cut_rate(q.lr)
             self.optimizer.zero_grad(set_to_none=True)
-            self._advance(batch)
+            self._advance(batch, record)
             self._finish(q, record[LOSS], record[GRAD_NORM], *self._handled(q, wasted))
             self._send_back(later)
+
+    def _masking_steps(self) -> int:
+        return masking_steps(self.cfg.data.chunk_rows, self.spec.batch_schedule.final)
+
+    def _left_out(self, batch: Batch, record: list[float]) -> None:
+        """The rows a committed step left out of its loss (the data check's noise rows, masked):
+        their samples join the guard's skips, as a skipped batch's do."""
+        self.masked_samples = []
+        if record[MASKED] and record[NOISE_ROWS] > 0:
+            flags = record[MASKED + 1:MASKED + 1 + batch.global_batch]
+            self.masked_samples = [i for i, flag in zip(self._global_indices(batch), flags) if flag]
+            self.guard.rows_masked(batch.step, self.state, self.masked_samples)
 
     def _handled(self, q: QueuedStep, wasted: float) -> tuple[float, float]:
         """A withheld step's time, up to the host's decision, less the steps computed in vain behind it."""

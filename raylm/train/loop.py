@@ -54,7 +54,7 @@ from raylm.train.queued import QueuedStep
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience import judge
 from raylm.train.resilience.decisions import Action
-from raylm.train.resilience.guard import skipped_samples
+from raylm.train.resilience.guard import MASK_UNTIL, skipped_samples
 from raylm.train.resilience.judge import Verdict
 from raylm.train.resilience.preemption import stop_for_preemption
 from raylm.train.spec import RunSpec, resolve_run
@@ -260,16 +260,23 @@ class Trainer(BatchFeed, GuardedSteps):
     def _step(self, batch: Batch) -> torch.Tensor:
         """Forward and backward, the verdict, and the update where the verdict allows it; the step's
         record (raylm.train.resilience.judge). The gradients stay for a withheld step's probe."""
-        return self._judged(*self.forward_backward(batch))
+        return self._judged(batch, *self.forward_backward(batch))
 
-    def _judged(self, loss: torch.Tensor, grad_norm: torch.Tensor, noise_share: Optional[torch.Tensor]
+    def _judged(self, batch: Batch, loss: torch.Tensor, grad_norm: torch.Tensor, noise: Optional[torch.Tensor]
                 ) -> torch.Tensor:
-        """The step's verdict from its loss and gradient norm, and the update where it allows it."""
+        """The step's verdict from its loss and gradient norm (and the data check's rows, `noise`),
+        and the update where it allows it; the record, followed by `noise` where the check is on."""
+        share = None if noise is None else noise.sum() / batch.global_batch
         record, apply = self.judge.judge(loss, grad_norm, self.guard is not None and self.guard.past_unigram,
-                                         noise_share)
+                                         share, self._masking(batch.step))
         step_where(self.optimizer, apply)
         self._weights_changed()
-        return record
+        return record if noise is None else torch.cat([record, noise.double()])
+
+    def _masking(self, step: int) -> bool:
+        """Whether the data check's noise rows are left out of this step's loss: armed by a batch
+        a third noise, for the rest of its chunk (`raylm.train.resilience.datacheck`)."""
+        return self.data_check is not None and step < self.state.guard.get(MASK_UNTIL, 0)
 
     def _weights_changed(self) -> None:
         """After every update (taken or withheld) and every restore of the weights: float8's scales
@@ -278,8 +285,10 @@ class Trainer(BatchFeed, GuardedSteps):
 
     def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """Forward and backward over this rank's rows, gradients unscaled and clipped; returns
-        the loss, the gradient norm and, with the data check on, the share of the batch's rows that
-        are noise (averaged across data-parallel ranks with the loss), on the device."""
+        the loss, the gradient norm and, with the data check on, which of the global batch's rows
+        are noise (`row_slots` of 0 or 1, each rank's rows in their place, gathered by the loss's
+        own all-reduce), on the device. Where the step masks them, the loss and the gradients are
+        those of the mean over the rows kept."""
         model, scaler = self.model, self.scaler
         tokens = torch.from_numpy(batch.tokens.astype(np.int64))
         if self.world.device.type == "cuda":
@@ -290,22 +299,42 @@ class Trainer(BatchFeed, GuardedSteps):
             tokens = tokens.to(self.world.device)
         if scaler is not None:
             model.loss_scale = scaler.scale = self.state.loss_scale
-        noise_share = None
+        noise = ignore = None
         if self.data_check is not None:
-            noise_share = self.data_check.noise_share(tokens[:, 1:])
-            loss, noise_share = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=noise_share)
+            rows = self.data_check.noise_rows(tokens[:, 1:])
+            ignore = rows if self._masking(batch.step) else None
+            first = self._first_row(batch)
+            slots = torch.zeros(self.row_slots, device=rows.device)
+            slots[first:first + len(rows)] = rows.float()
+            out = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=slots, ignore=ignore)
+            loss, noise = out[0], out[1:]
         else:
             loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
-        loss, noise_share = self._across_replicas(loss, noise_share)
+        loss, noise = self._across_replicas(loss, noise)
+        if noise is not None:
+            noise = (noise * self._averaged_over()).round()  # the average of one rank's flag: 0 or 1 again
+        if ignore is not None:
+            # Each rank's loss is its kept targets' over all of its targets: over the rows kept, then.
+            kept = (1 - noise.sum() / batch.global_batch).clamp(min=1 / batch.global_batch)
+            loss = loss / kept
+            model.scale_gradients(1 / kept)
         if scaler is not None:
             scaler.unscale(model.parts)
-        return loss, model.clip_grad_norm(self.cfg.optim.grad_clip), noise_share
+        return loss, model.clip_grad_norm(self.cfg.optim.grad_clip), noise
 
-    def _across_replicas(self, loss: torch.Tensor, noise_share: Optional[torch.Tensor]
+    def _first_row(self, batch: Batch) -> int:
+        """Where this rank's rows begin in the global batch (each data-parallel rank's a contiguous share)."""
+        return self.model.dp_rank * len(batch.indices)
+
+    def _averaged_over(self) -> int:
+        """How many ranks' values the loss's all-reduce averages."""
+        return self.model.dp_size
+
+    def _across_replicas(self, loss: torch.Tensor, noise: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The gradients, loss and noise share averaged over the replica groups that train the step
+        """The gradients, loss and noise rows averaged over the replica groups that train the step
         (raylm.train.replica); one group, as here, has them whole already."""
-        return loss, noise_share
+        return loss, noise
 
     def _read_due(self, queued: QueuedStep) -> bool:
         """Whether the host reads the queued steps once `queued` is: every `read_every` steps, and
@@ -365,7 +394,7 @@ class Trainer(BatchFeed, GuardedSteps):
         loss, grad_norm = record[judge.LOSS], record[judge.GRAD_NORM]
         if not self._scale_after(q, record):
             return False
-        self._advance(batch)
+        self._advance(batch, record)
         if record[judge.VERDICT] == Verdict.OK and self.decisions is not None and \
                 self.decisions.trained(state, loss, grad_norm, batch.tokens) is Action.ROLL_BACK:
             self._roll_back(batch.step, state.position, q.lr)  # the canary finds the model drifted since its snapshot
@@ -399,8 +428,10 @@ class Trainer(BatchFeed, GuardedSteps):
         _set_rng_state(q.rng)
         apply_lr(self.optimizer, q.lr)  # the optimizer holds the last queued step's
 
-    def _advance(self, batch: Batch) -> None:
+    def _advance(self, batch: Batch, record: list[float]) -> None:
         state = self.state
+        if self.guard is not None:
+            self._left_out(batch, record)
         state.step = batch.step + 1
         if self.quarantine is not None:
             self.quarantine.pass_over(state, batch.step, batch.next_position)
@@ -440,7 +471,8 @@ class Trainer(BatchFeed, GuardedSteps):
             if state.lr_scale != 1.0:
                 metrics["lr_scale"] = state.lr_scale
         if self.cfg.train.audit_samples:
-            metrics["samples"] = self._step_samples(batch)
+            left_out = set(self.masked_samples)
+            metrics["samples"] = [i for i in self._step_samples(batch) if i not in left_out]
         return metrics
 
     def _step_samples(self, batch: Batch) -> list[int]:

@@ -212,31 +212,37 @@ class ReplicaTrainer(Trainer):
         batch = TokenStream(self.source, size, rank, groups, skip).batch_of(self.state.step, indices, next_position)
         return batch, batch
 
-    def _across_replicas(self, loss: torch.Tensor, noise_share: Optional[torch.Tensor]
+    def _across_replicas(self, loss: torch.Tensor, noise: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One all-reduce over the quorum (torchft's average): the gradients, the loss, the noise
-        share, and which groups took part (each adds 1 at its own index)."""
+        rows, and which groups took part (each adds 1 at its own index)."""
         grads = [p.grad for p in unique_parameters(self.model.parts)]
         present = torch.zeros(self.place.groups, device=loss.device)
         present[self.place.group] = 1.0
-        extra = torch.cat([loss.reshape(1), (noise_share if noise_share is not None else loss * 0).reshape(1),
-                           present])
+        rows = noise if noise is not None else loss.new_zeros(0)
+        extra = torch.cat([loss.reshape(1), present, rows])
         flat = _flatten_dense_tensors([*grads, extra])
         self.manager.allreduce(flat).wait()
         *averaged, extra = _unflatten_dense_tensors(flat, [*grads, extra])
         for grad, mean in zip(grads, averaged):
             grad.copy_(mean)
         groups = self.manager.num_participants()
-        self.step_members = [g for g, share in enumerate(extra[2:].tolist()) if share * groups > 0.5]
-        return extra[0], (extra[1] if noise_share is not None else None)
+        self.step_members = [g for g, share in enumerate(extra[1:1 + len(present)].tolist()) if share * groups > 0.5]
+        return extra[0], (extra[1 + len(present):] if noise is not None else None)
+
+    def _first_row(self, batch: Batch) -> int:
+        return self.world.rank * self.per_group  # the group's rank in this step's quorum
+
+    def _averaged_over(self) -> int:
+        return self.manager.num_participants()
 
     def _step(self, batch: Batch) -> torch.Tensor:
-        loss, grad_norm, noise_share = self.forward_backward(batch)
+        loss, grad_norm, noise = self.forward_backward(batch)
         if self.committed is None:  # once a step: a guard's rerun of it asks no more
             self.committed = self.manager.should_commit()
         if not self.committed:
             raise StepNotCommitted()
-        return self._judged(loss, grad_norm, noise_share)
+        return self._judged(batch, loss, grad_norm, noise)
 
     def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> Optional[QueuedStep]:
         rng = _rng_state()

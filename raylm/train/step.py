@@ -32,19 +32,32 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
 
+IGNORED = -100
+"""F.cross_entropy's ignore_index: the target of a row the guard's data check leaves out."""
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def training_loss(z_loss: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def cross_entropy_over_all(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the kept targets, divided by all of them: a micro-batch of left-out
+    rows alone adds nothing (a mean over none would be NaN); the caller divides by the share kept."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORED,
+                           reduction="sum") / targets.numel()
+
+
+def training_loss(z_loss: float, masked: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Cross entropy, plus PaLM's z-loss `z_loss * log(Z)^2` (Z the softmax normaliser, averaged
-    over tokens) when it is set: it keeps the logits from drifting, an fp16/bf16 stability aid."""
+    over tokens) when it is set: it keeps the logits from drifting, an fp16/bf16 stability aid.
+    `masked`: targets may be IGNORED (`cross_entropy_over_all`)."""
+    ce = cross_entropy_over_all if masked else cross_entropy
     if not z_loss:
-        return cross_entropy
+        return ce
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         log_z = torch.logsumexp(logits.flatten(0, 1).float(), dim=-1)  # (B*T,)
-        return cross_entropy(logits, targets) + z_loss * log_z.pow(2).mean()
+        return ce(logits, targets) + z_loss * log_z.pow(2).mean()
 
     return loss
 
@@ -125,12 +138,13 @@ class ParallelModel:
         self.model = merged_view(parts)
         self.layout: dict = describe_layout(cfg, mesh)
         self.autocast_dtype = MixedPrecision.of(cfg.train.precision, cfg.parallel, mesh.dims).autocast
-        self.loss_fn = training_loss(cfg.train.z_loss)
+        self.loss_fns = {masked: training_loss(cfg.train.z_loss, masked) for masked in (False, True)}
         if cfg.train.compile and not cfg.parallel.loss_parallel:
             # As torchtitan's compile of "loss": the logits' fp32 upcast, log-softmax and NLL fuse
             # into one pass over the (tokens x vocab) logits instead of several (loss-parallel's
-            # DTensor logits stay eager).
-            self.loss_fn = torch.compile(self.loss_fn)
+            # DTensor logits stay eager). Compiled at its first call: the masked one only if used.
+            self.loss_fns = {masked: torch.compile(fn) for masked, fn in self.loss_fns.items()}
+        self.masked = False  # the step in flight leaves rows out of its loss (`forward_backward`'s `ignore`)
         self.loss_scale = 1.0  # the LossScaler's current scale under fp16; backward sees loss × this
 
     # Data-parallel coordinates: which share of each global batch this rank consumes. TP and PP
@@ -157,25 +171,33 @@ class ParallelModel:
         """The model's keyword arguments for `inputs` (B, T): their document ids, or none (causal)."""
         return {} if self.document_end is None else {"document_ids": document_ids(inputs, self.document_end)}
 
+    @property
+    def loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        return self.loss_fns[self.masked]
+
     def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int,
-                         also: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         also: Optional[torch.Tensor] = None, ignore: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
         """Forward and backward over this rank's share of the global batch, in micro-batches.
 
         `tokens` is (local_batch, T+1). Gradients accumulate so that they equal those of the
         mean loss over the whole global batch; returns that mean loss (a detached scalar,
-        averaged across data-parallel ranks). `also`: a scalar of this rank's rows (the guard's
-        data statistic), averaged across those ranks in the loss's own collective: then the two
-        are returned stacked, (2,).
+        averaged across data-parallel ranks). `also`: a vector of this rank's (the guard's data
+        check's rows), averaged across those ranks in the loss's own collective: then the loss and
+        it are returned as one vector, the loss first. `ignore`: (local_batch,) bool, rows left out
+        of the loss (their targets IGNORED): the loss is then the kept targets' over all of them.
         """
         (model,) = self.parts
         micro = tokens.split(micro_batch_size)
+        targets = _masked_targets(tokens, ignore).split(micro_batch_size)
+        self.masked = ignore is not None
         total = torch.zeros((), device=self.world.device)
         for i, mb in enumerate(micro):
             set_micro_batch_sync(model, self.cfg.parallel.sharding, last=i == len(micro) - 1)
             with self._loss_context():
                 with self.autocast():
                     logits = model(mb[:, :-1], **self._documents(mb[:, :-1]))  # (B, T, vocab)
-                loss = self.loss_fn(logits, mb[:, 1:]) / len(micro)
+                loss = self.loss_fn(logits, targets[i]) / len(micro)
                 (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
             total += _whole(loss.detach())
         return self.mean_across_dp(_with(total, also))
@@ -210,6 +232,12 @@ class ParallelModel:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp.get_group())
             value /= self.dp_size
         return value
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        """Every gradient this rank holds times `factor` (a scalar on the device: no host sync)."""
+        grads = [_local_tensor(p.grad) for p in unique_parameters(self.parts) if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (over every shard, TP slice and stage);
@@ -284,7 +312,7 @@ class PipelineModel(ParallelModel):
         return self.loss_fn(logits, targets) * self.loss_scale
 
     def _run(self, tokens: torch.Tensor, micro_batch_size: int, backward: bool,
-             also: Optional[torch.Tensor] = None) -> torch.Tensor:
+             also: Optional[torch.Tensor] = None, ignore: Optional[torch.Tensor] = None) -> torch.Tensor:
         schedule = self._schedule(len(tokens), micro_batch_size, backward)
         if self._last_run not in (None, schedule):
             from raylm.parallel import pipeline
@@ -297,7 +325,8 @@ class PipelineModel(ParallelModel):
         with self._loss_context(), self.autocast():
             # Keyword arguments reach every stage, split into the same micro-batches as the rows:
             # each stage masks by documents of tokens it never sees (every rank has the rows).
-            run(*inputs, target=tokens[:, 1:], losses=losses, return_outputs=False,
+            self.masked = ignore is not None  # read by the last stage's loss function (`_scaled_loss`)
+            run(*inputs, target=_masked_targets(tokens, ignore), losses=losses, return_outputs=False,
                 **self._documents(tokens[:, :-1]))
         # The last stage's rank knows the loss; a sum over the pipeline group hands it to all.
         loss = torch.stack([_whole(x.detach()) for x in losses]).mean() if self.has_last else \
@@ -308,8 +337,9 @@ class PipelineModel(ParallelModel):
         return self.mean_across_dp(_with(loss, also))  # every stage holds the rows: `also` is whole on each
 
     def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int,
-                         also: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._run(tokens, micro_batch_size, backward=True, also=also)
+                         also: Optional[torch.Tensor] = None, ignore: Optional[torch.Tensor] = None
+                         ) -> torch.Tensor:
+        return self._run(tokens, micro_batch_size, backward=True, also=also, ignore=ignore)
 
     @torch.no_grad()
     def eval_loss(self, tokens: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
@@ -324,7 +354,13 @@ class PipelineModel(ParallelModel):
 
 
 def _with(loss: torch.Tensor, also: Optional[torch.Tensor]) -> torch.Tensor:
-    return loss if also is None else torch.stack([loss, also.to(loss.dtype).reshape(())])
+    return loss if also is None else torch.cat([loss.reshape(1), also.to(loss.dtype).reshape(-1)])
+
+
+def _masked_targets(tokens: torch.Tensor, ignore: Optional[torch.Tensor]) -> torch.Tensor:
+    """The targets of `tokens` (rows, T+1), those of the `ignore` rows IGNORED."""
+    targets = tokens[:, 1:]
+    return targets if ignore is None else targets.masked_fill(ignore[:, None], IGNORED)
 
 
 def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: World,

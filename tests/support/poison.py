@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import shutil
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -20,11 +21,16 @@ from raylm.data.stream import Datasets
 def poisoned_copy(dataset: str, out: str, data: DataConfig, global_batch: int, steps: range, seed: int = 0) -> str:
     """`dataset` copied to `out`, with every row of the global batches of `steps` (in the run's
     sample order, no skips) replaced by uniform random byte tokens."""
+    return poisoned_rows(dataset, out, data, range(steps.start * global_batch, steps.stop * global_batch), seed)
+
+
+def poisoned_rows(dataset: str, out: str, data: DataConfig, positions: Sequence[int], seed: int = 0) -> str:
+    """`dataset` copied to `out`, with the rows at these global positions of the run's sample order
+    replaced by uniform random byte tokens."""
     shutil.copytree(dataset, out)
     source = Datasets.load(DataConfig(path=out, seed=data.seed, chunk_rows=data.chunk_rows), None).open_split(
         "train", DataConfig(path=out, seed=data.seed, chunk_rows=data.chunk_rows), None)
-    positions = np.arange(steps.start * global_batch, steps.stop * global_batch)
-    _, shards, rows = source.order.locate_many(positions)
+    _, shards, rows = source.order.locate_many(np.asarray(positions))
     rng = np.random.default_rng(seed)
     manifest_path = os.path.join(out, "manifest.json")
     manifest = json.load(open(manifest_path))

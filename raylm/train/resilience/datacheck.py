@@ -5,11 +5,15 @@ from learning); the data itself can be judged, from step 0.
 
 A row is noise when its cross-entropy under the dataset's unigram lies `guard.data_deviations`
 median absolute deviations above the rows' median, and its own token-count entropy
-ENTROPY_DEVIATIONS above theirs (noise spreads; odd text repeats its rare symbols). A batch is
-noise when NOISE_SHARE of its rows are: read in chunks of shuffled rows, a poisoned window comes
-as batches that mix it with the clean rows beside it. Such a batch is suspect on the device
-(`raylm.train.resilience.judge`) and skipped by the host without the canary: nothing about it
-depends on the model.
+ENTROPY_DEVIATIONS above theirs (noise spreads; odd text repeats its rare symbols). Read in chunks
+of shuffled rows, a poisoned window comes as batches that mix it with the clean rows beside it.
+A batch with NOISE_SHARE of its rows noise is suspect on the device
+(`raylm.train.resilience.judge`): the host then masks the noise rows for the rest of the chunk
+(`masking_steps`), and the step is computed again without them; a batch of noise alone is
+skipped. Masked rows are left out of the loss (`raylm.train.step`), their samples recorded as the
+guard's skips. Rows flagged in batches below the share are trained on outside that span: there they
+are mostly the clean rows the limits misjudge (up to 1.4% of some corpora's), and nothing about
+them depends on the model.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ ENTROPY_DEVIATIONS = 2.5
 """Random printable characters' 64-token rows sit 4-5 deviations above English's; a list of
 constants or a hex table below its median (benchmarks/RESULTS.md, issue 60)."""
 NOISE_SHARE = 1 / 3
-"""A batch with at least this share of noise rows is skipped. Simulated on four corpora
+"""A batch with at least this share of noise rows arms the masking. Simulated on four corpora
 (Shakespeare, the standard library's docstrings, its sources, Shakespeare and sources together)
 in chunks of 4096 shuffled rows, batches of 12: a third skipped no clean batch and left about a
 tenth of a 300 KB window's rows trained on (in batches holding fewer); a quarter skipped 1-3
@@ -74,10 +78,21 @@ class DataCheck:
         self.limit = limit
         self.log_probs = torch.as_tensor(limit.log_probs, dtype=torch.float32, device=device)  # (vocab,)
 
-    def noise_share(self, targets: torch.Tensor) -> torch.Tensor:
-        """The share of this rank's rows (`targets`: (rows, seq_len)) that are noise."""
+    def noise_rows(self, targets: torch.Tensor) -> torch.Tensor:
+        """(rows,) bool: which of this rank's rows (`targets`: (rows, seq_len)) are noise."""
         cross_entropy = -self.log_probs[targets].mean(dim=1)  # (rows,)
-        return ((cross_entropy > self.limit.cross_entropy) & (row_entropy(targets) > self.limit.entropy)).float().mean()
+        return (cross_entropy > self.limit.cross_entropy) & (row_entropy(targets) > self.limit.entropy)
+
+    def noise_share(self, targets: torch.Tensor) -> torch.Tensor:
+        """The share of the rows that are noise: what the judge weighs a batch by."""
+        return self.noise_rows(targets).float().mean()
+
+
+def masking_steps(chunk_rows: int, global_batch: int) -> int:
+    """How long the masking lasts once armed: a chunk of `data.chunk_rows` shuffled rows is read
+    over this many steps (one more where it straddles them), so a window met in a batch is spread
+    over at most these after it. A window longer than a chunk arms it again at its next batch."""
+    return -(-chunk_rows // global_batch) + 1
 
 
 def row_entropy(targets: torch.Tensor) -> torch.Tensor:

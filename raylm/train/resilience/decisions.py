@@ -6,8 +6,9 @@ its decision tree, so that the loop only does what an action says:
 
 - A step the device withheld (`withheld`): a non-finite one is computed again (RERUN), and a
   transient fault then passes (`rerun`: COMMIT); a suspect one has its gradients computed again
-  for the probe (RECOMPUTE_GRADIENTS), unless the data check judged its batch, which needs none
-  (PROBE).
+  for the probe (RECOMPUTE_GRADIENTS), unless the data check judged its batch: that arms the
+  masking of noise rows, and the step is computed again without them (MASK; `masked`: COMMIT),
+  or, all of its rows noise, skipped without the canary (PROBE).
 - The probe (`probe`), by the canary before and after the update: KEEP it, KEEP_AT_CUT (the
   update at the LR cut by guard.lr_factor), SKIP the batch, or ROLL_BACK a damaged model.
 - A step trained on (`trained`): COMMIT, or ROLL_BACK where a check finds the model damaged;
@@ -32,6 +33,7 @@ from raylm.train.state import TrainState
 
 class Action(enum.Enum):
     RERUN = "rerun"  # compute the step again from its RNG, judged again
+    MASK = "mask"  # compute the step again from its RNG, its noise rows left out of the loss, judged again
     RECOMPUTE_GRADIENTS = "recompute gradients"  # the withheld update's gradients again, for the probe
     PROBE = "probe"  # the canary judges the step (`Decisions.probe`)
     COMMIT = "commit"  # the step is the run's, as any step the device applied
@@ -48,14 +50,26 @@ class Decisions:
     def __init__(self, guard: Guard):
         self.guard = guard
 
-    def withheld(self, record: list[float]) -> Action:
-        """A step the device withheld (its `raylm.train.resilience.judge` record): RERUN,
-        RECOMPUTE_GRADIENTS or PROBE."""
+    def withheld(self, record: list[float], state: TrainState, step: int, masking_steps: int) -> Action:
+        """A step the device withheld (its `raylm.train.resilience.judge` record): RERUN, MASK,
+        RECOMPUTE_GRADIENTS or PROBE. Data off the dataset's distribution arms the masking of
+        noise rows for `masking_steps` (`raylm.train.resilience.datacheck.masking_steps`)."""
         self.guard.withheld(record)
         if record[VERDICT] == Verdict.NONFINITE:
             return Action.RERUN
-        # Data off the dataset's distribution is skipped without a probe: no gradients needed.
-        return Action.PROBE if record[OFF_DATA] else Action.RECOMPUTE_GRADIENTS
+        if not record[OFF_DATA]:
+            return Action.RECOMPUTE_GRADIENTS
+        self.guard.mask_noise(step, state, step + masking_steps, record[NOISE_ROWS])
+        # A batch of noise alone is skipped without a probe: no gradients needed.
+        return Action.PROBE if record[NOISE_ROWS] >= 1.0 else Action.MASK
+
+    def masked(self, again: list[float]) -> Action:
+        """A step computed again without its noise rows: COMMIT, or PROBE where it is suspect still
+        (the rows kept spike) or not finite."""
+        if again[VERDICT] == Verdict.OK:
+            return Action.COMMIT
+        self.guard.withheld(again)
+        return Action.PROBE
 
     def rerun(self, step: int, first: list[float], again: list[float]) -> Action:
         """A non-finite step computed again: finite then, a transient fault (COMMIT, or PROBE where

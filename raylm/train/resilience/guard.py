@@ -26,9 +26,11 @@ tree below and tells the loop what to do.
   bytes, a broken shard) is held to a stricter test: an update that hurts the canary at all is
   undone and the batch skipped, at any LR.
 - Before any model can judge: a batch a third of whose rows are noise by the dataset's own
-  statistics (`raylm.train.resilience.datacheck`) is skipped from step 0 without the canary
-  (`batch_skipped`, reason OFF_DATA): at the unigram level the canary cannot tell noise from
-  learning, and the noise test above does not apply.
+  statistics (`raylm.train.resilience.datacheck`) arms, from step 0 and without the canary, the
+  masking of noise rows for the rest of its chunk (`noise_masking`): their samples are left out of
+  the loss (`rows_masked`), the clean rows beside them trained on; a batch of noise alone is
+  skipped (`batch_skipped`, reason OFF_DATA). At the unigram level the canary cannot tell noise
+  from learning, and the noise test above does not apply.
 - A non-finite loss or gradient: the step is computed again (the loop does); finite then, it was
   a transient fault (`rerun`). Non-finite again on a sound model: the batch is skipped. When the
   next batch, at the same step, fails twice too, the model or its LR is at fault, not the data
@@ -101,6 +103,7 @@ STALL_PROGRESS = 0.01  # the later half of the window no better than the earlier
 STALLED = "stalled at the unigram level"
 NONFINITE_IN_A_ROW = "non-finite on consecutive batches"
 OFF_DATA = "noise by the data check"  # a third of its rows beyond the dataset's own (from step 0)
+MASK_UNTIL = "mask_noise_until"  # TrainState.guard's: the steps before it leave the data check's noise rows out
 
 
 class Guard:
@@ -362,6 +365,19 @@ class Guard:
         self._event("batch_skipped", step=step, samples=samples, skipped_samples=skipped_samples(state),
                     **{**self.trigger, **detail})
         self._say(f"{self.trigger.get('reason')} at step {step}; skipped samples [{samples[0]}, {samples[1]})")
+
+    def mask_noise(self, step: int, state: TrainState, until: int, share: float) -> None:
+        """A batch `share` noise by the data check: its noise rows and those of the steps before
+        `until` are left out of the loss (what the data is does not roll back)."""
+        state.guard[MASK_UNTIL] = max(until, state.guard.get(MASK_UNTIL, 0))
+        self._event("noise_masking", step=step, until=state.guard[MASK_UNTIL], noise_share=share)
+        self._say(f"{OFF_DATA} at step {step} ({share:.0%} of the batch): its noise rows and those of the "
+                  f"steps before {state.guard[MASK_UNTIL]} are left out of the loss")
+
+    def rows_masked(self, step: int, state: TrainState, samples: list[int]) -> None:
+        """A committed step left the rows at these global positions out of its loss."""
+        state.skip = merge_ranges([*state.skip, *([i, i + 1] for i in samples)])
+        self._event("rows_masked", step=step, samples=samples, skipped_samples=skipped_samples(state))
 
     def roll_back(self, step: int, state: TrainState, consumed_until: int, lr: float) -> None:
         """Restore the snapshot into `state` (in place) and the model. What is left out: the

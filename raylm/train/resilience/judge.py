@@ -13,7 +13,7 @@ Verdicts, in order of precedence:
 - NONFINITE: the loss or the gradient norm is not finite; no update, the host computes it again.
 - SUSPECT (with the guard on): a third of the batch's rows are noise by the dataset's own
   statistics (the data check, `raylm.train.resilience.datacheck`: from step 0, the model not
-  asked); the batch is noise to a model past the unigram level (its loss
+  asked), or, where the step masks them, all of its rows are; the batch is noise to a model past the unigram level (its loss
   above NOISE_LEVEL × the unigram loss), or, once `min_history` healthy steps are known, the loss
   or the gradient norm lies more than `sigmas` population deviations above the mean of the last
   `window`; no update until the guard's canary has judged it.
@@ -45,8 +45,9 @@ class Verdict(enum.IntEnum):
     HALTED = 4
 
 
-# The fields of a step's record, the one tensor per step the host reads.
-LOSS, GRAD_NORM, VERDICT, LOSS_SIGMAS, GRAD_NORM_SIGMAS, NOISE, NOISE_ROWS, OFF_DATA = range(8)
+# The fields of a step's record, the one tensor per step the host reads (with the data check on,
+# followed by its flags of the step's rows, `raylm.train.loop`).
+LOSS, GRAD_NORM, VERDICT, LOSS_SIGMAS, GRAD_NORM_SIGMAS, NOISE, NOISE_ROWS, OFF_DATA, MASKED = range(9)
 
 
 def at_unigram_level(loss: float, unigram: Optional[float]) -> bool:
@@ -74,12 +75,13 @@ class StepJudge:
         self.positions = torch.arange(window, device=device)
 
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor, past_unigram: bool,
-              noise_share: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's record (LOSS ... OFF_DATA, float64) and whether its update applies (a bool
+              noise_share: Optional[torch.Tensor] = None, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's record (LOSS ... MASKED, float64) and whether its update applies (a bool
         tensor for `raylm.train.optim.step_where`); takes OK steps into the history and halts on a
         step the host must judge. `past_unigram`: the guard's snapshot says the model has learned
         more than token frequencies (the training losses may say so sooner). `noise_share`: the share
-        of the batch's rows the data check finds noise (`datacheck.DataCheck.noise_share`)."""
+        of the batch's rows the data check finds noise (`datacheck.DataCheck.noise_rows`); `masked`:
+        the step left them out of its loss, so only a batch of noise alone is off the data."""
         x = torch.stack([loss.detach().double().reshape(()), grad_norm.detach().double().reshape(())])
         finite = torch.isfinite(x)
         overflow = finite[0] & ~finite[1] if self.loss_scaling else torch.zeros_like(finite[0])
@@ -88,7 +90,8 @@ class StepJudge:
         suspect = torch.zeros_like(finite[0])
         share = torch.zeros((), dtype=torch.float64, device=x.device) if noise_share is None else \
             noise_share.detach().double().reshape(())
-        off_data = share >= datacheck.NOISE_SHARE - 1e-9 if self.data_check else torch.zeros_like(finite[0])
+        off_data = share >= (1.0 if masked else datacheck.NOISE_SHARE) - 1e-9 if self.data_check \
+            else torch.zeros_like(finite[0])
         if self.guard is not None:
             sigmas = self._sigmas(x)
             noise = self._noise(x[0], past_unigram)
@@ -101,8 +104,9 @@ class StepJudge:
         if self.guard is not None:
             self._remember(x, apply)
         self.halted |= verdict >= Verdict.SUSPECT
+        masked_flag = torch.full((1,), float(masked), dtype=torch.float64, device=x.device)
         record = torch.cat([x, verdict.double().reshape(1), sigmas, noise.double().reshape(1), share.reshape(1),
-                            off_data.double().reshape(1)])
+                            off_data.double().reshape(1), masked_flag])
         return record, apply
 
     def _sigmas(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The guard's data check: a batch whose rows are noise by the dataset's own statistics (recorded
-by `raylm prepare`) is skipped from step 0, before any model can judge it; clean data skips
-nothing; a dataset prepared before the statistics trains with the check off, said once."""
+"""The guard's data check: rows that are noise by the dataset's own statistics (recorded by
+`raylm prepare`) are left out from step 0, before any model can judge them (a batch of them alone
+skipped, beside clean rows masked); clean data skips nothing; a dataset prepared before the
+statistics trains with the check off, said once."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ from raylm.data import rowstats
 from raylm.data.manifest import MANIFEST_FILE, load_manifest
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
-from raylm.train.resilience.datacheck import DataCheck, data_limit, row_entropy
+from raylm.train.resilience.datacheck import DataCheck, data_limit, masking_steps, row_entropy
 from raylm.train.resilience.guard import OFF_DATA
 from tests.support.distributed import run_distributed
 from tests.support.fixtures import write_corpus
-from tests.support.poison import poisoned_copy
+from tests.support.poison import poisoned_copy, poisoned_rows
 from tests.train.test_loop import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -119,6 +120,48 @@ def test_a_poisoned_window_met_at_step_0_is_skipped_from_step_0_and_recorded(tin
     run_distributed(_train_ranks, 2, data, reference, "train.steps=12", *QUIET, f"data.skip=[[0, {4 * BATCH}]]")
     losses = lambda run: {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}  # noqa: E731
     assert losses(run) == pytest.approx(losses(reference), rel=1e-6)
+
+
+def test_a_window_mixed_with_clean_rows_has_its_noise_rows_masked_and_the_clean_ones_trained(tiny_dataset, tmp_path):
+    """Noise rows beside clean ones, as a window read in chunks of shuffled rows comes: a batch half
+    noise (rank 0's rows all noise, rank 1's clean) arms the masking from step 0; its noise rows are
+    left out of the loss and the clean rows trained on, as a batch of them alone would be; a batch
+    an eighth noise inside the masking's span has its one row left out; a batch of noise alone is
+    skipped. Every row left out is a recorded skip, and not among the samples the step trained."""
+    cfg = tiny_config(tiny_dataset)
+    noise = [0, 1, 2, 3, 9, *range(16, 24)]  # step 0: half; step 1: one row; step 2: all
+    data = poisoned_rows(tiny_dataset, str(tmp_path / "poisoned"), cfg.data, noise)
+    run = str(tmp_path / "run")
+    run_distributed(_train_ranks, 2, data, run, "train.steps=4", "train.audit_samples=true", *QUIET)
+    span = masking_steps(cfg.data.chunk_rows, BATCH)
+    assert [(e["step"], e["until"], e["noise_share"]) for e in _events(run, "noise_masking")] == [
+        (0, span, 0.5), (2, 2 + span, 1.0)]
+    assert [(e["step"], e["samples"]) for e in _events(run, "rows_masked")] == [(0, [0, 1, 2, 3]), (1, [9])]
+    assert [(e["step"], e["samples"]) for e in _events(run, "batch_skipped")] == [(2, [16, 24])]
+    rows = read_jsonl(os.path.join(run, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["samples"] for r in rows[:3]] == [[4, 5, 6, 7], [8, *range(10, 16)], list(range(24, 32))]
+    assert rows[-1]["skipped_samples"] == len(noise)
+    # Step 0 trained on its clean rows as a batch of those rows alone does: the same loss and gradient.
+    alone = str(tmp_path / "alone")
+    run_distributed(_train_ranks, 2, tiny_dataset, alone, "train.steps=2", "train.global_batch_size=4",
+                    "train.micro_batch_size=2", "data.skip=[[0, 4]]", *QUIET)
+    first = read_jsonl(os.path.join(alone, "metrics.jsonl"))[0]
+    assert (rows[0]["loss"], rows[0]["grad_norm"]) == pytest.approx((first["loss"], first["grad_norm"]), rel=1e-5)
+
+
+def test_the_masking_resumes_armed_from_a_checkpoint(tiny_dataset, tmp_path):
+    cfg = tiny_config(tiny_dataset)
+    data = poisoned_rows(tiny_dataset, str(tmp_path / "poisoned"), cfg.data, [0, 1, 2, 9])
+    common = ("train.steps=4", "checkpoint.every_steps=1", "train.eval_every=0", "train.tensorboard=false")
+    straight, stopped = str(tmp_path / "straight"), str(tmp_path / "stopped")
+    train_local(tiny_config(data, *common), straight)
+    train_local(tiny_config(data, *common, "train.stop_at_step=1"), stopped)
+    train_local(tiny_config(data, *common), stopped)  # resumed at step 1, inside the masking's span
+    masked = lambda run: [(e["step"], e["samples"]) for e in _events(run, "rows_masked")]  # noqa: E731
+    assert masked(stopped) == masked(straight) == [(0, [0, 1, 2]), (1, [9])]
+    losses = lambda run: {r["step"]: r["loss"] for r in read_jsonl(os.path.join(run, "metrics.jsonl"))}  # noqa: E731
+    assert losses(stopped) == pytest.approx(losses(straight), rel=1e-6)
 
 
 def test_clean_data_skips_nothing_and_trains_as_without_the_check(tiny_dataset, tmp_path):
