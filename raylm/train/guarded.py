@@ -10,13 +10,15 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import torch
+
 from raylm.data.order import batch_indices
 from raylm.data.stream import Batch
 from raylm.errors import DivergedError
 from raylm.train.queued import QueuedStep
 from raylm.train.resilience.datacheck import DataCheck, data_limit, masking_steps
 from raylm.train.resilience.decisions import Action, Decisions
-from raylm.train.resilience.guard import Guard
+from raylm.train.resilience.guard import MASK_UNTIL, Guard
 from raylm.train.resilience.judge import GRAD_NORM, LOSS, MASKED, NOISE_ROWS, StepJudge
 from raylm.train.resilience.quarantine import Quarantine
 from raylm.train.step import needs_loss_scaling
@@ -103,6 +105,34 @@ class GuardedSteps:
             self._advance(batch, record)
             self._finish(q, record[LOSS], record[GRAD_NORM], *self._handled(q, wasted))
             self._send_back(later)
+
+    def _masking(self, step: int) -> bool:
+        """Whether the data check's noise rows are left out of this step's loss: armed by a batch
+        a third noise, for the rest of its chunk (`raylm.train.resilience.datacheck`)."""
+        return self.data_check is not None and step < self.state.guard.get(MASK_UNTIL, 0)
+
+    def _in_slots(self, rows: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """This rank's noise flags (`rows`) in their slots of the global batch, zeros elsewhere: the
+        loss's all-reduce averages them into the whole batch's (`_averaged_over` ranks')."""
+        first = self._first_row(batch)
+        slots = torch.zeros(self.row_slots, device=rows.device)
+        slots[first:first + len(rows)] = rows.float()
+        return slots
+
+    def _over_rows_kept(self, loss: torch.Tensor, noise: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """A masked step's loss, and its gradients in place, as means over the rows kept: each rank's
+        were its kept targets' sum over all of its targets (`raylm.train.step.cross_entropy_over_all`)."""
+        kept = (1 - noise.sum() / batch.global_batch).clamp(min=1 / batch.global_batch)
+        self.model.scale_gradients(1 / kept)
+        return loss / kept
+
+    def _first_row(self, batch: Batch) -> int:
+        """Where this rank's rows begin in the global batch (each data-parallel rank's a contiguous share)."""
+        return self.model.dp_rank * len(batch.indices)
+
+    def _averaged_over(self) -> int:
+        """How many ranks' values the loss's all-reduce averages."""
+        return self.model.dp_size
 
     def _masking_steps(self) -> int:
         return masking_steps(self.cfg.data.chunk_rows, self.spec.batch_schedule.final)

@@ -54,7 +54,7 @@ from raylm.train.queued import QueuedStep
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience import judge
 from raylm.train.resilience.decisions import Action
-from raylm.train.resilience.guard import MASK_UNTIL, skipped_samples
+from raylm.train.resilience.guard import skipped_samples
 from raylm.train.resilience.judge import Verdict
 from raylm.train.resilience.preemption import stop_for_preemption
 from raylm.train.spec import RunSpec, resolve_run
@@ -273,11 +273,6 @@ class Trainer(BatchFeed, GuardedSteps):
         self._weights_changed()
         return record if noise is None else torch.cat([record, noise.double()])
 
-    def _masking(self, step: int) -> bool:
-        """Whether the data check's noise rows are left out of this step's loss: armed by a batch
-        a third noise, for the rest of its chunk (`raylm.train.resilience.datacheck`)."""
-        return self.data_check is not None and step < self.state.guard.get(MASK_UNTIL, 0)
-
     def _weights_changed(self) -> None:
         """After every update (taken or withheld) and every restore of the weights: float8's scales
         for FSDP2's float8 all-gather, precomputed from the weights as they now are."""
@@ -303,10 +298,8 @@ class Trainer(BatchFeed, GuardedSteps):
         if self.data_check is not None:
             rows = self.data_check.noise_rows(tokens[:, 1:])
             ignore = rows if self._masking(batch.step) else None
-            first = self._first_row(batch)
-            slots = torch.zeros(self.row_slots, device=rows.device)
-            slots[first:first + len(rows)] = rows.float()
-            out = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=slots, ignore=ignore)
+            out = model.forward_backward(tokens, self.cfg.train.micro_batch_size, also=self._in_slots(rows, batch),
+                                         ignore=ignore)
             loss, noise = out[0], out[1:]
         else:
             loss = model.forward_backward(tokens, self.cfg.train.micro_batch_size)
@@ -314,21 +307,10 @@ class Trainer(BatchFeed, GuardedSteps):
         if noise is not None:
             noise = (noise * self._averaged_over()).round()  # the average of one rank's flag: 0 or 1 again
         if ignore is not None:
-            # Each rank's loss is its kept targets' over all of its targets: over the rows kept, then.
-            kept = (1 - noise.sum() / batch.global_batch).clamp(min=1 / batch.global_batch)
-            loss = loss / kept
-            model.scale_gradients(1 / kept)
+            loss = self._over_rows_kept(loss, noise, batch)
         if scaler is not None:
             scaler.unscale(model.parts)
         return loss, model.clip_grad_norm(self.cfg.optim.grad_clip), noise
-
-    def _first_row(self, batch: Batch) -> int:
-        """Where this rank's rows begin in the global batch (each data-parallel rank's a contiguous share)."""
-        return self.model.dp_rank * len(batch.indices)
-
-    def _averaged_over(self) -> int:
-        """How many ranks' values the loss's all-reduce averages."""
-        return self.model.dp_size
 
     def _across_replicas(self, loss: torch.Tensor, noise: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
