@@ -311,10 +311,15 @@ class Drill:
 
 
 def group_processes(log: Path) -> dict[int, list[int]]:
-    """Each replica group's processes, in order, as a driver's log names them."""
+    """Each replica group's processes, in order, as a driver's log names them. Each once: a node
+    that comes back under the same directory has Ray's log monitor send its dead workers' lines
+    again (seen in the full replica drill: groups 1's first two processes named again after the
+    node returned)."""
     found: dict[int, list[int]] = {}
     for group, pid in re.findall(r"raylm: replica group (\d+) of \d+ in process (\d+)", log.read_text(errors="replace")):
-        found.setdefault(int(group), []).append(int(pid))
+        pids = found.setdefault(int(group), [])
+        if int(pid) not in pids:
+            pids.append(int(pid))
     return found
 
 
