@@ -369,10 +369,12 @@ class Guard:
     def mask_noise(self, step: int, state: TrainState, until: int, share: float) -> None:
         """A batch `share` noise by the data check: its noise rows and those of the steps before
         `until` are left out of the loss (what the data is does not roll back)."""
+        armed = step < state.guard.get(MASK_UNTIL, 0)
         state.guard[MASK_UNTIL] = max(until, state.guard.get(MASK_UNTIL, 0))
         self._event("noise_masking", step=step, until=state.guard[MASK_UNTIL], noise_share=share)
-        self._say(f"{OFF_DATA} at step {step} ({share:.0%} of the batch): its noise rows and those of the "
-                  f"steps before {state.guard[MASK_UNTIL]} are left out of the loss")
+        if not armed:  # once a window: its batches of noise alone say their skips
+            self._say(f"{OFF_DATA} at step {step} ({share:.0%} of the batch): its noise rows and those of the "
+                      f"steps before {state.guard[MASK_UNTIL]} are left out of the loss")
 
     def rows_masked(self, step: int, state: TrainState, samples: list[int]) -> None:
         """A committed step left the rows at these global positions out of its loss."""
