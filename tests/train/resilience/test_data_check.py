@@ -142,12 +142,29 @@ def test_a_window_mixed_with_clean_rows_has_its_noise_rows_masked_and_the_clean_
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["samples"] for r in rows[:3]] == [[4, 5, 6, 7], [8, *range(10, 16)], list(range(24, 32))]
     assert rows[-1]["skipped_samples"] == len(noise)
-    # Step 0 trained on its clean rows as a batch of those rows alone does: the same loss and gradient.
+    _first_step_as_its_kept_rows_alone(tiny_dataset, tmp_path, rows[0])
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true",
+                                     "model.vocab_multiple=64"),
+                                    ("parallel.pp=2", "parallel.pp_schedule=gpipe")], ids=["tp2_loss_parallel", "pp2"])
+def test_a_masked_step_trains_on_its_kept_rows_in_a_sharded_loss_and_in_pipeline_stages(tiny_dataset, tmp_path, layout):
+    data = poisoned_rows(tiny_dataset, str(tmp_path / "poisoned"), tiny_config(tiny_dataset).data, [0, 1, 2, 3])
+    run = str(tmp_path / "run")
+    run_distributed(_train_ranks, 2, data, run, "train.steps=2", *layout, *QUIET)
+    assert [(e["step"], e["samples"]) for e in _events(run, "rows_masked")] == [(0, [0, 1, 2, 3])]
+    _first_step_as_its_kept_rows_alone(tiny_dataset, tmp_path, read_jsonl(os.path.join(run, "metrics.jsonl"))[0],
+                                       *layout)
+
+
+def _first_step_as_its_kept_rows_alone(dataset: str, tmp_path, row: dict, *layout: str) -> None:
+    """Step 0, its rows at positions 0-3 masked, trained on rows 4-7 as a batch of them alone does:
+    the same loss and gradient norm."""
     alone = str(tmp_path / "alone")
-    run_distributed(_train_ranks, 2, tiny_dataset, alone, "train.steps=2", "train.global_batch_size=4",
-                    "train.micro_batch_size=2", "data.skip=[[0, 4]]", *QUIET)
+    run_distributed(_train_ranks, 2, dataset, alone, "train.steps=2", "train.global_batch_size=4",
+                    "train.micro_batch_size=2", "data.skip=[[0, 4]]", *layout, *QUIET)
     first = read_jsonl(os.path.join(alone, "metrics.jsonl"))[0]
-    assert (rows[0]["loss"], rows[0]["grad_norm"]) == pytest.approx((first["loss"], first["grad_norm"]), rel=1e-5)
+    assert (row["loss"], row["grad_norm"]) == pytest.approx((first["loss"], first["grad_norm"]), rel=1e-5)
 
 
 def test_the_masking_resumes_armed_from_a_checkpoint(tiny_dataset, tmp_path):
