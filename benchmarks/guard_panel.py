@@ -418,8 +418,8 @@ def measure_check_cost(args: argparse.Namespace, rounds: int = 5, reps: int = 10
 
     def masked_step() -> None:
         logits = model(tokens[:, :-1])
-        (cross_entropy_over_all(logits, ignored) / (8 / 12)).backward()
-        torch._foreach_mul_([p.grad for p in unique_parameters([model])], torch.tensor(1.5))
+        cross_entropy_over_all(logits, ignored).backward()  # then to the mean over the 8 rows kept, as the loop does
+        torch._foreach_mul_([p.grad for p in unique_parameters([model])], torch.tensor(12 / 8))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

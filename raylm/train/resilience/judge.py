@@ -13,8 +13,8 @@ Verdicts, in order of precedence:
 - NONFINITE: the loss or the gradient norm is not finite; no update, the host computes it again.
 - SUSPECT (with the guard on): a third of the batch's rows are noise by the dataset's own
   statistics (the data check, `raylm.train.resilience.datacheck`: from step 0, the model not
-  asked), or, where the step masks them, all of its rows are; the batch is noise to a model past the unigram level (its loss
-  above NOISE_LEVEL × the unigram loss), or, once `min_history` healthy steps are known, the loss
+  asked), or, where the step masks them, all of its rows are; the batch is noise to a model past
+  the unigram level (its loss above NOISE_LEVEL × the unigram loss), or, once `min_history` healthy steps are known, the loss
   or the gradient norm lies more than `sigmas` population deviations above the mean of the last
   `window`; no update until the guard's canary has judged it.
 - OK: applied; its loss and gradient norm join the history.
