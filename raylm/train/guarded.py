@@ -42,7 +42,7 @@ class GuardedSteps:
             unit = self.model.dp_size * cfg.train.micro_batch_size
             canary = ValidationSet(spec, self.model, -(-cfg.guard.canary_rows // unit) * unit, 1, across_split=False)
             self.guard = Guard(cfg, self.model, self.optimizer, world, canary, unigram_loss(spec), self.events_path,
-                               self.env.checkpoint_root)
+                               self.env.checkpoint_root, self.source.rows, self._rows_per_step())
             self.guard.start(self.state)
             self.decisions = Decisions(self.guard)
             limit, why_off = data_limit(spec.datasets.manifests, spec.datasets.uris, cfg.guard.data_deviations)
@@ -129,6 +129,15 @@ class GuardedSteps:
     def _first_row(self, batch: Batch) -> int:
         """Where this rank's rows begin in the global batch (each data-parallel rank's a contiguous share)."""
         return self.model.dp_rank * len(batch.indices)
+
+    def _rows_per_step(self) -> int:
+        """The rows a step trains on this rank."""
+        return self.cfg.train.global_batch_size // self.model.dp_size
+
+    def _judged_samples(self, batch: Batch) -> list[int]:
+        """The samples of a step whose rows the guard's `learning()` evaluates again on this rank:
+        its share (the evaluation averages the data-parallel ranks')."""
+        return batch.indices
 
     def _averaged_over(self) -> int:
         """How many ranks' values the loss's all-reduce averages."""

@@ -378,7 +378,7 @@ class Trainer(BatchFeed, GuardedSteps):
             return False
         self._advance(batch, record)
         if record[judge.VERDICT] == Verdict.OK and self.decisions is not None and \
-                self.decisions.trained(state, loss, grad_norm, batch.tokens) is Action.ROLL_BACK:
+                self.decisions.trained(state, loss, grad_norm, self._judged_samples(batch)) is Action.ROLL_BACK:
             self._roll_back(batch.step, state.position, q.lr)  # the canary finds the model drifted since its snapshot
             return False
         self._finish(q, loss, grad_norm, step_time, end_time)

@@ -17,8 +17,10 @@ While a group is down a step trains fewer samples (tokens per step fall by 1/dp_
 group lost); the LR schedule goes by steps and does not see it.
 
 Where the run's records go: the quorum's first group (rank 0 of the quorum) writes the metrics and
-events and saves checkpoints; every group judges the same averaged loss and gradient norm, so the
-guard takes the same decisions in each.
+events and saves checkpoints. The guard decides alike in every group on the same evidence: the
+averaged loss and gradient norm, the whole canary, the whole batches of its recent steps (each
+group evaluates them all, not its share: no collective outside the step's), and, in a group that
+heals, the peer's snapshot, recent steps and suspects with its weights.
 """
 
 from __future__ import annotations
@@ -132,14 +134,15 @@ class ReplicaTrainer(Trainer):
         if self.guard is not None:
             self.guard.save_history(self.state)
         return {"model": self.model.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "state": dict(vars(self.state)), "members": list(self.members), "lost": dict(self.lost)}
+                "state": dict(vars(self.state)), "members": list(self.members), "lost": dict(self.lost),
+                "guard": self.guard.evidence() if self.guard is not None else None}
 
     def _load_peer_state(self, peer: dict) -> None:
         self.model.model.load_state_dict(peer["model"])
         self.optimizer.load_state_dict(peer["optim"])
         self.state.__dict__.update(peer["state"])
         self.members, self.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
-        self._state_replaced()
+        self._state_replaced(peer["guard"])
         self.healed = True
 
     def _restore_alone(self) -> None:
@@ -157,14 +160,13 @@ class ReplicaTrainer(Trainer):
             self.logger.record_resume(self.state.step, self.restored_world_size, self.restore_read_bytes)
         self._state_replaced()
 
-    def _state_replaced(self) -> None:
-        """What follows the run state once it came from elsewhere (a peer, a checkpoint)."""
+    def _state_replaced(self, guard_evidence: Optional[dict] = None) -> None:
+        """What follows the run state once it came from elsewhere (a peer, with its guard's
+        evidence; a checkpoint)."""
         if self.scaler is not None:
             self.scaler.scale = self.state.loss_scale
         if self.guard is not None:
-            for history in self.guard.history():
-                history.clear()
-            self.guard.start(self.state)
+            self.guard.start(self.state, guard_evidence)
             self.judge.load(*self.guard.history())
         self._weights_changed()
         self._take_skips()
@@ -232,6 +234,12 @@ class ReplicaTrainer(Trainer):
 
     def _first_row(self, batch: Batch) -> int:
         return self.world.rank * self.per_group  # the group's rank in this step's quorum
+
+    def _rows_per_step(self) -> int:
+        return self.per_group
+
+    def _judged_samples(self, batch: Batch) -> list[int]:
+        return list(self.step_samples)  # the whole step: every group judges on the same rows
 
     def _averaged_over(self) -> int:
         return self.manager.num_participants()

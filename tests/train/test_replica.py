@@ -15,6 +15,7 @@ from cluster.chaos import TrainDriver
 from cluster.local import process_tree
 from raylm.config import ConfigError, load_config
 from raylm.report import write_report
+from raylm.train.hooks import Hook
 from raylm.train.observe.records import read_jsonl
 from raylm.train.spec import check_config
 from tests.support.order import assert_every_sample_once
@@ -110,6 +111,105 @@ def test_a_replacement_group_with_no_peer_left_resumes_from_the_checkpoint_inste
     assert_every_sample_once({r["step"]: r for r in rows}, global_batch=4)
     (resumed,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "resumed"]
     assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
+
+class _WaitForPeer(Hook):
+    """Group 0, at the start of `step`: says so, and holds until the joining group (started then)
+    is up (its manager heartbeating), which joins at the next step's quorum."""
+
+    def __init__(self, step: int, signals: str):
+        self.step, self.signals = step, signals
+
+    def on_step_begin(self, run, step):
+        if step == self.step:
+            open(os.path.join(self.signals, "waiting"), "w").close()
+            deadline = time.time() + 120
+            while not os.path.exists(os.path.join(self.signals, "joined")):
+                assert time.time() < deadline, "the joining group did not start"
+                time.sleep(0.05)
+
+
+def _replica_group(group: int, lighthouse: str, dataset: str, run_dir: str, signals: str) -> None:
+    """One replica group of two in its own process: group 0 from the start, group 1 joining the
+    running quorum (healing from group 0). Both damage their weights alike at step 28; each saves
+    its weights and run state at the end."""
+    import torch
+    import torch.distributed as dist
+
+    from raylm.train.env import LocalEnv
+    from raylm.train.replica import ReplicaPlace, ReplicaTrainer
+    from raylm.train.spec import resolve_run
+    from tests.train.resilience.test_guard import GUARD, Nudge
+    from tests.train.test_loop import tiny_config
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    place = ReplicaPlace(group=group, groups=2, joining=group == 1, lighthouse=lighthouse,
+                         store=f"127.0.0.1:{store.port}", host="127.0.0.1", timeout_s=60)
+    cfg = tiny_config(dataset, *REPLICAS, *GUARD, "train.steps=40", "train.audit_samples=true", "guard.window=10",
+                      "schedule.name=constant", "schedule.warmup_steps=0")
+    hooks = (Nudge(28, 0.2), *([_WaitForPeer(25, signals)] if group == 0 else []))
+    trainer = ReplicaTrainer(resolve_run(cfg), LocalEnv(run_dir), hooks, place)
+    if group == 1:
+        open(os.path.join(signals, "joined"), "w").close()
+    trainer.train()
+    torch.save({"model": trainer.model.model.state_dict(), "state": dict(vars(trainer.state))},
+               os.path.join(signals, f"group{group}.pt"))
+
+
+@pytest.mark.slow
+def test_a_group_that_healed_rolls_back_with_its_peer_to_the_same_snapshot(tiny_dataset, tmp_path):
+    """Without Ray: two replica groups in their own processes on a real torchft lighthouse. Group 1
+    joins at step 26 and heals from group 0, whose guard took its snapshot at the check of step 20;
+    at step 28 both groups' weights are damaged alike, and the guard rolls back. Both groups must
+    go back to step 20, group 0's snapshot, which came with the heal (group 1 used to take its own
+    at the heal, step 26, and the groups went on from different steps), and judge on the same rows
+    (each used to evaluate only its share of the recent batches): the two end with the same
+    weights and run state, and the run's record trained every sample once."""
+    import multiprocessing
+
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    # A group that heartbeats is waited for at each quorum, up to the join timeout: long enough
+    # for group 1 to ask for its first quorum once its manager runs.
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=30000)
+    run_dir, signals = str(tmp_path / "run"), str(tmp_path)
+    spawn = multiprocessing.get_context("spawn")
+    groups = [spawn.Process(target=_replica_group, args=(g, lighthouse.address(), tiny_dataset, run_dir, signals))
+              for g in (0, 1)]
+    try:
+        groups[0].start()
+        deadline = time.time() + 120
+        while not os.path.exists(os.path.join(signals, "waiting")):  # group 0 at step 25, its snapshot of step 20
+            assert time.time() < deadline and groups[0].is_alive(), "group 0 did not reach step 25"
+            time.sleep(0.05)
+        groups[1].start()
+        for process in groups:
+            process.join(timeout=300)
+            assert process.exitcode == 0, process.exitcode
+    finally:
+        for process in groups:
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+    (rollback,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "rollback"]
+    assert rollback["step"] == 28 and rollback["to_step"] == 20, rollback
+    written = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    first = {}
+    for row in written:  # the first pass over steps 21-28: the one rolled back
+        first.setdefault(row["step"], row)
+    assert first[26]["replicas"] == 1 and first[27]["replicas"] == 2  # group 1 joined after 26 steps
+    rows = {r["step"]: r for r in written}  # after the rollback, the steps taken again
+    assert_every_sample_once(rows)
+    ends = [torch.load(os.path.join(signals, f"group{g}.pt")) for g in (0, 1)]
+    # The guard's history is written into the state for a checkpoint (group 0's final one) or a heal.
+    history = {"losses", "norms", "healthy_losses", "canary_reference"}
+    decided = [{**end["state"], "guard": {k: v for k, v in end["state"]["guard"].items() if k not in history}}
+               for end in ends]
+    assert decided[0] == decided[1] and decided[0]["step"] == 40 and decided[0]["rollbacks"] == [28]
+    assert ends[0]["model"].keys() == ends[1]["model"].keys()
+    assert all(torch.equal(ends[0]["model"][k], ends[1]["model"][k]) for k in ends[0]["model"]), \
+        "the groups' weights differ"
+
 
 def _lighthouses(ray_session) -> list[int]:
     """The torchft lighthouse actors' processes on the session's Ray (ray::Lighthouse.*)."""

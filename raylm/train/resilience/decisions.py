@@ -20,8 +20,6 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-import numpy as np
-
 from raylm.data.stream import Batch
 from raylm.parallel.float8 import after_optimizer_step
 from raylm.train.optim import apply_lr
@@ -124,10 +122,10 @@ class Decisions:
         guard.skip_batch(step, state, samples, canary_before=before, canary_after=after, canary_at_lr_cut=cut)
         return Action.SKIP
 
-    def trained(self, state: TrainState, loss: float, grad_norm: float, rows: np.ndarray) -> Action:
+    def trained(self, state: TrainState, loss: float, grad_norm: float, samples: list[int]) -> Action:
         """A step the device applied as healthy: COMMIT, or ROLL_BACK where the guard's check finds
         the model drifted since its snapshot (`Guard.healthy`)."""
-        return Action.COMMIT if self.guard.healthy(state, loss, grad_norm, rows) else Action.ROLL_BACK
+        return Action.COMMIT if self.guard.healthy(state, loss, grad_norm, samples) else Action.ROLL_BACK
 
     def loss_scale_floor(self, loss: float, scale: float, minimum: float) -> Action:
         """fp16's scale fell below its floor: overflow after overflow is a divergence."""

@@ -71,7 +71,7 @@ import statistics
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -110,8 +110,12 @@ class Guard:
     """The guard's evidence and its record of what was decided (see the module docstring)."""
 
     def __init__(self, run_cfg: Config, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
-                 canary: ValidationSet, unigram: Optional[float], events_path: str, run_uri: str):
+                 canary: ValidationSet, unigram: Optional[float], events_path: str, run_uri: str,
+                 read_rows: Callable[[list[int]], np.ndarray], rows_per_step: int):
+        """`read_rows`: token rows by global sample index (`RowSource.rows`); `rows_per_step`: the
+        rows a step trains on this rank (a check's canary pass is weighed against them)."""
         self.run_cfg, self.cfg, self.optimizer, self.world = run_cfg, run_cfg.guard, optimizer, world
+        self.read_rows = read_rows
         self.model, self.canary = model, canary
         self.unigram = unigram  # the data's unigram loss (validation.unigram_loss)
         self.events_path, self.run_uri = events_path, run_uri
@@ -126,7 +130,8 @@ class Guard:
         # The invocation's start and its canary, kept while the best snapshot is at the unigram level:
         # a run stalled from its warmup on has learned nothing to go back to but its start.
         self.origin: Optional[tuple[Snapshot, float]] = None
-        # This rank's rows and the loss of the last healthy steps: does the model still learn?
+        # The samples (global indices) and the loss of the last healthy steps: does the model still
+        # learn? Their rows are read again at a check that needs them (rarely: a damaged model).
         self.recent: deque = deque(maxlen=RECENT_STEPS)
         # Sample ranges of the strange batches trained on since the snapshot: the prime suspects
         # when the model is found damaged.
@@ -134,22 +139,47 @@ class Guard:
         self.trigger: dict = {}  # why the step in hand is not healthy
         self.nonfinite_skipped_at: Optional[int] = None  # the step whose batch was skipped as non-finite
         self.busy_s = 0.0  # the guard's own work (canary losses, snapshots) since the last `spent()`
-        self.checks_by_cost = check_interval(canary, run_cfg.train.global_batch_size, model.dp_size)
+        self.checks_by_cost = check_interval(canary, rows_per_step)
 
     # -- history ------------------------------------------------------------------------------
 
-    def start(self, state: TrainState) -> None:
-        """Take up the history a resumed run saved, and keep the starting point as the first snapshot."""
+    def start(self, state: TrainState, evidence: Optional[dict] = None) -> None:
+        """Take up the history a resumed run saved, and keep the starting point as the first
+        snapshot; or, where a replica group heals from a peer, the rest of the peer's evidence
+        (`evidence()`): its snapshot, start, recent steps and suspects, so that the two judge alike
+        (the same rollback goes back to the same step in both)."""
         saved = state.guard
-        self.losses.extend(saved.get("losses", []))
-        self.norms.extend(saved.get("norms", []))
-        self.healthy_losses.extend(saved.get("healthy_losses", saved.get("losses", [])))
-        self.snapshot = Snapshot.take(state, self.params, self.optimizer)
-        canary = self.canary_loss()
-        # The uninterrupted run's reference, so that a resumed run judges as it would have.
-        self.reference = saved.get("canary_reference") or canary
-        self.origin = (self.snapshot, canary) if self.at_unigram_level(self.reference) else None
+        for history, saved_as in zip(self.history(), (saved.get("losses", []), saved.get("norms", []),
+                                                       saved.get("healthy_losses", saved.get("losses", [])))):
+            history.clear()
+            history.extend(saved_as)
+        self.recent.clear()
+        self.suspects = []
+        if evidence is None:
+            self.snapshot = Snapshot.take(state, self.params, self.optimizer)
+            canary = self.canary_loss()
+            # The uninterrupted run's reference, so that a resumed run judges as it would have.
+            self.reference = saved.get("canary_reference") or canary
+            self.origin = (self.snapshot, canary) if self.at_unigram_level(self.reference) else None
+        else:
+            self.snapshot = Snapshot.from_dict(evidence["snapshot"])
+            self.reference = evidence["reference"]
+            origin = evidence["origin"]
+            self.origin = None if origin is None else \
+                (self.snapshot if origin["snapshot"] is None else Snapshot.from_dict(origin["snapshot"]), origin["canary"])
+            self.recent.extend((list(samples), loss) for samples, loss in evidence["recent"])
+            self.suspects = [list(s) for s in evidence["suspects"]]
         self.busy_s = 0.0  # start-up, not a step's
+
+    def evidence(self) -> dict:
+        """What the guard judges by beyond the run state (`save_history`), for a replica group that
+        heals from this one (`start`). The origin is most often the snapshot itself: sent once."""
+        origin = None if self.origin is None else {
+            "snapshot": None if self.origin[0] is self.snapshot else self.origin[0].to_dict(),
+            "canary": self.origin[1]}
+        return {"snapshot": self.snapshot.to_dict(), "reference": self.reference, "origin": origin,
+                "recent": [[list(samples), loss] for samples, loss in self.recent],
+                "suspects": [list(s) for s in self.suspects]}
 
     @contextmanager
     def _working(self) -> Iterator[None]:
@@ -219,7 +249,10 @@ class Guard:
         """Whether the model does better on the batches of its last healthy steps than it did when
         it trained on them. A model that forgets the canary while it learns new data (a domain, a
         mixture's component) does; a damaged one, or one whose steps are too large to learn from,
-        does not."""
+        does not. Each rank evaluates the samples its steps recorded (`healthy`): the evaluation
+        averages them over the data-parallel ranks, each with its share; a replica group, with no
+        collective beside its steps' all-reduce, records its steps' whole batches and so judges on
+        the same rows as every other group."""
         if not self.recent:
             return False
         mbs = self.run_cfg.train.micro_batch_size
@@ -227,8 +260,8 @@ class Guard:
         with self._working():
             self.model.train(False)
             try:
-                now = [float(self.model.eval_loss(torch.from_numpy(rows.astype(np.int64)).to(device), mbs))
-                       for rows, _ in self.recent]
+                now = [float(self.model.eval_loss(torch.from_numpy(self.read_rows(samples).astype(np.int64))
+                                                  .to(device), mbs)) for samples, _ in self.recent]
             finally:
                 self.model.train(True)
         return sum(now) < sum(loss for _, loss in self.recent)
@@ -255,14 +288,15 @@ class Guard:
 
     # -- after each step ----------------------------------------------------------------------
 
-    def healthy(self, state: TrainState, loss: float, grad_norm: float, rows: np.ndarray) -> bool:
-        """A step trained on: its history, the LR's recovery, and every `check_every()` steps a
-        check: False when the model is damaged and does not learn (roll back then); otherwise a
-        new best, or a canary that drifted while the model learns, becomes the snapshot."""
+    def healthy(self, state: TrainState, loss: float, grad_norm: float, samples: list[int]) -> bool:
+        """A step trained on (`samples`: the global indices of its rows this rank judges by, see
+        `learning`): its history, the LR's recovery, and every `check_every()` steps a check: False
+        when the model is damaged and does not learn (roll back then); otherwise a new best, or a
+        canary that drifted while the model learns, becomes the snapshot."""
         self.losses.append(loss)
         self.norms.append(grad_norm)
         self.healthy_losses.append(loss)
-        self.recent.append((rows, loss))
+        self.recent.append((samples, loss))
         self._recover_lr(state)
         if state.step % self.check_every():
             return True
@@ -477,11 +511,11 @@ class Guard:
             print(f"raylm: guard: {what}", flush=True)
 
 
-def check_interval(canary: ValidationSet, global_batch: int, dp_size: int) -> int:
+def check_interval(canary: ValidationSet, rows_per_step: int) -> int:
     """Steps between checks by their cost: a check is a forward pass over the canary's rows, a
-    step a forward and a backward (about three forwards) over the batch's, on each rank."""
+    step a forward and a backward (about three forwards) over `rows_per_step`, on each rank."""
     rows = sum(len(batch) for batch in canary.batches)
-    return max(CHECK_STEPS, math.ceil(rows / (3 * global_batch / dp_size * CHECK_SHARE)))
+    return max(CHECK_STEPS, math.ceil(rows / (3 * rows_per_step * CHECK_SHARE)))
 
 
 def skipped_samples(state: TrainState) -> int:

@@ -52,6 +52,18 @@ class Snapshot:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state(self.cuda_rng)
 
+    def to_dict(self) -> dict:
+        """Tensors in plain dicts and lists, as torchft's transport sends a state (a healing replica group)."""
+        return {**vars(self), "state": dict(vars(self.state))}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Snapshot":
+        """`to_dict`'s, its tensors back in host memory (a transport receives them on the device)."""
+        host = lambda t: t.to("cpu") if torch.is_tensor(t) else t  # noqa: E731
+        return cls(copy_state(TrainState(**d["state"])), [host(p) for p in d["params"]],
+                   [{k: host(v) for k, v in o.items()} for o in d["optim"]], host(d["rng"]),
+                   None if d["cuda_rng"] is None else host(d["cuda_rng"]))
+
 
 def copy_state(state: TrainState) -> TrainState:
     """`state` with its lists and dicts copied: a snapshot's must not change with the run's."""
