@@ -8,7 +8,11 @@ LR's index on the grid should move by at most one step across the widths under Â
 moves under the standard parametrization is the comparison.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mup_transfer.py --json-out FILE \\
-        [--widths 64,128,256] [--lrs 7] [--tokens-per-param 1.0] [--data DIR] [--jobs 2]
+        [--widths 64,128,256] [--lrs 7] [--tokens-per-param 1.0 | --steps N] [--data DIR] [--jobs 2]
+
+`--steps N`: the same steps (and tokens) at every width instead, as Tensor Programs V's transfer
+experiments train: at one token per parameter the base width's run is a few dozen steps, whose best
+LR is that of a run that short, not of the width.
 
 JSON: `best_lr` ({parametrization: {width: lr}}), `shift_steps` ({parametrization: grid steps
 between the widths' best LRs, the largest minus the smallest index}), `val_loss`
@@ -78,13 +82,17 @@ def main() -> None:
     parser.add_argument("--json-out", required=True)
     parser.add_argument("--widths", default="64,128,256")
     parser.add_argument("--lrs", type=int, default=7, help="grid points, âˆš2 apart around 3e-3 (default 7)")
-    parser.add_argument("--tokens-per-param", type=float, default=1.0)
+    horizon = parser.add_mutually_exclusive_group()
+    horizon.add_argument("--tokens-per-param", type=float, default=1.0)
+    horizon.add_argument("--steps", type=int, help="the same steps at every width (instead of --tokens-per-param)")
     parser.add_argument("--data", help="a prepared dataset (default: the built-in corpus, prepared here)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in a process of its own (with OMP_NUM_THREADS=1: one a core)")
     args = parser.parse_args()
     if args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.steps is not None and args.steps < 10:
+        parser.error(f"--steps must be at least 10, got {args.steps}")
 
     from raylm.config import ModelConfig
     from raylm.data.manifest import load_manifest
@@ -97,7 +105,7 @@ def main() -> None:
     try:
         data = args.data or prepare(workdir)
         vocab = load_manifest(data).vocab_size
-        steps = {w: max(10, round(args.tokens_per_param * count_params(
+        steps = {w: args.steps or max(10, round(args.tokens_per_param * count_params(
             ModelConfig(d_model=w, n_layers=LAYERS, n_heads=HEADS, vocab_size=vocab, max_seq_len=SEQ_LEN))
             / (BATCH * SEQ_LEN))) for w in widths}
         runs = [(p, w, lr) for p in ("standard", "mup") for w in widths for lr in grid]
@@ -118,7 +126,7 @@ def main() -> None:
     shift = {p: max(grid.index(lr) for lr in b.values()) - min(grid.index(lr) for lr in b.values())
              for p, b in best.items()}
     result = {"best_lr": best, "shift_steps": shift, "val_loss": losses, "steps": steps, "grid": grid,
-              "widths": widths, "tokens_per_param": args.tokens_per_param, "jobs": args.jobs,
+              "widths": widths, "tokens_per_param": None if args.steps else args.tokens_per_param, "jobs": args.jobs,
               "seconds": time.time() - started,
               "load_average": load_average()}
     with open(args.json_out, "w") as f:
