@@ -15,7 +15,10 @@ experiments train: at one token per parameter the base width's run is a few doze
 LR is that of a run that short, not of the width.
 
 JSON: `best_lr` ({parametrization: {width: lr}}), `shift_steps` ({parametrization: grid steps
-between the widths' best LRs, the largest minus the smallest index}), `val_loss`
+between the widths' best LRs, the largest minus the smallest index}), `refined_best_lr` and
+`refined_shift_steps` (the best refined by the parabola through it and its neighbours in log LR, as
+the sweep refines a rung's: the shift in grid steps as a fraction, less at the mercy of one
+run's noise than an index), `val_loss`
 ({parametrization: {width: {lr: loss}}}), `steps` (per width), the grid and the machine's load.
 """
 
@@ -97,6 +100,7 @@ def main() -> None:
     from raylm.config import ModelConfig
     from raylm.data.manifest import load_manifest
     from raylm.model.sizes import count_params
+    from raylm.sweep.fit import best_lr
 
     widths = [int(w) for w in args.widths.split(",")]
     grid = [BASE_LR * math.sqrt(2) ** (k - (args.lrs - 1) / 2) for k in range(args.lrs)]
@@ -125,7 +129,12 @@ def main() -> None:
     best = {p: {w: min(by_lr, key=by_lr.get) for w, by_lr in per_width.items()} for p, per_width in losses.items()}
     shift = {p: max(grid.index(lr) for lr in b.values()) - min(grid.index(lr) for lr in b.values())
              for p, b in best.items()}
-    result = {"best_lr": best, "shift_steps": shift, "val_loss": losses, "steps": steps, "grid": grid,
+    refined = {p: {w: best_lr(list(by_lr), list(by_lr.values()))[0] for w, by_lr in per_width.items()}
+               for p, per_width in losses.items()}
+    in_steps = {p: [math.log(lr, math.sqrt(2)) for lr in r.values()] for p, r in refined.items()}
+    refined_shift = {p: round(max(s) - min(s), 2) for p, s in in_steps.items()}
+    result = {"best_lr": best, "shift_steps": shift, "refined_best_lr": refined,
+              "refined_shift_steps": refined_shift, "val_loss": losses, "steps": steps, "grid": grid,
               "widths": widths, "tokens_per_param": None if args.steps else args.tokens_per_param, "jobs": args.jobs,
               "seconds": time.time() - started,
               "load_average": load_average()}
@@ -134,7 +143,8 @@ def main() -> None:
     for p in ("standard", "mup"):
         print(f"{p}: best LR by width {', '.join(f'{w}: {lr:.2e}' for w, lr in best[p].items())}; "
               f"moves {shift[p]} grid step(s)" + (f" (goal <= 1: {'met' if shift[p] <= 1 else 'NOT met'})"
-                                                   if p == "mup" else ""))
+                                                   if p == "mup" else "")
+              + f"; refined {', '.join(f'{lr:.2e}' for lr in refined[p].values())}: {refined_shift[p]} step(s)")
 
 
 if __name__ == "__main__":
