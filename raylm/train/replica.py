@@ -42,6 +42,7 @@ from raylm.train.hooks import Hook
 from raylm.train.loop import QueuedStep, Trainer, _rng_state, _set_rng_state
 from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
+from raylm.train.resilience.snapshot import Evidence
 from raylm.train.spec import RunSpec
 from raylm.train.state import TrainState
 
@@ -135,14 +136,14 @@ class ReplicaTrainer(Trainer):
             self.guard.save_history(self.state)
         return {"model": self.model.model.state_dict(), "optim": self.optimizer.state_dict(),
                 "state": dict(vars(self.state)), "members": list(self.members), "lost": dict(self.lost),
-                "guard": self.guard.evidence() if self.guard is not None else None}
+                "guard": self.guard.evidence().to_dict() if self.guard is not None else None}
 
     def _load_peer_state(self, peer: dict) -> None:
         self.model.model.load_state_dict(peer["model"])
         self.optimizer.load_state_dict(peer["optim"])
         self.state.__dict__.update(peer["state"])
         self.members, self.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
-        self._state_replaced(peer["guard"])
+        self._state_replaced(Evidence.from_dict(peer["guard"]) if peer["guard"] is not None else None)
         self.healed = True
 
     def _restore_alone(self) -> None:
@@ -160,7 +161,7 @@ class ReplicaTrainer(Trainer):
             self.logger.record_resume(self.state.step, self.restored_world_size, self.restore_read_bytes)
         self._state_replaced()
 
-    def _state_replaced(self, guard_evidence: Optional[dict] = None) -> None:
+    def _state_replaced(self, guard_evidence: Optional[Evidence] = None) -> None:
         """What follows the run state once it came from elsewhere (a peer, with its guard's
         evidence; a checkpoint)."""
         if self.scaler is not None:

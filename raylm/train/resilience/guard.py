@@ -84,7 +84,7 @@ from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
 from raylm.train.resilience import judge
 from raylm.train.resilience.guard_stop import STOP_MARKER, GuardStopped, intervention_settings
-from raylm.train.resilience.snapshot import Snapshot, copy_state
+from raylm.train.resilience.snapshot import Evidence, Snapshot, copy_state
 from raylm.train.state import TrainState
 from raylm.train.step import ParallelModel
 from raylm.train.validation import ValidationSet
@@ -112,11 +112,9 @@ class Guard:
     def __init__(self, run_cfg: Config, model: ParallelModel, optimizer: torch.optim.Optimizer, world: World,
                  canary: ValidationSet, unigram: Optional[float], events_path: str, run_uri: str,
                  read_rows: Callable[[list[int]], np.ndarray], rows_per_step: int):
-        """`read_rows`: token rows by global sample index (`RowSource.rows`); `rows_per_step`: the
-        rows a step trains on this rank (a check's canary pass is weighed against them)."""
+        """`read_rows`: token rows by global sample index; `rows_per_step`: a step's rows on this rank."""
         self.run_cfg, self.cfg, self.optimizer, self.world = run_cfg, run_cfg.guard, optimizer, world
-        self.read_rows = read_rows
-        self.model, self.canary = model, canary
+        self.model, self.canary, self.read_rows = model, canary, read_rows
         self.unigram = unigram  # the data's unigram loss (validation.unigram_loss)
         self.events_path, self.run_uri = events_path, run_uri
         self.params = unique_parameters(model.parts)
@@ -130,8 +128,7 @@ class Guard:
         # The invocation's start and its canary, kept while the best snapshot is at the unigram level:
         # a run stalled from its warmup on has learned nothing to go back to but its start.
         self.origin: Optional[tuple[Snapshot, float]] = None
-        # The samples (global indices) and the loss of the last healthy steps: does the model still
-        # learn? Their rows are read again at a check that needs them (rarely: a damaged model).
+        # The samples (global indices) and loss of the last healthy steps: does the model still learn?
         self.recent: deque = deque(maxlen=RECENT_STEPS)
         # Sample ranges of the strange batches trained on since the snapshot: the prime suspects
         # when the model is found damaged.
@@ -143,43 +140,26 @@ class Guard:
 
     # -- history ------------------------------------------------------------------------------
 
-    def start(self, state: TrainState, evidence: Optional[dict] = None) -> None:
+    def start(self, state: TrainState, peer: Optional[Evidence] = None) -> None:
         """Take up the history a resumed run saved, and keep the starting point as the first
-        snapshot; or, where a replica group heals from a peer, the rest of the peer's evidence
-        (`evidence()`): its snapshot, start, recent steps and suspects, so that the two judge alike
-        (the same rollback goes back to the same step in both)."""
+        snapshot; or, in a replica group that heals, the `peer`'s evidence (`evidence()`)."""
         saved = state.guard
-        for history, saved_as in zip(self.history(), (saved.get("losses", []), saved.get("norms", []),
-                                                       saved.get("healthy_losses", saved.get("losses", [])))):
+        for history, key in zip(self.history(), ("losses", "norms", "healthy_losses")):
             history.clear()
-            history.extend(saved_as)
+            history.extend(saved.get(key, saved.get("losses", []) if key == "healthy_losses" else []))
+        if peer is None:  # the uninterrupted run's reference, so that a resumed run judges as it would have
+            snapshot, canary = Snapshot.take(state, self.params, self.optimizer), self.canary_loss()
+            reference = saved.get("canary_reference") or canary
+            peer = Evidence(snapshot, reference, (snapshot, canary) if self.at_unigram_level(reference) else None, [], [])
+        self.snapshot, self.reference, self.origin = peer.snapshot, peer.reference, peer.origin
         self.recent.clear()
-        self.suspects = []
-        if evidence is None:
-            self.snapshot = Snapshot.take(state, self.params, self.optimizer)
-            canary = self.canary_loss()
-            # The uninterrupted run's reference, so that a resumed run judges as it would have.
-            self.reference = saved.get("canary_reference") or canary
-            self.origin = (self.snapshot, canary) if self.at_unigram_level(self.reference) else None
-        else:
-            self.snapshot = Snapshot.from_dict(evidence["snapshot"])
-            self.reference = evidence["reference"]
-            origin = evidence["origin"]
-            self.origin = None if origin is None else \
-                (self.snapshot if origin["snapshot"] is None else Snapshot.from_dict(origin["snapshot"]), origin["canary"])
-            self.recent.extend((list(samples), loss) for samples, loss in evidence["recent"])
-            self.suspects = [list(s) for s in evidence["suspects"]]
+        self.recent.extend(peer.recent)
+        self.suspects = peer.suspects
         self.busy_s = 0.0  # start-up, not a step's
 
-    def evidence(self) -> dict:
-        """What the guard judges by beyond the run state (`save_history`), for a replica group that
-        heals from this one (`start`). The origin is most often the snapshot itself: sent once."""
-        origin = None if self.origin is None else {
-            "snapshot": None if self.origin[0] is self.snapshot else self.origin[0].to_dict(),
-            "canary": self.origin[1]}
-        return {"snapshot": self.snapshot.to_dict(), "reference": self.reference, "origin": origin,
-                "recent": [[list(samples), loss] for samples, loss in self.recent],
-                "suspects": [list(s) for s in self.suspects]}
+    def evidence(self) -> Evidence:
+        """What a replica group that heals from this one takes (`start`)."""
+        return Evidence(self.snapshot, self.reference, self.origin, list(self.recent), self.suspects)
 
     @contextmanager
     def _working(self) -> Iterator[None]:
@@ -249,10 +229,8 @@ class Guard:
         """Whether the model does better on the batches of its last healthy steps than it did when
         it trained on them. A model that forgets the canary while it learns new data (a domain, a
         mixture's component) does; a damaged one, or one whose steps are too large to learn from,
-        does not. Each rank evaluates the samples its steps recorded (`healthy`): the evaluation
-        averages them over the data-parallel ranks, each with its share; a replica group, with no
-        collective beside its steps' all-reduce, records its steps' whole batches and so judges on
-        the same rows as every other group."""
+        does not. A data-parallel rank evaluates its share of the steps (`healthy`'s samples), the
+        evaluation averaging the shares; a replica group, without that collective, the whole steps."""
         if not self.recent:
             return False
         mbs = self.run_cfg.train.micro_batch_size
@@ -289,10 +267,9 @@ class Guard:
     # -- after each step ----------------------------------------------------------------------
 
     def healthy(self, state: TrainState, loss: float, grad_norm: float, samples: list[int]) -> bool:
-        """A step trained on (`samples`: the global indices of its rows this rank judges by, see
-        `learning`): its history, the LR's recovery, and every `check_every()` steps a check: False
-        when the model is damaged and does not learn (roll back then); otherwise a new best, or a
-        canary that drifted while the model learns, becomes the snapshot."""
+        """A step trained on (`samples`: its rows, for `learning`): its history, the LR's recovery, and
+        every `check_every()` steps a check: False when the model is damaged and does not learn (roll
+        back then); otherwise a new best, or a canary that drifted while the model learns, becomes the snapshot."""
         self.losses.append(loss)
         self.norms.append(grad_norm)
         self.healthy_losses.append(loss)

@@ -1,5 +1,6 @@
 """A point for the stability guard to return to: a rank's weights and optimizer state in host
-memory, the RNG, and the run state (`raylm.train.resilience.guard`)."""
+memory, the RNG, and the run state (`raylm.train.resilience.guard`); and the guard's evidence, with
+its snapshot, which a replica group that heals takes from its peer."""
 
 from __future__ import annotations
 
@@ -63,6 +64,34 @@ class Snapshot:
         return cls(copy_state(TrainState(**d["state"])), [host(p) for p in d["params"]],
                    [{k: host(v) for k, v in o.items()} for o in d["optim"]], host(d["rng"]),
                    None if d["cuda_rng"] is None else host(d["cuda_rng"]))
+
+
+@dataclass
+class Evidence:
+    """What a guard judges by beyond the run state's history: its snapshot, its start (the snapshot
+    and canary it may go back to while at the unigram level), the recent steps (samples, loss) and
+    the suspects. A replica group that heals takes its peer's, so that the two decide alike."""
+
+    snapshot: Snapshot
+    reference: float
+    origin: Optional[tuple[Snapshot, float]]
+    recent: list[tuple[list[int], float]]
+    suspects: list[list[int]]
+
+    def to_dict(self) -> dict:
+        """As torchft's transport sends it; the origin, most often the snapshot itself, once."""
+        origin = None if self.origin is None else {
+            "snapshot": None if self.origin[0] is self.snapshot else self.origin[0].to_dict(), "canary": self.origin[1]}
+        return {"snapshot": self.snapshot.to_dict(), "reference": self.reference, "origin": origin,
+                "recent": [[list(samples), loss] for samples, loss in self.recent], "suspects": self.suspects}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Evidence":
+        snapshot, origin = Snapshot.from_dict(d["snapshot"]), d["origin"]
+        if origin is not None:
+            origin = (snapshot if origin["snapshot"] is None else Snapshot.from_dict(origin["snapshot"]), origin["canary"])
+        return cls(snapshot, d["reference"], origin, [(list(s), loss) for s, loss in d["recent"]],
+                   [list(s) for s in d["suspects"]])
 
 
 def copy_state(state: TrainState) -> TrainState:
