@@ -240,7 +240,7 @@ class ReplicaTrainer(Trainer):
         return self.per_group
 
     def _judged_samples(self, batch: Batch) -> list[int]:
-        return list(self.step_samples)  # the whole step: every group judges on the same rows
+        return self.step_samples  # the whole step: every group judges on the same rows
 
     def _averaged_over(self) -> int:
         return self.manager.num_participants()

@@ -112,6 +112,7 @@ def test_a_replacement_group_with_no_peer_left_resumes_from_the_checkpoint_inste
     (resumed,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "resumed"]
     assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
 
+
 class _WaitForPeer(Hook):
     """Group 0, at the start of `step`: says so, and holds until the joining group (started then)
     is up (its manager heartbeating), which joins at the next step's quorum."""

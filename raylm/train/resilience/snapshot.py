@@ -61,9 +61,8 @@ class Snapshot:
     def from_dict(cls, d: dict) -> "Snapshot":
         """`to_dict`'s, its tensors back in host memory (a transport receives them on the device)."""
         host = lambda t: t.to("cpu") if torch.is_tensor(t) else t  # noqa: E731
-        return cls(copy_state(TrainState(**d["state"])), [host(p) for p in d["params"]],
-                   [{k: host(v) for k, v in o.items()} for o in d["optim"]], host(d["rng"]),
-                   None if d["cuda_rng"] is None else host(d["cuda_rng"]))
+        return cls(TrainState(**d["state"]), [host(p) for p in d["params"]],
+                   [{k: host(v) for k, v in o.items()} for o in d["optim"]], host(d["rng"]), host(d["cuda_rng"]))
 
 
 @dataclass
