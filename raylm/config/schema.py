@@ -64,6 +64,10 @@ class ModelConfig:
     """The base model's head size, against which mup's attention scale 1/d_head is taken. None:
     mup_base_width / n_heads, for widths that keep the head count; widths that keep the head size
     and add heads (the sweep's ladders) give that size, so the scale stays 1/sqrt(d_head)."""
+    mup_output_multiplier: float = 1.0
+    """µP's output multiplier (the guide's alpha_output): the logits are multiplied by it / (d_model /
+    mup_base_width). Tuned at the base width with the LR and kept at every width; 1 leaves the base
+    the standard model."""
 
 
 @dataclass

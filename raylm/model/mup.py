@@ -6,14 +6,15 @@
 |----------------------------------------------|----------------|----------|--------------------|
 | hidden matrices (every 2-D weight of a block) | std / sqrt(m)  | lr / m   |                    |
 | embeddings, norms, biases                     | std            | lr       |                    |
-| the head                                      | std            | lr       | logits x 1 / m     |
+| the head                                      | std            | lr       | logits x alpha / m |
 | attention scores                              |                |          | 1 / d_head, not 1 / sqrt(d_head) |
 
-The head's rule equals the embedding's but for its forward multiplier, so a tied head (the
+alpha is `model.mup_output_multiplier` (the guide's alpha_output, 1 by default), tuned at the base
+width with the LR. The head's rule equals the embedding's but for its forward multiplier, so a tied head (the
 embedding's own matrix) needs nothing else. Attention's 1/d_head is taken relative to the base:
 sqrt(d_head_base) / d_head, which is 1/sqrt(d_head) at the base width, and at every width whose
 heads keep the base's size (model.mup_base_head_dim). At the base width every
-rule is 1: the model is the standard one, and LR and init tuned there transfer to every width.
+rule is 1 (with alpha 1): the model is the standard one, and LR and init tuned there transfer to every width.
 Weight decay is AdamW's decoupled lr x wd, so it follows each group's LR.
 """
 
@@ -56,7 +57,7 @@ def lr_multiplier(cfg: ModelConfig, name: str, ndim: int) -> float:
 
 def output_multiplier(cfg: ModelConfig) -> float:
     """The factor on the logits."""
-    return 1.0 / width_ratio(cfg)
+    return cfg.mup_output_multiplier / width_ratio(cfg) if is_mup(cfg) else 1.0
 
 
 def attention_scale(cfg: ModelConfig) -> Optional[float]:
@@ -80,6 +81,7 @@ def folded(cfg: ModelConfig) -> tuple[ModelConfig, Callable[[str], tuple[str, fl
     query = attention_scale(cfg) * math.sqrt(cfg.d_model // cfg.n_heads)  # over SDPA's default 1/sqrt(d_head)
     untie = cfg.tie_embeddings and head != 1.0
     standard = dataclasses.replace(cfg, parametrization="standard", mup_base_width=None, mup_base_head_dim=None,
+                                   mup_output_multiplier=1.0,
                                    tie_embeddings=cfg.tie_embeddings and not untie)
 
     def source(name: str) -> tuple[str, float]:

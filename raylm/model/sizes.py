@@ -39,7 +39,7 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
     # restarts failed the same way (a negative init_std), or trained on NaNs (a negative rope_theta).
     # Zero stays allowed where a model trains with it: norm_eps, and ffn_hidden (attention only).
     positive = ("d_model", "n_layers", "n_heads", "max_seq_len", "vocab_multiple", "ffn_multiple", "n_kv_heads",
-                "init_std", *(("rope_theta",) if cfg.pos_embedding == "rope" else ()))
+                "init_std", "mup_output_multiplier", *(("rope_theta",) if cfg.pos_embedding == "rope" else ()))
     for name in positive + ("ffn_hidden", "norm_eps"):
         value = getattr(cfg, name)
         if value is not None and not (value > 0 if name in positive else value >= 0):
@@ -57,6 +57,9 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
     if cfg.parametrization == "mup" and not (isinstance(cfg.mup_base_width, int) and cfg.mup_base_width > 0):
         raise ConfigError(f"model.parametrization=mup needs model.mup_base_width, the d_model at which the LR and "
                           f"init were tuned (a positive int), got {cfg.mup_base_width!r}")
+    if cfg.parametrization != "mup" and cfg.mup_output_multiplier != 1.0:
+        raise ConfigError(f"model.mup_output_multiplier={cfg.mup_output_multiplier} is µP's: it needs "
+                          "model.parametrization=mup (the standard model's logits have no multiplier)")
     if cfg.mup_base_head_dim is not None and not (isinstance(cfg.mup_base_head_dim, int) and cfg.mup_base_head_dim > 0):
         raise ConfigError(f"model.mup_base_head_dim must be a positive int (the base model's head size), got "
                           f"{cfg.mup_base_head_dim!r}")

@@ -35,11 +35,12 @@ FAMILIES = {
     "gpt2": ("model.norm=layernorm", "model.pos_embedding=learned", "model.mlp=gelu", "model.bias=true",
              "model.tie_embeddings=true"),
     "gpt2-relu-nobias": ("model.norm=layernorm", "model.pos_embedding=learned", "model.mlp=relu"),
-    # µP at twice its base width: the logit multiplier folded into the head (a tied one untied),
-    # the attention scale into the queries (GPT-2's fused q, k, v and their biases).
+    # µP at twice its base width: the logit multiplier (with an output multiplier of 3 in GPT-2's)
+    # folded into the head (a tied one untied), the attention scale into the queries (GPT-2's
+    # fused q, k, v and their biases).
     "llama-mup-tied": ("model.parametrization=mup", "model.mup_base_width=32", "model.tie_embeddings=true"),
     "gpt2-mup": ("model.norm=layernorm", "model.pos_embedding=learned", "model.mlp=gelu", "model.bias=true",
-                 "model.parametrization=mup", "model.mup_base_width=32"),
+                 "model.parametrization=mup", "model.mup_base_width=32", "model.mup_output_multiplier=3"),
 }
 TEXT = "The king rode to the castle. Ünïcode, too: naïve café 🙂\n"
 

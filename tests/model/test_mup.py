@@ -63,6 +63,19 @@ def test_a_blocks_matrices_train_at_lr_over_the_width_ratio_the_rest_at_lr():
     assert model.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
+def test_the_output_multiplier_scales_the_logits_and_is_mups_alone():
+    cfg = config(2 * BASE, "mup")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    one, three = (Transformer(dataclasses.replace(cfg, mup_output_multiplier=alpha), seed=0) for alpha in (1.0, 3.0))
+    three.load_state_dict(one.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(three(tokens), 3 * one(tokens))
+    with pytest.raises(ConfigError, match="model.mup_output_multiplier=3.0 is µP's"):
+        Transformer(dataclasses.replace(config(BASE, "standard"), mup_output_multiplier=3.0))
+    with pytest.raises(ConfigError, match="model.mup_output_multiplier must be positive"):
+        Transformer(dataclasses.replace(cfg, mup_output_multiplier=0.0))
+
+
 def test_mup_needs_its_base_width():
     with pytest.raises(ConfigError, match="model.parametrization=mup needs model.mup_base_width"):
         Transformer(dataclasses.replace(config(BASE, "standard"), parametrization="mup"))
