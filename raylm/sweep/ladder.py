@@ -82,8 +82,12 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
             if d % ladder.head_dim:
                 raise ConfigError(f"ladder.d_model[{i}]={d} is not a multiple of ladder.head_dim={ladder.head_dim}")
             shapes.append((f"ladder.d_model[{i}]", rule_shape(d, ladder.aspect_ratio, ladder.head_dim)))
-    sizes = [_size(sweep, base, i, where, keys) for i, (where, keys) in enumerate(shapes)]
-    if sweep.parametrization == "mup":  # the base width is the smallest size's, known once it is built
+    # Under mup the base width is the smallest size's, known once it is built. Built first with a
+    # stand-in µP base (no shape or count depends on it), so that the base run's own µP fields (an
+    # output multiplier) are valid there too.
+    first = {"parametrization": "mup", "mup_base_width": 1} if sweep.parametrization == "mup" else {}
+    sizes = [_size(sweep, base, i, where, {**keys, **first}) for i, (where, keys) in enumerate(shapes)]
+    if sweep.parametrization == "mup":
         sizes = [_size(sweep, base, i, where, {**keys, **mup_keys(sweep, sizes)})
                  for i, (where, keys) in enumerate(shapes)]
     for a, b in zip(sizes, sizes[1:]):

@@ -11,6 +11,7 @@ import yaml
 from raylm.config import load_config
 from raylm.errors import ConfigError
 from raylm.sweep.config import load_sweep
+from raylm.sweep.ladder import build_sizes
 from raylm.sweep.results import read_trials
 from raylm.sweep.run import run_sweep
 
@@ -101,3 +102,16 @@ def test_mup_sweep_config_checks_name_the_field():
         load_sweep(TINY_SWEEP, [data, *MUP, "sweep.ladder.batch_size=[8,16]"])
     with pytest.raises(ConfigError, match="parametrization"):
         load_sweep(TINY_SWEEP, [data, "sweep.parametrization=muP"])
+
+
+def test_a_mup_sweep_takes_the_base_runs_output_multiplier_to_every_size():
+    # As a base-run override on the command line, with the base run itself standard.
+    sweep, base = load_sweep(CPU_SWEEP, ["data.path=/data/not/read", *MUP, "model.mup_output_multiplier=8",
+                                         "model.vocab_size=257", "train.seq_len=256"])
+    sizes = build_sizes(sweep, base)
+    assert [(s.model.parametrization, s.model.mup_base_width, s.model.mup_output_multiplier) for s in sizes] == \
+        [("mup", 32, 8.0)] * 4
+    standard, base = load_sweep(CPU_SWEEP, ["data.path=/data/not/read", "model.mup_output_multiplier=8",
+                                            "model.vocab_size=257", "train.seq_len=256"])
+    with pytest.raises(ConfigError, match="model.mup_output_multiplier=8.0 is µP's"):
+        build_sizes(standard, base)
