@@ -2,8 +2,8 @@
 
 LR sweeps at several widths (fixed depth, the same tokens per parameter) on the built-in corpus
 (this Python's standard library, byte tokens), under the standard parametrization and under µP
-(`model.parametrization=mup`, `model.mup_base_width` = the smallest width unless `--base-width`): each run trains with
-`raylm.train.loop.train_local` (no Ray) and is judged by its final validation loss. The best
+(`model.parametrization=mup`, `model.mup_base_width` = the smallest width unless `--base-width`):
+each run trains with `raylm.train.loop.train_local` (no Ray) and is judged by its final validation loss. The best
 LR's index on the grid should move by at most one step across the widths under µP; how far it
 moves under the standard parametrization is the comparison.
 
@@ -25,8 +25,8 @@ between the widths' best LRs, the largest minus the smallest index}), `refined_b
 `refined_shift_steps` (the best refined by the parabola through it and its neighbours in log LR, as
 the sweep refines a rung's: the shift in grid steps as a fraction, less at the mercy of one
 run's noise than an index), `val_loss`
-({parametrization: {width: {lr: loss}}}), `steps` (per width), the grid, `base_width`, `layers`, `batch`, `output_multiplier` and the machine's
-load.
+({parametrization: {width: {lr: loss}}}), `steps` (per width), the grid, `base_width`, `layers`,
+`batch`, `output_multiplier` and the machine's load.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def run(data: str, workdir: str, parametrization: str, width: int, base: int, lr
     from raylm.train.loop import train_local
     from raylm.train.observe.records import read_jsonl
 
-    mup = (["model.parametrization=mup", f"model.mup_base_width={base}", f"model.mup_output_multiplier={output_multiplier}"]
-           if parametrization == "mup" else [])
+    mup = (["model.parametrization=mup", f"model.mup_base_width={base}",
+            f"model.mup_output_multiplier={output_multiplier}"] if parametrization == "mup" else [])
     cfg = load_config(None, [
         f"data.path={data}", "data.loader=local", f"model.d_model={width}", f"model.n_layers={layers}",
         f"model.n_heads={HEADS}", f"model.max_seq_len={SEQ_LEN}",
@@ -82,7 +82,7 @@ def run(data: str, workdir: str, parametrization: str, width: int, base: int, lr
         f"train.eval_every={steps}", "train.eval_batches=8", "train.tensorboard=false", "checkpoint.every_steps=0",
         "guard.enabled=false", f"optim.lr={lr}", f"schedule.warmup_steps={max(1, steps // 10)}",
         f"schedule.min_lr={lr / 10}", "parallel.num_workers=1", *mup])
-    run_dir = os.path.join(workdir, f"{parametrization}-{width}-{lr:.3g}-{layers}-{batch}-{output_multiplier}")
+    run_dir = os.path.join(workdir, f"{parametrization}-{width}-{lr:.3g}")
     train_local(cfg, run_dir)
     rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "val_loss" in r]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences a step (default 16)")
     parser.add_argument("--base-width", type=int, help="µP's base width (default: the smallest of --widths)")
     parser.add_argument("--parametrizations", default="standard,mup", help="which to run (default both)")
-    parser.add_argument("--output-multiplier", type=float, default=1.0, help="µP's model.mup_output_multiplier (default 1)")
+    parser.add_argument("--output-multiplier", type=float, default=1.0,
+                        help="µP's model.mup_output_multiplier (default 1)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once, each in a process of its own (with OMP_NUM_THREADS=1: one a core)")
     args = parser.parse_args()
@@ -155,7 +156,8 @@ def main() -> None:
     result = {"best_lr": best, "shift_steps": shift, "refined_best_lr": refined,
               "refined_shift_steps": refined_shift, "val_loss": losses, "steps": steps, "grid": grid,
               "widths": widths, "base_width": base, "layers": args.layers, "batch": args.batch,
-              "output_multiplier": args.output_multiplier, "tokens_per_param": None if args.steps else args.tokens_per_param, "jobs": args.jobs,
+              "output_multiplier": args.output_multiplier,
+              "tokens_per_param": None if args.steps else args.tokens_per_param, "jobs": args.jobs,
               "seconds": time.time() - started,
               "load_average": load_average()}
     with open(args.json_out, "w") as f:

@@ -10,12 +10,12 @@
 | attention scores                              |                |          | 1 / d_head, not 1 / sqrt(d_head) |
 
 alpha is `model.mup_output_multiplier` (the guide's alpha_output, 1 by default), tuned at the base
-width with the LR. The head's rule equals the embedding's but for its forward multiplier, so a tied head (the
-embedding's own matrix) needs nothing else. Attention's 1/d_head is taken relative to the base:
-sqrt(d_head_base) / d_head, which is 1/sqrt(d_head) at the base width, and at every width whose
-heads keep the base's size (model.mup_base_head_dim). At the base width every
-rule is 1 (with alpha 1): the model is the standard one, and LR and init tuned there transfer to every width.
-Weight decay is AdamW's decoupled lr x wd, so it follows each group's LR.
+width with the LR. The head's rule equals the embedding's but for its forward multiplier, so a tied
+head (the embedding's own matrix) needs nothing else. Attention's 1/d_head is taken relative to the
+base: sqrt(d_head_base) / d_head, which is 1/sqrt(d_head) at the base width, and at every width
+whose heads keep the base's size (model.mup_base_head_dim). At the base width every rule is 1 (with
+alpha 1): the model is the standard one, and LR and init tuned there transfer to every width. Weight
+decay is AdamW's decoupled lr x wd, so it follows each group's LR.
 """
 
 from __future__ import annotations
