@@ -230,8 +230,8 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
     with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
     `log` is told how the slow fits progress."""
     bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
-    result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests}
-    result["lr"] = _lr_fits(bests, sweep)
+    result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests,
+                    "lr": _lr_fits(bests, sweep)}
     batch_law = None
     if len(sweep.ladder.batch_size) > 1:
         result["batch"] = _batch_fits(bests)
@@ -245,8 +245,7 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
         except (ValueError, np.linalg.LinAlgError) as e:
             result.setdefault("predictors", {})[name] = {"error": str(e)}
     if CHINCHILLA in predictors:
-        p = predictors[CHINCHILLA]
-        parametric, boots = p.fit, p.bootstrap
+        parametric, boots = predictors[CHINCHILLA].fit, predictors[CHINCHILLA].bootstrap
         predicted = parametric.loss([b["params"] for b in bests], [b["tokens"] for b in bests])
         result["parametric"] = {
             "form": CHINCHILLA_FORM, **parametric.to_dict(),
@@ -452,10 +451,12 @@ def warnings(result: dict) -> list[str]:
         if name in p and not 0.05 <= p[name] <= 1.5:
             out.append(f"parametric fit: {name} = {p[name]:.3g} lies outside [0.05, 1.5]: the ladder does not "
                        f"determine it; add {more}")
-    edge = result.get("transfer", {}).get("at_grid_edge", [])
-    if edge:
+    transfer = result.get("transfer", {})
+    if edge := transfer.get("at_grid_edge"):
         out.append(f"the best learning rate at µP's base width lies at the edge of the values tried in "
                    f"{', '.join(edge)}, and every size trained at it: widen the learning-rate grid or range")
+    if transfer.get("multiplier_at_grid_edge"):  # every size trained at it
+        out.append(f"µP's best output multiplier {transfer['output_multiplier']:g} is the edge of those tried: widen them")
     edge = result.get("lr", {}).get("at_grid_edge", [])
     if edge:
         out.append(f"the best learning rate lies at the edge of the values tried in {', '.join(edge)}: widen the "

@@ -143,6 +143,12 @@ class SweepConfig:
     the learning rate is searched at that width only (lr, search, early_stopping: phase lr-search),
     and every size trains at the best of it with ladder.seeds seeds (3 or more: the compute the
     per-rung search took)."""
+    mup_output_multiplier: list[float] = field(default_factory=list)
+    """parametrization=mup: output multipliers (`model.mup_output_multiplier`, the logits x alpha /
+    width multiplier) searched with the learning rate at the base width (every lr x every value,
+    within each rung), e.g. [4, 8, 16]; the best (lowest mean loss over the base width's rungs)
+    and its learning rate transfer to every size and to the recommended run. Empty: the base run's
+    multiplier, not searched."""
     ladder: LadderConfig = field(default_factory=LadderConfig)
     lr: LRConfig = field(default_factory=LRConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -241,6 +247,9 @@ def check_sweep(sweep: SweepConfig) -> None:
         raise ConfigError(f"ladder.seeds must be at least 1 (the search's own trial), got {ladder.seeds}")
     if sweep.parametrization == "mup":
         _check_mup(sweep)
+    elif sweep.mup_output_multiplier:
+        raise ConfigError(f"mup_output_multiplier={sweep.mup_output_multiplier} is searched at µP's base width: it "
+                          "needs sweep.parametrization=mup")
     if sweep.check and len(ladder.sizes or ladder.d_model) < 3:
         raise ConfigError("check: true holds the largest size out of the fit; the ladder then needs at "
                           "least 3 sizes (2 to fit, 1 to check)")
@@ -252,6 +261,11 @@ def _check_mup(sweep: SweepConfig) -> None:
         raise ConfigError(f"sweep.parametrization=mup trains every size at the learning rate found at the base width, "
                           f"but lr.scale_exponent={sweep.lr.scale_exponent:g} moves it per size: set "
                           "sweep.lr.scale_exponent=0")
+    for i, v in enumerate(sweep.mup_output_multiplier):
+        if v <= 0:
+            raise ConfigError(f"mup_output_multiplier[{i}] must be positive, got {v:g}")
+    if len(set(sweep.mup_output_multiplier)) < len(sweep.mup_output_multiplier):
+        raise ConfigError(f"mup_output_multiplier lists a value twice: {sweep.mup_output_multiplier}")
     if len(sweep.ladder.batch_size) > 1:
         raise ConfigError(f"sweep.parametrization=mup transfers the learning rate across widths, not a batch size "
                           f"chosen per size: ladder.batch_size takes one value under mup, got {sweep.ladder.batch_size}")

@@ -100,11 +100,12 @@ def build_sizes(sweep: SweepConfig, base: Config) -> list[Size]:
 def mup_keys(sweep: SweepConfig, sizes: list[Size]) -> dict:
     """The model keys of every model the sweep makes (ladder, check shapes, the recommended run):
     under sweep.parametrization=mup, µP based at the ladder's smallest size (its width and its head
-    size: a ladder may add heads of one size as it widens); else none."""
+    size: a ladder may add heads of one size as it widens), at its output multiplier; else none."""
     if sweep.parametrization != "mup":
         return {}
     base = sizes[0].model
-    return {"parametrization": "mup", "mup_base_width": base.d_model, "mup_base_head_dim": base.d_model // base.n_heads}
+    return {"parametrization": "mup", "mup_base_width": base.d_model, "mup_base_head_dim": base.d_model // base.n_heads,
+            "mup_output_multiplier": base.mup_output_multiplier}
 
 
 SHAPE_TOLERANCE = 0.25  # how far a check shape's parameter count may sit from the held-out size's
@@ -172,11 +173,12 @@ def steps_for(tokens: float, batch: int, seq_len: int) -> int:
 
 
 def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch: int, run_name: str,
-                 seed: int = 0) -> Config:
+                 seed: int = 0, output_multiplier: Optional[float] = None) -> Config:
     """The complete run config of one trial: the base run with the rung's model and budget, this
     learning rate and batch, an evaluation every 1/trial.evals of the budget, and a checkpoint at
     each evaluation (a restarted trial loses at most one interval). `seed` > 0 moves the
-    initialization and the data order (`train.seed`, `data.seed`) by that much: a repeat."""
+    initialization and the data order (`train.seed`, `data.seed`) by that much: a repeat.
+    `output_multiplier` replaces the rung's model's µP output multiplier (µP's search)."""
     seq_len = base.train.seq_len
     steps = steps_for(rung.target_tokens, batch, seq_len)
     warmup_fraction, min_lr_fraction = schedule_shape(base)
@@ -184,6 +186,8 @@ def trial_config(sweep: SweepConfig, base: Config, rung: Rung, lr: float, batch:
     micro = min(base.train.micro_batch_size, batch)
     tree = config_to_dict(base)
     tree["model"] = dataclasses.asdict(rung.size.model)
+    if output_multiplier is not None:
+        tree["model"]["mup_output_multiplier"] = output_multiplier
     tree["optim"]["lr"] = lr
     tree["schedule"].update(warmup_steps=round(warmup_fraction * steps), min_lr=lr * min_lr_fraction)
     tree["train"].update(steps=steps, global_batch_size=batch, global_batch_tokens=None, micro_batch_size=micro,

@@ -38,6 +38,16 @@ class Plan:
     def rung(self, name: str) -> ladder.Rung:
         return next(r for r in self.rungs if r.name == name)
 
+    def with_output_multiplier(self, value: float) -> Plan:
+        """Every model of the sweep (ladder, check shapes, the recommended run's, through
+        `ladder.mup_keys`) at this µP output multiplier: the one µP's search found."""
+        by_index: dict[int, ladder.Size] = {}
+        for size in [*self.sizes, *(r.size for r in self.rungs)]:
+            by_index.setdefault(size.index, dataclasses.replace(
+                size, model=dataclasses.replace(size.model, mup_output_multiplier=value)))
+        return dataclasses.replace(self, sizes=[by_index[s.index] for s in self.sizes],
+                                   rungs=[dataclasses.replace(r, size=by_index[r.size.index]) for r in self.rungs])
+
 
 def resolve(path: str, overrides: list[str]) -> Plan:
     """Load and check everything a sweep needs, reading the data once; no Ray yet."""

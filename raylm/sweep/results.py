@@ -24,7 +24,7 @@ SWEEP_FILE, TRIALS_FILE, FIT_FILE, RECOMMENDED_FILE = "sweep.yaml", "trials.csv"
 CHECK_PLAN_FILE, ASHA_STATE_FILE = "check_plan.json", "asha_state.pkl"
 COLUMNS = ("trial_id", "phase", "rung", "size", "budget", "params", "params_non_embedding", "params_total", "tokens",
            "flops_per_token", "flops", "lr", "batch", "steps", "val_loss", "progress", "tokens_trained", "status",
-           "wall_s", "seed")
+           "wall_s", "seed", "output_multiplier")
 
 
 def write_trials(directory: str, rows: list[dict]) -> None:
@@ -48,7 +48,7 @@ def read_trials(directory: str) -> list[dict]:
         reader = csv.DictReader(f)
         for row in reader:
             parsed = {}
-            for k, v in {"seed": "0", **row}.items():
+            for k, v in {"seed": "0", "output_multiplier": "1", **row}.items():
                 if k not in COLUMNS:
                     continue
                 try:
@@ -76,8 +76,9 @@ def recommended_yaml(cfg: Config, info: dict, sweep_dir: str) -> str:
               f"# Predicted final val loss: {p['loss']:.4f} "
               f"(interval {p['interval'][0]:.4f} - {p['interval'][1]:.4f}).\n")
     if cfg.model.parametrization == "mup":
-        header += (f"# µP based at d_model {cfg.model.mup_base_width}: the learning rate found there, at which every "
-                   "size of the ladder trained.\n")
+        header += (f"# µP based at d_model {cfg.model.mup_base_width}, output multiplier "
+                   f"{cfg.model.mup_output_multiplier:g}: the learning rate found there, at which every size of the "
+                   "ladder trained.\n")
     if allocation := info.get("allocation"):
         low, high = allocation["ladder_tokens_per_param"]
         header += (f"# {info['tokens_per_param']:.3g} tokens per parameter, not the fit's optimum "

@@ -31,7 +31,7 @@ from raylm.sweep.results import (CHECK_PLAN_FILE, FIT_FILE, RECOMMENDED_FILE, SW
                                  asha_savings, fitted_with, read_trials, recommended_yaml, write_fit, write_trials)
 from raylm.sweep.summary import say
 from raylm.sweep.trial import TrialPlan
-from raylm.sweep.transfer import mup_ladder
+from raylm.sweep.transfer import mup_ladder, mup_search
 from raylm.sweep.tuner import cluster_share, search, threads
 from raylm.train.lease import RunLease
 
@@ -55,14 +55,16 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     concurrency = int(min(cluster_share(per_trial, kind), sweep.trial.max_concurrent or math.inf))
     if sweep.check and sweep.trial.check_cpus:  # now, not after the ladder's hours
         cluster_share(sweep.trial.check_cpus, "CPU", "trial.check_cpus")
-    trials = TrialPlan(sweep, plan.spec.to_dict(), {r.name: r for r in plan.rungs},
-                       os.path.join(plan.directory, "trials"), threads(sweep.trial.cpus), sweep.trial.gpus > 0)
+    trials = _trial_plan(plan)
     print(f"raylm: sweep {plan.directory}: {len(plan.sizes)} sizes, {len(plan.rungs)} rungs, "
           f"{plan.resolved.train.seq_len}-token sequences, {sweep.parametrization} parametrization", flush=True)
     resources = {"CPU": sweep.trial.cpus, "GPU": sweep.trial.gpus}
     search_rows, transfer = [], None
     if sweep.parametrization == "mup":
-        search_rows, rows, transfer = mup_ladder(plan, trials, resources, concurrency)
+        search_rows, transfer = mup_search(plan, trials, resources, concurrency)
+        plan = plan.with_output_multiplier(transfer["output_multiplier"])
+        trials = _trial_plan(plan)
+        rows = mup_ladder(plan, trials, transfer, resources, concurrency)
     else:
         rows = search(plan, "tune-ladder", "ladder", plan.rungs, trials, resources, concurrency)
     completed = [r for r in rows if r["status"] == COMPLETED]
@@ -98,6 +100,12 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     result["wall_s"] = time.time() - started
     write_fit(plan.directory, result, rows, laws)
     return result
+
+
+def _trial_plan(plan: Plan) -> TrialPlan:
+    sweep = plan.sweep
+    return TrialPlan(sweep, plan.spec.to_dict(), {r.name: r for r in plan.rungs}, os.path.join(plan.directory, "trials"),
+                     threads(sweep.trial.cpus), sweep.trial.gpus > 0)
 
 
 def fit_ladder(directory: str, log: Optional[Callable[[str], None]] = None) -> tuple[list[dict], dict, analysis.Laws]:

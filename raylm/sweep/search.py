@@ -33,20 +33,26 @@ class RungSlot:
     lr: Optional[float] = None  # grid and random: decided up front; bayes: by Optuna
     batch: Optional[int] = None
     seed: int = 0  # > 0: a repeat of the rung at a decided rate (`ladder.seeds`, the check's shapes)
+    output_multiplier: Optional[float] = None  # µP's searched at the base width; None: the rung's model's
 
 
 def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: dict[str, float]) -> list[RungSlot]:
     """Every trial of the search, in the order it is handed out."""
     fitted = sorted((r for r in rungs if not r.held_out), key=lambda r: -cost[r.name])
     rng = np.random.default_rng(sweep.search.seed)
+    multipliers = sweep.mup_output_multiplier or [None]
+    # Drawn only when searched: a standard sweep's draws stay those of its seed.
+    draw = (lambda: float(rng.choice(multipliers))) if sweep.mup_output_multiplier else (lambda: None)
     per_rung: dict[str, list[RungSlot]] = {}
     for rung in fitted:
         if sweep.search.algorithm == "grid":
-            slots = [RungSlot(rung.name, rung.lr_scale, lr, b) for lr in lr_values(sweep, rung) for b in batches]
+            slots = [RungSlot(rung.name, rung.lr_scale, lr, b, output_multiplier=m)
+                     for lr in lr_values(sweep, rung) for m in multipliers for b in batches]
         elif sweep.search.algorithm == "random":
             lows, highs = np.log(sweep.lr.low), np.log(sweep.lr.high)
             slots = [RungSlot(rung.name, rung.lr_scale, float(np.exp(rng.uniform(lows, highs))) * rung.lr_scale,
-                              int(rng.choice(batches))) for _ in range(sweep.search.samples)]
+                              int(rng.choice(batches)), output_multiplier=draw())
+                     for _ in range(sweep.search.samples)]
         else:
             slots = [RungSlot(rung.name, rung.lr_scale) for _ in range(sweep.search.samples)]
         per_rung[rung.name] = slots
@@ -55,8 +61,9 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
 
 
 class RungSearcher(Searcher):
-    """Suggests {"rung", "lr", "batch"} (and "seed" for a repeat) from a fixed plan; for bayes, each
-    rung's learning rate (and batch) comes from that rung's own Optuna TPE study."""
+    """Suggests {"rung", "lr", "batch"} (and "seed" for a repeat, "output_multiplier" for µP's
+    search) from a fixed plan; for bayes, each rung's learning rate (batch, output multiplier)
+    comes from that rung's own Optuna TPE study."""
 
     def __init__(self, slots: list[RungSlot], sweep: SweepConfig, batches: list[int]):
         super().__init__(metric=METRIC, mode=MODE)
@@ -70,6 +77,8 @@ class RungSearcher(Searcher):
             space = {"lr_mult": tune.loguniform(sweep.lr.low, sweep.lr.high)}
             if len(batches) > 1:
                 space["batch"] = tune.choice(batches)
+            if sweep.mup_output_multiplier:
+                space["output_multiplier"] = tune.choice(sweep.mup_output_multiplier)
             self.studies = {rung: OptunaSearch(space, metric=METRIC, mode=MODE, seed=sweep.search.seed + i)
                             for i, rung in enumerate(rungs)}
         self.batch = batches[0]
@@ -84,10 +93,15 @@ class RungSearcher(Searcher):
         self.next += 1
         self.trial_rung[trial_id] = slot.rung
         if slot.lr is not None:
-            return {"rung": slot.rung, "lr": slot.lr, "batch": slot.batch, **({"seed": slot.seed} if slot.seed else {})}
-        suggested = self.studies[slot.rung].suggest(trial_id)
-        return {"rung": slot.rung, "lr": suggested["lr_mult"] * slot.lr_scale,
-                "batch": suggested.get("batch", self.batch)}
+            config = {"rung": slot.rung, "lr": slot.lr, "batch": slot.batch, "output_multiplier": slot.output_multiplier,
+                      "seed": slot.seed}
+        else:
+            suggested = self.studies[slot.rung].suggest(trial_id)
+            config = {"rung": slot.rung, "lr": suggested["lr_mult"] * slot.lr_scale,
+                      "batch": suggested.get("batch", self.batch),
+                      "output_multiplier": suggested.get("output_multiplier")}
+        # Absent, a seed is 0 and the multiplier the rung's model's (`trial_config`).
+        return {k: v for k, v in config.items() if v or k in ("rung", "lr", "batch")}
 
     def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
         rung = self.trial_rung.get(trial_id)

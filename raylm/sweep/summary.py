@@ -23,8 +23,12 @@ def summary(result: dict) -> str:
     law = result["lr"].get("lr_vs_params", {})
     transfer = result.get("transfer")
     if transfer:
-        lines.append(f"µP: lr {transfer['lr']:.4g} found at the base width {transfer['base_width']} "
-                     f"({transfer['asha']['trials']} trials), every size trained at it")
+        tried = [f"{m['output_multiplier']:g}" for m in transfer.get("multipliers", [])]  # none: an earlier raylm's
+        found = f"lr {transfer['lr']:.4g}"
+        if len(tried) > 1:
+            found += f" and output multiplier {transfer['output_multiplier']:g} (of {', '.join(tried)})"
+        lines.append(f"µP: {found} found at the base width {transfer['base_width']} "
+                     f"({transfer['asha']['trials']} trials), every size trained at {'them' if len(tried) > 1 else 'it'}")
     elif "coef" in law:
         lines.append(f"best lr: {law['coef']:.3g} * N^{law['exponent']:.3f}")
     chosen = result.get("predictor")

@@ -98,7 +98,7 @@ def run_trial(config: dict, plan: TrialPlan) -> None:
     rung = plan.rungs[config["rung"]]
     cfg = trial_config(plan.sweep, spec.config, rung, config["lr"], config["batch"],
                        run_name=f"{spec.config.run.name}/trials/{os.path.basename(run_dir)}",
-                       seed=config.get("seed", 0))
+                       seed=config.get("seed", 0), output_multiplier=config.get("output_multiplier"))
     trial = spec.with_config(cfg)
     preflight(trial, run_dir)
     try:

@@ -130,7 +130,8 @@ def trial_rows(plan: Plan, grid: ResultGrid, phase: str, expected: int) -> list[
                      "steps": steps, "val_loss": metrics.get("val_loss", math.nan),
                      "progress": metrics.get("progress", 0.0), "tokens_trained": metrics.get("tokens", 0),
                      "status": status, "wall_s": metrics.get("wall_s", metrics.get("time_total_s", math.nan)),
-                     "seed": config.get("seed", 0)})
+                     "seed": config.get("seed", 0),
+                     "output_multiplier": config.get("output_multiplier", size.model.mup_output_multiplier)})
     if len(rows) < expected:
         raise SweepInterrupted(f"the sweep was interrupted ({len(rows)} of {expected} trials of {phase} created); "
                                "run the same command again to resume it (finished trials are kept)")

@@ -305,3 +305,49 @@ def test_trials_are_handed_out_round_by_round_costliest_rung_first():
     drawn = plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})
     assert len(drawn) == 6 and all(1e-3 <= s.lr / s.lr_scale <= 1e-2 and s.batch in (8, 16) for s in drawn)
     assert drawn == plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})  # seeded
+
+
+def test_the_output_multiplier_is_searched_with_every_learning_rate():
+    sweep = SweepConfig(parametrization="mup", mup_output_multiplier=[4.0, 8.0], lr=LRConfig(grid=[1.0, 2.0]))
+    size = Size(0, "s", None, 100, 100, 200, 600.0)
+    rungs = [Rung("small", size, "tokens_per_param=1", 100, False, 1.0),
+             Rung("big", size, "tokens_per_param=2", 200, False, 1.0)]
+    slots = plan_slots(sweep, rungs, [8], {"small": 1.0, "big": 2.0})
+    assert [(s.rung, s.lr, s.output_multiplier) for s in slots] == [
+        ("big", 1.0, 4.0), ("small", 1.0, 4.0), ("big", 1.0, 8.0), ("small", 1.0, 8.0),
+        ("big", 2.0, 4.0), ("small", 2.0, 4.0), ("big", 2.0, 8.0), ("small", 2.0, 8.0)]
+    sweep.search = SearchConfig(algorithm="random", samples=20, seed=1)
+    sweep.lr = LRConfig(low=1e-3, high=1e-2)
+    assert {s.output_multiplier for s in plan_slots(sweep, rungs, [8], {"small": 1.0, "big": 2.0})} == {4.0, 8.0}
+
+
+def test_the_transferred_multiplier_has_the_lowest_mean_loss_over_the_base_widths_rungs():
+    from raylm.sweep.transfer import transferred
+
+    def row(rung, lr, multiplier, loss, status=analysis.COMPLETED):
+        return {"rung": rung, "budget": rung, "size": 0, "params": 100, "tokens": 1000, "flops": 6e5,
+                "flops_per_token": 600.0, "tokens_trained": 1000, "lr": lr, "batch": 8, "status": status,
+                "val_loss": loss, "output_multiplier": multiplier}
+
+    rows = []
+    # Per rung and multiplier: the loss a parabola in log2(lr) around its best (at the middle of
+    # the grid, so refined), the multiplier 8 better by 0.1 on one rung, 0.02 on the other.
+    for rung, offset in (("t1", 3.0), ("t2", 2.5)):
+        for multiplier, gain, best in ((4.0, 0.0, 1e-2), (8.0, 0.1 if rung == "t1" else 0.02, 2e-2)):
+            rows += [row(rung, lr, multiplier, offset - gain + 0.05 * math.log2(lr / best) ** 2)
+                     for lr in (best / 2, best, best * 2)]
+    # The multiplier 16 is best where it completed, but one rung lost every trial of it: not judged.
+    rows += [row("t1", 2e-2, 16.0, 1.0), row("t2", 2e-2, 16.0, math.inf, analysis.DIVERGED)]
+    transfer = transferred(rows, base_width=32)
+    assert transfer["output_multiplier"] == 8.0 and transfer["lr"] == pytest.approx(2e-2)
+    assert [m["output_multiplier"] for m in transfer["multipliers"]] == [4.0, 8.0]
+    four, eight = transfer["multipliers"]
+    assert four["lr"] == pytest.approx(1e-2) and four["loss"] == pytest.approx(math.sqrt(3.0 * 2.5))
+    assert eight["loss"] == pytest.approx(math.sqrt(2.9 * 2.48))
+    assert transfer["multiplier_at_grid_edge"] is False  # 8 lies between the 4 and 16 tried
+    assert [s["rung"] for s in transfer["search"]] == ["t1", "t2"] and transfer["at_grid_edge"] == []
+    assert transfer["asha"]["trials"] == len(rows)
+    del rows[-2:]
+    assert transferred(rows, base_width=32)["multiplier_at_grid_edge"] is True
+    with pytest.raises(RuntimeError, match="no output multiplier completed a trial on every rung"):
+        transferred([row("t1", 1e-2, 4.0, 2.0), row("t2", 1e-2, 4.0, math.inf, analysis.DIVERGED)], base_width=32)

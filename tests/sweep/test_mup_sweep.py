@@ -3,6 +3,7 @@ ladder trained at it with its seeds, the check around it, and the recommended ru
 config checks that refuse what contradicts it (no Ray)."""
 
 import glob
+import math
 import os
 
 import pytest
@@ -11,7 +12,8 @@ import yaml
 from raylm.config import load_config
 from raylm.errors import ConfigError
 from raylm.sweep.config import load_sweep
-from raylm.sweep.ladder import build_sizes
+from raylm.sweep.ladder import build_check_shapes, build_rungs, build_sizes, shape_for_params
+from raylm.sweep.plan import Plan
 from raylm.sweep.results import read_trials
 from raylm.sweep.run import run_sweep
 
@@ -24,10 +26,12 @@ MUP = ["sweep.parametrization=mup", "sweep.lr.scale_exponent=0"]
 @pytest.mark.timeout(600)
 def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_transferred_rate(
         ray_session, tiny_dataset, tmp_path):
-    # Two fitted sizes at three budgets (the fewest rungs a check takes), d_model 32 held out:
-    # 23 trials, most of a few dozen steps.
+    # Two fitted sizes at three budgets (the fewest rungs a check takes), d_model 32 held out, the
+    # output multiplier searched with the rate (ASHA off: every search trial completes, so both
+    # multipliers are judged): 29 trials, most of a few dozen steps.
     overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=mup", *MUP,
                  "sweep.ladder.d_model=[16,24,32]", "sweep.ladder.tokens_per_param=[1,2,4]", "sweep.ladder.seeds=2",
+                 "sweep.mup_output_multiplier=[1,4]", "sweep.early_stopping.asha=false",
                  "sweep.trial.evals=2", "sweep.fit.bootstrap=0"]
     result = run_sweep(TINY_SWEEP, overrides)
     directory = str(tmp_path / "mup")
@@ -36,12 +40,20 @@ def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_tra
                 for phase in ("lr-search", "ladder", "seeds", "check", "check-repeats")}
     assert sum(map(len, by_phase.values())) == len(rows)
 
-    # The search: the tiny grid on the smallest width's rungs (d_model 16, the base width) only.
+    # The search: the tiny grid at each multiplier on the smallest width's rungs (d_model 16, the
+    # base width) only.
     search = by_phase["lr-search"]
-    assert sorted((r["rung"], r["lr"]) for r in search) == [(f"s0-tpp{tpp}", lr) for tpp in (1, 2, 4)
-                                                            for lr in (1e-5, 1e-2)]
+    assert sorted((r["rung"], r["lr"], r["output_multiplier"]) for r in search) == [
+        (f"s0-tpp{tpp}", lr, m) for tpp in (1, 2, 4) for lr in (1e-5, 1e-2) for m in (1.0, 4.0)]
     transfer = result["transfer"]
     assert transfer["base_width"] == 16 and transfer["lr"] == 1e-2  # 1e-5 is hopeless
+    # The multiplier whose rungs' best losses (at 1e-2, the grid's edge: not refined) are lowest.
+    mean_best = {m: math.exp(sum(math.log(min(r["val_loss"] for r in search if r["rung"] == f"s0-tpp{tpp}"
+                                                and r["output_multiplier"] == m)) for tpp in (1, 2, 4)) / 3)
+                 for m in (1.0, 4.0)}
+    assert {m["output_multiplier"]: m["loss"] for m in transfer["multipliers"]} == pytest.approx(mean_best)
+    multiplier = transfer["output_multiplier"]
+    assert multiplier == min(mean_best, key=mean_best.get) and transfer["multiplier_at_grid_edge"]
     assert transfer["at_grid_edge"] == ["s0-tpp1", "s0-tpp2", "s0-tpp4"]
     assert any("base width lies at the edge" in w for w in result["warnings"])
 
@@ -60,14 +72,17 @@ def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_tra
     assert result["parametrization"] == "mup" and result["lr"]["lr_vs_params"] == {"coef": transfer["lr"], "exponent": 0.0}
 
     # Every trial's model is µP based at the smallest width (the config its last checkpoint saved;
-    # ASHA may stop a search trial before its first).
+    # ASHA may stop a search trial before its first), at the multiplier its row names: the search's
+    # own, the transferred one after it.
     for r in (r for r in rows if r["status"] == "completed"):
         (saved,) = glob.glob(os.path.join(directory, "trials", r["trial_id"], "checkpoint_*", "config.yaml"))
         with open(saved) as f:
             tree = yaml.safe_load(f)
         model = tree["model"]
-        assert (model["parametrization"], model["mup_base_width"], model["mup_base_head_dim"], tree["optim"]["lr"]) == \
-            ("mup", 16, 8, r["lr"])  # the ladder adds heads of 8 (ladder.head_dim) as it widens
+        assert (model["parametrization"], model["mup_base_width"], model["mup_base_head_dim"], tree["optim"]["lr"],
+                model["mup_output_multiplier"]) == ("mup", 16, 8, r["lr"], r["output_multiplier"])
+        if r["phase"] != "lr-search":
+            assert r["output_multiplier"] == multiplier
 
     # The check: the held-out size at the transferred rate and x 2^-1/2, x 2^1/2, and seed 1 at it.
     check = result["check"]
@@ -78,10 +93,11 @@ def test_a_mup_sweep_searches_at_the_base_width_and_trains_every_size_at_the_tra
     assert sorted(r["lr"] for r in by_phase["check"]) == pytest.approx([lr * 2 ** -0.5, lr, lr * 2 ** 0.5])
     assert [(r["rung"], r["lr"], r["seed"]) for r in by_phase["check-repeats"]] == [("s2-check", lr, 1)]
 
-    # The recommended run trains in µP at the transferred rate.
+    # The recommended run trains in µP at the transferred rate and multiplier.
     recommended = load_config(os.path.join(directory, "recommended.yaml"))
     model = recommended.model
-    assert (model.parametrization, model.mup_base_width, model.mup_base_head_dim) == ("mup", 16, 8)
+    assert (model.parametrization, model.mup_base_width, model.mup_base_head_dim, model.mup_output_multiplier) == \
+        ("mup", 16, 8, multiplier)
     assert recommended.optim.lr == transfer["lr"] == result["recommended"]["lr"]
 
     # The same command again resumes every phase by name: nothing trains again, the same rate.
@@ -102,6 +118,13 @@ def test_mup_sweep_config_checks_name_the_field():
         load_sweep(TINY_SWEEP, [data, *MUP, "sweep.ladder.batch_size=[8,16]"])
     with pytest.raises(ConfigError, match="parametrization"):
         load_sweep(TINY_SWEEP, [data, "sweep.parametrization=muP"])
+    with pytest.raises(ConfigError, match=r"mup_output_multiplier=\[4.0, 8.0\] is searched at µP's base width: it "
+                                          "needs sweep.parametrization=mup"):
+        load_sweep(CPU_SWEEP, [data, "sweep.mup_output_multiplier=[4,8]"])
+    with pytest.raises(ConfigError, match=r"mup_output_multiplier\[1\] must be positive, got -8"):
+        load_sweep(CPU_SWEEP, [data, *MUP, "sweep.mup_output_multiplier=[4,-8]"])
+    with pytest.raises(ConfigError, match="lists a value twice"):
+        load_sweep(CPU_SWEEP, [data, *MUP, "sweep.mup_output_multiplier=[4,4]"])
 
 
 def test_a_mup_sweep_takes_the_base_runs_output_multiplier_to_every_size():
@@ -111,6 +134,18 @@ def test_a_mup_sweep_takes_the_base_runs_output_multiplier_to_every_size():
     sizes = build_sizes(sweep, base)
     assert [(s.model.parametrization, s.model.mup_base_width, s.model.mup_output_multiplier) for s in sizes] == \
         [("mup", 32, 8.0)] * 4
+    # The multiplier µP's search found, set on the resolved plan: every rung's model (the check's
+    # shapes too) and the recommended run's shape take it.
+    sweep, base = load_sweep(CPU_SWEEP, ["data.path=/data/not/read", *MUP, "model.vocab_size=257",
+                                         "train.seq_len=256", "sweep.check_shapes=[{d_model: 80, n_layers: 6, n_heads: 5}]"])
+    sizes = build_sizes(sweep, base)
+    rungs = build_rungs(sweep, sizes, build_check_shapes(sweep, base, sizes))
+    plan = Plan(sweep, base, None, sizes, rungs, [4], "/not/written").with_output_multiplier(16.0)
+    assert {(r.size.model.parametrization, r.size.model.mup_output_multiplier) for r in plan.rungs} == {("mup", 16.0)}
+    assert any(r.size.model.d_model == 80 for r in plan.rungs) and len(plan.rungs) == len(rungs)
+    assert [s.model.mup_output_multiplier for s in plan.sizes] == [16.0] * 4
+    assert shape_for_params(2e6, sweep, plan.sizes, base).model.mup_output_multiplier == 16.0
+    assert [s.model.mup_output_multiplier for s in sizes] == [1.0] * 4  # the plan it came from is unchanged
     standard, base = load_sweep(CPU_SWEEP, ["data.path=/data/not/read", "model.mup_output_multiplier=8",
                                             "model.vocab_size=257", "train.seq_len=256"])
     with pytest.raises(ConfigError, match="model.mup_output_multiplier=8.0 is µP's"):
