@@ -248,7 +248,7 @@ def check_sweep(sweep: SweepConfig) -> None:
     if sweep.parametrization == "mup":
         _check_mup(sweep)
     elif sweep.mup_output_multiplier:
-        raise ConfigError(f"mup_output_multiplier={sweep.mup_output_multiplier} is searched at µP's base width: it "
+        raise ConfigError(f"sweep.mup_output_multiplier={sweep.mup_output_multiplier} is searched at µP's base width: it "
                           "needs sweep.parametrization=mup")
     if sweep.check and len(ladder.sizes or ladder.d_model) < 3:
         raise ConfigError("check: true holds the largest size out of the fit; the ladder then needs at "
@@ -263,9 +263,9 @@ def _check_mup(sweep: SweepConfig) -> None:
                           "sweep.lr.scale_exponent=0")
     for i, v in enumerate(sweep.mup_output_multiplier):
         if v <= 0:
-            raise ConfigError(f"mup_output_multiplier[{i}] must be positive, got {v:g}")
+            raise ConfigError(f"sweep.mup_output_multiplier[{i}] must be positive, got {v:g}")
     if len(set(sweep.mup_output_multiplier)) < len(sweep.mup_output_multiplier):
-        raise ConfigError(f"mup_output_multiplier lists a value twice: {sweep.mup_output_multiplier}")
+        raise ConfigError(f"sweep.mup_output_multiplier lists a value twice: {sweep.mup_output_multiplier}")
     if len(sweep.ladder.batch_size) > 1:
         raise ConfigError(f"sweep.parametrization=mup transfers the learning rate across widths, not a batch size "
                           f"chosen per size: ladder.batch_size takes one value under mup, got {sweep.ladder.batch_size}")

@@ -118,10 +118,10 @@ def test_mup_sweep_config_checks_name_the_field():
         load_sweep(TINY_SWEEP, [data, *MUP, "sweep.ladder.batch_size=[8,16]"])
     with pytest.raises(ConfigError, match="parametrization"):
         load_sweep(TINY_SWEEP, [data, "sweep.parametrization=muP"])
-    with pytest.raises(ConfigError, match=r"mup_output_multiplier=\[4.0, 8.0\] is searched at µP's base width: it "
+    with pytest.raises(ConfigError, match=r"sweep.mup_output_multiplier=\[4.0, 8.0\] is searched at µP's base width: it "
                                           "needs sweep.parametrization=mup"):
         load_sweep(CPU_SWEEP, [data, "sweep.mup_output_multiplier=[4,8]"])
-    with pytest.raises(ConfigError, match=r"mup_output_multiplier\[1\] must be positive, got -8"):
+    with pytest.raises(ConfigError, match=r"sweep.mup_output_multiplier\[1\] must be positive, got -8"):
         load_sweep(CPU_SWEEP, [data, *MUP, "sweep.mup_output_multiplier=[4,-8]"])
     with pytest.raises(ConfigError, match="lists a value twice"):
         load_sweep(CPU_SWEEP, [data, *MUP, "sweep.mup_output_multiplier=[4,4]"])
