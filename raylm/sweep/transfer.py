@@ -4,7 +4,7 @@ standard one at that multiplier), and every size of the ladder trained at them.
 
 The search is the standard sweep's (lr, search, early_stopping), on the base width's rungs only
 (phase `lr-search`), every learning rate at every multiplier. The multiplier is the one whose
-rungs' best losses have the lowest geometric mean (a grid value: 8 and 16 sat within 0.3% of
+rungs' best losses have the lowest geometric mean (a grid value: 8 and 16 sat within 0.7% of
 each other in benchmarks/RESULTS.md, nothing to refine between them); the transferred rate is
 the geometric mean over those rungs of each one's best at it, refined as the standard ladder's
 are (`analysis.rung_bests`). The ladder is then one trial per rung at them (phase `ladder`,
