@@ -41,8 +41,6 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
     fitted = sorted((r for r in rungs if not r.held_out), key=lambda r: -cost[r.name])
     rng = np.random.default_rng(sweep.search.seed)
     multipliers = sweep.mup_output_multiplier or [None]
-    # Drawn only when searched: a standard sweep's draws stay those of its seed.
-    draw = (lambda: float(rng.choice(multipliers))) if sweep.mup_output_multiplier else (lambda: None)
     per_rung: dict[str, list[RungSlot]] = {}
     for rung in fitted:
         if sweep.search.algorithm == "grid":
@@ -51,7 +49,9 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
         elif sweep.search.algorithm == "random":
             lows, highs = np.log(sweep.lr.low), np.log(sweep.lr.high)
             slots = [RungSlot(rung.name, rung.lr_scale, float(np.exp(rng.uniform(lows, highs))) * rung.lr_scale,
-                              int(rng.choice(batches)), output_multiplier=draw())
+                              int(rng.choice(batches)),
+                              # drawn only when searched: a standard sweep's draws stay those of its seed
+                              output_multiplier=float(rng.choice(multipliers)) if sweep.mup_output_multiplier else None)
                      for _ in range(sweep.search.samples)]
         else:
             slots = [RungSlot(rung.name, rung.lr_scale) for _ in range(sweep.search.samples)]
