@@ -50,7 +50,7 @@ from raylm.train.observe.profile import ProfileHook
 from raylm.train.observe.records import EVENTS_FILE
 from raylm.train.optim import apply_lr, build_optimizer, lr_at, step_where
 from raylm.train.preflight import preflight
-from raylm.train.queued import QueuedStep
+from raylm.train.queued import QueuedStep, rng_state, set_rng_state
 from raylm.train.resilience.faults import NonFiniteLoss
 from raylm.train.resilience import judge
 from raylm.train.resilience.decisions import Action
@@ -82,16 +82,6 @@ def train_local(cfg: Config, run_dir: str, hooks: tuple[Hook, ...] = (), use_gpu
         if dist.is_initialized():  # the others train once rank 0's checks passed (or fail with them)
             dist.barrier()
         return train(spec, LocalEnv(run_dir, use_gpu=use_gpu), hooks)
-
-
-def _rng_state() -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-
-
-def _set_rng_state(state: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1])
 
 
 class Trainer(BatchFeed, GuardedSteps):
@@ -233,7 +223,7 @@ class Trainer(BatchFeed, GuardedSteps):
             hook.on_step_begin(self.run, batch.step)
         lr = self._lr(batch.step)
         apply_lr(self.optimizer, lr)
-        rng = _rng_state()
+        rng = rng_state()
         record = self._step(batch)
         self.optimizer.zero_grad(set_to_none=True)
         mark = self.timeline.mark()
@@ -407,7 +397,7 @@ class Trainer(BatchFeed, GuardedSteps):
 
     def _rewind(self, q: QueuedStep) -> None:
         """The RNG and LR as the step `q` found them: the host computes it again from there."""
-        _set_rng_state(q.rng)
+        set_rng_state(q.rng)
         apply_lr(self.optimizer, q.lr)  # the optimizer holds the last queued step's
 
     def _advance(self, batch: Batch, record: list[float]) -> None:
@@ -428,6 +418,9 @@ class Trainer(BatchFeed, GuardedSteps):
             stop_for_preemption(q.notice, self.state.step, self.checkpointer, self.world,
                                 lambda: self._save(self.metrics))
 
+    def _devices(self) -> int:  # MFU's denominator: the devices that trained the step's whole batch
+        return self.world.world_size
+
     def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
         state, run, batch = self.state, self.run, q.batch
         tokens_per_s = batch.global_batch * self.spec.seq_len / step_time
@@ -440,7 +433,7 @@ class Trainer(BatchFeed, GuardedSteps):
                    "step_time": step_time, "data_wait": q.data_wait, "checkpoint_s": self.checkpoint_s,
                    "tokens_per_s": tokens_per_s}
         if run.peak_flops:
-            metrics["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * self.world.world_size)
+            metrics["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * self._devices())
         self.checkpoint_s = 0.0
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale

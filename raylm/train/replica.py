@@ -39,7 +39,8 @@ from raylm.data.order import batch_indices
 from raylm.data.stream import Batch, TokenStream
 from raylm.train.env import TrainEnv
 from raylm.train.hooks import Hook
-from raylm.train.loop import QueuedStep, Trainer, _rng_state, _set_rng_state
+from raylm.train.loop import Trainer
+from raylm.train.queued import QueuedStep, rng_state, set_rng_state
 from raylm.train.observe.records import append_event
 from raylm.train.optim import unique_parameters
 from raylm.train.resilience.snapshot import Evidence
@@ -254,11 +255,11 @@ class ReplicaTrainer(Trainer):
         return self._judged(batch, loss, grad_norm, noise)
 
     def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> Optional[QueuedStep]:
-        rng = _rng_state()
+        rng = rng_state()
         try:
             return super()._queue(raw, batch, data_wait)
         except StepNotCommitted:
-            _set_rng_state(rng)
+            set_rng_state(rng)
             self.optimizer.zero_grad(set_to_none=True)
             self.attempts += 1
             for hook in self.hooks:
@@ -274,6 +275,9 @@ class ReplicaTrainer(Trainer):
 
     def _step_samples(self, batch: Batch) -> list[int]:
         return list(self.step_samples)
+
+    def _devices(self) -> int:
+        return self.world.world_size * len(self.step_members)  # each group's own world trained its share
 
     def _step_metrics(self, q: QueuedStep, loss: float, grad_norm: float, step_time: float, end_time: float) -> dict:
         metrics = super()._step_metrics(q, loss, grad_norm, step_time, end_time)

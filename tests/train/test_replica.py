@@ -146,7 +146,7 @@ def _replica_group(group: int, lighthouse: str, dataset: str, run_dir: str, sign
     place = ReplicaPlace(group=group, groups=2, joining=group == 1, lighthouse=lighthouse,
                          store=f"127.0.0.1:{store.port}", host="127.0.0.1", timeout_s=60)
     cfg = tiny_config(dataset, *REPLICAS, *GUARD, "train.steps=40", "train.audit_samples=true", "guard.window=10",
-                      "schedule.name=constant", "schedule.warmup_steps=0")
+                      "schedule.name=constant", "schedule.warmup_steps=0", "train.peak_tflops=1")
     hooks = (Nudge(28, 0.2), *([_WaitForPeer(25, signals)] if group == 0 else []))
     trainer = ReplicaTrainer(resolve_run(cfg), LocalEnv(run_dir), hooks, place)
     if group == 1:
@@ -199,6 +199,10 @@ def test_a_group_that_healed_rolls_back_with_its_peer_to_the_same_snapshot(tiny_
     for row in written:  # the first pass over steps 21-28: the one rolled back
         first.setdefault(row["step"], row)
     assert first[26]["replicas"] == 1 and first[27]["replicas"] == 2  # group 1 joined after 26 steps
+    # tokens/s counts the whole quorum's batch: MFU divides by the devices of the groups in the step
+    # (one group of one worker read 105% in a run of 2 groups on 2 cores).
+    per_device = {round(r["mfu"] * r["replicas"] / r["tokens_per_s"], 15) for r in written}
+    assert len(per_device) == 1, per_device
     rows = {r["step"]: r for r in written}  # after the rollback, the steps taken again
     assert_every_sample_once(rows)
     ends = [torch.load(os.path.join(signals, f"group{g}.pt")) for g in (0, 1)]
