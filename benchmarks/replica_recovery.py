@@ -1,19 +1,23 @@
 """What a lost worker costs under parallel.fault_tolerance=replica (issue 59).
 
-    .venv/bin/python benchmarks/replica_recovery.py --json-out replica.json [--faults 2] [--steps 300]
+    .venv/bin/python benchmarks/replica_recovery.py --json-out replica.json [--faults 2] [--steps 300] [--clean-seeds 3]
     .venv/bin/python benchmarks/replica_recovery.py --node-loss --json-out node.json [--node-down-s 20]
 
-Two runs of the demo model (`configs/demo-cpu.yaml` on the demo's BPE data) as 3 torchft replica
-groups of one CPU worker each (gloo), on the local Ray the driver starts: a clean one, then the same
-run in which a group's worker is SIGKILLed at random steps (another group each time, once the last
-one has healed). From the runs' own records:
+Runs of the demo model (`configs/demo-cpu.yaml` on the demo's BPE data) as 3 torchft replica
+groups of one CPU worker each (gloo), on the local Ray the driver starts: clean ones at
+`--clean-seeds` seeds (the weights' and the sample order's), then the first seed's run again in
+which a group's worker is SIGKILLed at random steps (another group each time, once the last one
+has healed). From the runs' own records:
 
 - next_step_s: from the kill to the surviving groups' next committed step (the `replica_lost` event);
 - heal_s: from the kill to the step at which the replaced group trains again (`replica_healed`);
 - steps_lost: the steps given up and trained again per fault (the step in flight, at most);
 - healthy_restarts: workers of the groups not killed that started again (their PIDs);
 - samples_once: every sample of the planned order trained exactly once (metrics.jsonl's audit);
-- val_loss, clean_val_loss: the final validation loss of both runs;
+- val_loss, clean_val_loss: the final validation loss of the faulty run and of the clean run of
+  the same seed; clean_val_losses, one per seed, and seed_noise, their spread (max - min) over
+  their mean; val_within_seed_noise: the faulty run's distance from its clean twin no more than
+  that spread;
 - goodput: `raylm report`'s of the faulty run (committed compute over wall time, a lost group's
   share of each step it was down for counted lost); not the drill's (`benchmarks/drill.py
   --fault-tolerance replica` measures that, among the drill's other faults).
@@ -27,6 +31,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,8 +56,8 @@ def group_processes(driver: TrainDriver) -> dict[int, list[int]]:
     return found
 
 
-def run(args: argparse.Namespace, name: str, ray: SimpleNamespace = LOCAL) -> TrainDriver:
-    return TrainDriver(ray, args.workdir / name, [
+def run(args: argparse.Namespace, name: str, ray: SimpleNamespace = LOCAL, seed: int = 0) -> TrainDriver:
+    return TrainDriver(ray, args.workdir / name, [f"train.seed={1337 + seed}", f"data.seed={seed}",
         str(DEMO_CONFIG), f"data.path={args.data}", f"run.storage_path={args.workdir}", f"run.name={name}",
         f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.global_batch_size={8 * GROUPS}",
         "train.micro_batch_size=8", "train.audit_samples=true", "train.log_every=50",
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=2, help="workers killed, one at a time")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0, help="of the steps the kills come at")
+    parser.add_argument("--clean-seeds", type=int, default=3, help="clean runs, for the seed noise of val loss")
     parser.add_argument("--workdir", type=Path, default=REPO / "runs" / "bench")
     parser.add_argument("--data", type=Path, default=REPO / "runs" / "data" / "stdlib-bpe-2048-128",
                         help="the demo's prepared data (make demo prepares it)")
@@ -130,6 +136,8 @@ def main() -> None:
     parser.add_argument("--node-down-s", type=float, default=20.0)
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
+    if args.clean_seeds < 1:
+        parser.error(f"--clean-seeds must be at least 1, not {args.clean_seeds}")
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if args.node_loss:
@@ -138,8 +146,11 @@ def main() -> None:
         if args.json_out:
             args.json_out.write_text(json.dumps(result, indent=2) + "\n")
         return
-    clean = run(args, f"replica-clean-{stamp}")
-    clean.finish(timeout_s=3600)
+    cleans = []
+    for seed in range(args.clean_seeds):
+        cleans.append(run(args, f"replica-clean-{stamp}" + (f"-seed{seed}" if seed else ""), seed=seed))
+        cleans[-1].finish(timeout_s=3600)
+    clean = cleans[0]
     rng = random.Random(args.seed)
     # Spread over the run, leaving room for each heal (tens of seconds on 2 cores).
     steps = sorted(rng.sample(range(args.steps // 10, args.steps // 2), args.faults))
@@ -154,14 +165,18 @@ def main() -> None:
     healthy_restarts = sum(len(pids) for pids in processes.values()) - GROUPS - len(faults)
     summary = write_report([str(faulty.run_dir)], str(faulty.run_dir / "report"))["runs"][faulty.run_dir.name]
     val = lambda d: [r["val_loss"] for r in d.metrics() if "val_loss" in r][-1]  # noqa: E731
+    clean_vals = [val(c) for c in cleans]
+    noise = (max(clean_vals) - min(clean_vals)) / statistics.mean(clean_vals)
     result = {
         "steps_lost": max(f["steps_lost"] for f in faults), "healthy_restarts": healthy_restarts,
         "next_step_s": max(f["next_step_s"] for f in faults), "heal_s": max(f["heal_s"] for f in faults),
         "samples_once": audit(faulty), "val_loss": val(faulty), "clean_val_loss": val(clean),
+        "clean_val_losses": clean_vals, "seed_noise": noise,
+        "val_within_seed_noise": abs(val(faulty) - val(clean)) <= noise * statistics.mean(clean_vals),
         "goodput": summary["goodput"], "clean_goodput": write_report(
             [str(clean.run_dir)], str(clean.run_dir / "report"))["runs"][clean.run_dir.name]["goodput"],
         "faults": faults, "groups": GROUPS, "steps": args.steps, "processes": processes,
-        "load": load_average(), "runs": [str(clean.run_dir), str(faulty.run_dir)],
+        "load": load_average(), "runs": [*(str(c.run_dir) for c in cleans), str(faulty.run_dir)],
     }
     print(json.dumps(result, indent=2))
     print(f"command: {' '.join([os.path.relpath(sys.executable, REPO), *sys.argv])}")
