@@ -58,7 +58,8 @@ def group_processes(driver: TrainDriver) -> dict[int, list[int]]:
 
 def run(args: argparse.Namespace, name: str, ray: SimpleNamespace = LOCAL, seed: int = 0) -> TrainDriver:
     return TrainDriver(ray, args.workdir / name, [
-        str(DEMO_CONFIG), f"train.seed={1337 + seed}", f"data.seed={seed}", f"data.path={args.data}", f"run.storage_path={args.workdir}", f"run.name={name}",
+        str(DEMO_CONFIG), f"train.seed={1337 + seed}", f"data.seed={seed}", f"data.path={args.data}",
+        f"run.storage_path={args.workdir}", f"run.name={name}",
         f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.global_batch_size={8 * GROUPS}",
         "train.micro_batch_size=8", "train.audit_samples=true", "train.log_every=50",
         f"parallel.num_workers={GROUPS}", f"parallel.dp_replicate={GROUPS}", "parallel.fault_tolerance=replica",
