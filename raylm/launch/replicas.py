@@ -62,15 +62,22 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
         self.lighthouse: Optional[Any] = None
 
     def _lighthouse_address(self, config: "ReplicaTorchConfig") -> str:
-        if self.lighthouse is None:
-            # In the controller's process, on its node: the node's Ray address is the lighthouse's.
-            host = ray.util.get_node_ip_address()
-            bind = f"[{host}]:0" if ":" in host else f"{host}:0"
-            self.lighthouse = Lighthouse.options(
-                runtime_env={"env_vars": config.env},
-                scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=ray.get_runtime_context().get_node_id(), soft=False),
-            ).remote(bind, 1, config.join_timeout_ms, config.heartbeat_timeout_ms)
+        if self.lighthouse is not None:
+            try:
+                return ray.get(self.lighthouse.address.remote())
+            except ray.exceptions.RayActorError:
+                # Its process was lost: every group lost its quorum with it and failed, and Ray Train
+                # starts them again from the checkpoint. Asking the dead actor again at each start
+                # failed every one of them, and the controller retried without end.
+                print("raylm: the torchft lighthouse was lost; the replica groups start again on a new one", flush=True)
+        # In the controller's process, on its node: the node's Ray address is the lighthouse's.
+        host = ray.util.get_node_ip_address()
+        bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+        self.lighthouse = Lighthouse.options(
+            runtime_env={"env_vars": config.env},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id=ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(bind, 1, config.join_timeout_ms, config.heartbeat_timeout_ms)
         return ray.get(self.lighthouse.address.remote())
 
     def _start_group(self, group, config: "ReplicaTorchConfig", lighthouse: str, joining: bool) -> None:

@@ -295,3 +295,35 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     assert 0 < summary["time lost to replica losses (s)"] and 0 < summary["goodput"] < 1
     print(f"next step {lost['time'] - killed:.1f} s after the kill ({lost['seconds']:.1f} s since the last); "
           f"healed {healed['seconds']:.1f} s after the last step with group 1 (quorum and transfer {transfer} s)")
+
+
+@pytest.mark.slow
+def test_a_lost_lighthouse_restarts_every_group_from_the_checkpoint_on_a_new_one(ray_session, tiny_dataset, tmp_path):
+    """torchft's lighthouse actor SIGKILLed mid-run (2 replica groups on the session's Ray): every
+    group loses its quorum, and the run falls back to a whole-job restart from the checkpoint, on a
+    new lighthouse, and trains on. Each start used to ask the dead actor for its address again, and
+    failed: the controller retried without end and the run never trained another step."""
+    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
+                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
+    driver = TrainDriver(address, tmp_path / "replicas", [
+        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
+        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=100000", "train.eval_every=0",
+        "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2", "checkpoint.every_steps=10",
+        "run.max_failures=3", *REPLICAS, "parallel.cpus_per_worker=1", "parallel.replica_timeout_s=10"])
+    try:
+        driver.wait_for("the groups trained 12 steps", lambda: driver.last_step() >= 12, timeout_s=120)
+        (lighthouse,) = _lighthouses(ray_session)
+        os.kill(lighthouse, signal.SIGKILL)
+        driver.wait_for("the run resumed", lambda: driver.events("resumed"), timeout_s=180)
+        resumed_from = driver.events("resumed")[0]["from_step"]
+        driver.wait_for("5 steps after the resume", lambda: driver.last_step() >= resumed_from + 5, timeout_s=120)
+        assert [p for p in _lighthouses(ray_session) if p != lighthouse], "no new lighthouse"
+        driver.proc.send_signal(signal.SIGTERM)
+        assert driver.proc.wait(timeout=60) == 128 + signal.SIGTERM, driver.tail()
+    finally:
+        driver.stop()
+    assert "the torchft lighthouse was lost" in driver.log.read_text(errors="replace")
+    (failure,) = driver.events("failure")
+    assert failure["restart_from"] is not None and resumed_from >= 10, failure
+    assert_every_sample_once({r["step"]: r for r in driver.metrics()})
