@@ -45,7 +45,8 @@ def test_a_replica_layout_ray_train_cannot_run_is_refused_naming_the_field(extra
         load_config(None, [*REPLICAS, *extra])
 
 
-def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_checkpoint(tiny_dataset, tmp_path):
+def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_checkpoint(tiny_dataset, tmp_path,
+                                                                                           capsys):
     """Without Ray: one replica group of two (its peer never came) on a real torchft lighthouse,
     in this process, stopped at step 6 and started again, as a whole-job restart does: it reads the
     checkpoint, torchft's step is the checkpoint's, and the steps go on at the data position saved."""
@@ -74,6 +75,8 @@ def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_
     assert {r["replicas"] for r in rows.values()} == {1}
     (resumed,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "resumed"]
     assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
+    # Not "on 1 worker(s)", the group's own world, which the first resumes in replica mode said.
+    assert "raylm: resumed at step 6 on 2 replica groups of 1 worker;" in capsys.readouterr().out
 
 
 

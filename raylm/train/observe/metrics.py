@@ -84,12 +84,14 @@ class MetricsLogger(Hook):
             self._purge_board(run.state.step + 1)
         if self.rank0:
             n = count_params(run.cfg.model)  # the whole model: under pipelining a rank holds a part
-            p = run.cfg.parallel
-            workers = f"{p.dp_replicate} replica groups of 1 worker" if p.fault_tolerance == "replica" else \
-                f"{run.world.world_size} worker(s)"
-            print(f"raylm: {n / 1e6:.2f}M parameters, {workers}, "
+            print(f"raylm: {n / 1e6:.2f}M parameters, {self._workers()}, "
                   f"global batch {run.global_batch} × {run.seq_len} tokens, "
                   f"steps {run.state.step}→{self.cfg.train.steps}", flush=True)
+
+    def _workers(self) -> str:
+        p = self.cfg.parallel  # under replica groups a rank's world is its group's
+        return f"{p.dp_replicate} replica groups of 1 worker" if p.fault_tolerance == "replica" else \
+            f"{self.world.world_size} worker(s)"
 
     def record_resume(self, restored_step: int, restored_world_size: Optional[int], read_bytes: list[int]) -> None:
         """Drop the metrics of steps that will be trained again, and log how many were lost,
@@ -113,7 +115,7 @@ class MetricsLogger(Hook):
                               "from_world_size": restored_world_size, "read_bytes_per_rank": read_bytes})
         resized = f" (resized from {restored_world_size})" if restored_world_size not in (None, world_size) else ""
         read = f"; read {max(read_bytes) / 2**20:.1f} MiB of the checkpoint per rank at most" if read_bytes else ""
-        print(f"raylm: resumed at step {restored_step} on {world_size} worker(s){resized}; "
+        print(f"raylm: resumed at step {restored_step} on {self._workers()}{resized}; "
               f"{lost} step(s) of work lost{read}", flush=True)
 
     def _purge_board(self, step: int) -> None:
