@@ -57,9 +57,11 @@ def check_model_config(cfg: ModelConfig, need_vocab: bool = True) -> None:
     if cfg.parametrization == "mup" and not (isinstance(cfg.mup_base_width, int) and cfg.mup_base_width > 0):
         raise ConfigError(f"model.parametrization=mup needs model.mup_base_width, the d_model at which the LR and "
                           f"init were tuned (a positive int), got {cfg.mup_base_width!r}")
-    if cfg.parametrization != "mup" and cfg.mup_output_multiplier != 1.0:
-        raise ConfigError(f"model.mup_output_multiplier={cfg.mup_output_multiplier} is µP's: it needs "
-                          "model.parametrization=mup (the standard model's logits have no multiplier)")
+    if cfg.parametrization != "mup":  # set alone, a µP field would leave a standard model that looks µP
+        for name, unset in (("mup_base_width", None), ("mup_base_head_dim", None), ("mup_output_multiplier", 1.0)):
+            if getattr(cfg, name) != unset:
+                raise ConfigError(f"model.{name}={getattr(cfg, name)} is µP's: it needs model.parametrization=mup "
+                                  "(the standard parametrization has no base width nor output multiplier)")
     if cfg.mup_base_head_dim is not None and not (isinstance(cfg.mup_base_head_dim, int) and cfg.mup_base_head_dim > 0):
         raise ConfigError(f"model.mup_base_head_dim must be a positive int (the base model's head size), got "
                           f"{cfg.mup_base_head_dim!r}")

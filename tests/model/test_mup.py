@@ -74,6 +74,10 @@ def test_the_output_multiplier_scales_the_logits_and_is_mups_alone():
         Transformer(dataclasses.replace(config(BASE, "standard"), mup_output_multiplier=3.0))
     with pytest.raises(ConfigError, match="model.mup_output_multiplier must be positive"):
         Transformer(dataclasses.replace(cfg, mup_output_multiplier=0.0))
+    # A base width set alone (a user who forgot parametrization=mup) trained a standard model silently.
+    for field, value in (("mup_base_width", 64), ("mup_base_head_dim", 16)):
+        with pytest.raises(ConfigError, match=f"model.{field}={value} is µP's: it needs model.parametrization=mup"):
+            Transformer(dataclasses.replace(config(BASE, "standard"), **{field: value}))
 
 
 def test_mup_needs_its_base_width():
