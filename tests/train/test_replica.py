@@ -80,6 +80,43 @@ def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_
 
 
 
+def test_the_rows_read_ahead_are_the_rows_of_the_step(tiny_dataset, tmp_path):
+    """A split read by row groups (data.shard_cache_mb=0, as a split larger than the cache is)
+    has each step's rows read during the step before; trained on them, a replica group's losses
+    are those of the same run with the split held in memory, which reads them when asked."""
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    from raylm.train.env import LocalEnv
+    from raylm.train.replica import ReplicaPlace, ReplicaTrainer
+    from raylm.train.spec import resolve_run
+    from tests.train.test_loop import tiny_config
+
+    hits = []
+
+    class Counted(ReplicaTrainer):
+        def _rows(self, step, indices, *rest):
+            hits.append(self.ahead is not None and self.ahead[0][:2] == (step, tuple(indices)))
+            return super()._rows(step, indices, *rest)
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    losses = {}
+    try:
+        for cache_mb in (0, 1024):
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            place = ReplicaPlace(group=0, groups=2, joining=False, lighthouse=lighthouse.address(),
+                                 store=f"127.0.0.1:{store.port}", host="127.0.0.1", timeout_s=10)
+            cfg = tiny_config(tiny_dataset, *REPLICAS, "train.steps=8", "train.eval_every=0",
+                              f"data.shard_cache_mb={cache_mb}", f"run.name=cache{cache_mb}")
+            run_dir = str(tmp_path / f"cache{cache_mb}")
+            Counted(resolve_run(cfg), LocalEnv(run_dir), (), place).train()
+            losses[cache_mb] = [r["loss"] for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
+    finally:
+        lighthouse.shutdown()
+    assert hits[:8] == [False] + [True] * 7 and not any(hits[8:]), hits  # the first step has no step before it
+    assert len(losses[0]) == 8 and losses[0] == losses[1024]
+
+
 def test_a_replacement_group_with_no_peer_left_resumes_from_the_checkpoint_instead_of_step_0(tiny_dataset, tmp_path):
     """Without Ray: group 0 trains to step 6 (a checkpoint at 6) and is gone; group 1, started as a
     replacement into the running quorum, finds no peer to heal from. It resumes from the checkpoint,
