@@ -13,6 +13,7 @@ the n groups (torchft's all-reduce). Only a step that torchft commits on every g
 `should_commit`) is applied and moves the position; one that does not (a group lost mid-step) is
 taken again at the same position over the next quorum. So every sample is trained exactly once
 whatever groups come and go, and the position in checkpoints and metrics.jsonl stays the order's.
+A step's rows are read during the step before, for the quorum as it stands (`_read_ahead`).
 While a group is down a step trains fewer samples (tokens per step fall by 1/dp_replicate per
 group lost); the LR schedule goes by steps and does not see it.
 
