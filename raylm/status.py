@@ -121,7 +121,9 @@ def _ago(t: object) -> str:
 
 
 def _event_line(event: dict) -> str:
-    details = ", ".join(f"{k}={v}" for k, v in event.items()
+    # A float as 4 significant digits: a heal's seconds or a canary loss to 16 read as noise.
+    shown = lambda v: f"{v:.4g}" if isinstance(v, float) else v  # noqa: E731
+    details = ", ".join(f"{k}={shown(v)}" for k, v in event.items()
                         if k not in ("event", "time") and isinstance(v, (str, int, float)) and len(str(v)) < 80)
     return f"  {event.get('event')} {_ago(event.get('time'))}" + (f": {details}" if details else "")
 

@@ -41,7 +41,7 @@ def _run_with_records(saved_run: str, directory, steps: int = 10, heartbeat_age_
             f.write(json.dumps(row) + "\n")
     with open(os.path.join(run, "events.jsonl"), "w") as f:
         f.write(json.dumps({"event": "failure", "time": now - 5, "cause": "worker died"}) + "\n")
-        f.write(json.dumps({"event": "resumed", "time": now - 4, "from_step": 4}) + "\n")
+        f.write(json.dumps({"event": "resumed", "time": now - 4, "from_step": 4, "seconds": 6.073549270629883}) + "\n")
         f.write(json.dumps({"event": "profile", "time": now - 3}) + "\n")  # not a failure, restart or guard event
     if heartbeat_age_s is not None:
         with open(os.path.join(run, "run.lease"), "w") as f:
@@ -61,7 +61,7 @@ def test_a_running_run_shows_its_holder_progress_eta_checkpoint_and_last_events(
     assert lines[3] == f"newest complete checkpoint: {run}/checkpoint_00000004"
     assert lines[4] == "last events:"
     assert lines[5].startswith("  failure ") and "cause=worker died" in lines[5]
-    assert lines[6].startswith("  resumed ") and "from_step=4" in lines[6]
+    assert lines[6].startswith("  resumed ") and lines[6].endswith(": from_step=4, seconds=6.074")
     assert len(lines) == 7  # the profile event is not shown
 
 
