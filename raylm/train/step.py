@@ -376,6 +376,7 @@ def build_model(model_factory: Callable[[], nn.Module], cfg: Config, world: Worl
         model.layout["pp_layers"] = built.pp_layers
     else:
         model = ParallelModel(built.parts, cfg, world, built.mesh, eot_id)
-    if world.rank == 0:
-        print(f"[raylm.parallel] layout {model.layout}", flush=True)
+    if world.rank == 0:  # under replica groups a group's world is its own: each has this layout
+        whose = " of each replica group" if cfg.parallel.fault_tolerance == "replica" else ""
+        print(f"[raylm.parallel] layout{whose} {model.layout}", flush=True)
     return model
