@@ -86,6 +86,7 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
         group.execute(_set_env, {LIGHTHOUSE_ENV: lighthouse, STORE_ENV: store, JOINING_ENV: "1" if joining else "0"})
 
     def on_start(self, worker_group, backend_config: "ReplicaTorchConfig") -> None:
+        _shut_failing_groups_down_first()  # in the controller's process, where it replaces them
         lighthouse = self._lighthouse_address(backend_config)
         groups = worker_group.get_replica_groups() if hasattr(worker_group, "get_replica_groups") else None
         if groups is None:  # one replica group, replacing a failed one
@@ -94,6 +95,31 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
         with ThreadPoolExecutor() as pool:
             for done in [pool.submit(self._start_group, group, backend_config, lighthouse, False) for group in groups]:
                 done.result()
+
+
+def _shut_failing_groups_down_first() -> None:
+    """Ray Train 2.60's controller replaces failing replica groups one at a time, and each
+    replacement first clears the result queues of the other groups it finds active. A group lost
+    with the first (a node that held both: 2 of 3 groups on a node of 2 CPUs) is dead there, the
+    clear raised ActorDiedError, and the controller failed the run (`ControllerError`), where
+    checkpoint mode would have restarted it. Shut down, a failing group is not cleared, and its
+    workers are kept for its own replacement (Ray's `ReplicaGroup` keeps them for that). On the
+    worker group's class: the controller's own methods are wrapped per instance by Ray's tracing."""
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    replace = WorkerGroup.replace_replica_group
+    if getattr(replace, "raylm", False):
+        return
+
+    def replace_replica_group(worker_group, index: int) -> None:
+        status = worker_group.get_latest_poll_status()
+        for other in status.failing_replica_group_indices if status is not None else ():
+            if other != index:
+                worker_group._replica_groups[other].shutdown()
+        replace(worker_group, index)
+
+    replace_replica_group.raylm = True
+    WorkerGroup.replace_replica_group = replace_replica_group
 
 
 def _store_address() -> str:

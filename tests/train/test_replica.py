@@ -367,3 +367,40 @@ def test_a_lost_lighthouse_restarts_every_group_from_the_checkpoint_on_a_new_one
     (failure,) = driver.events("failure")
     assert failure["restart_from"] is not None and resumed_from >= 10, failure
     assert_every_sample_once({r["step"]: r for r in driver.metrics()})
+
+
+@pytest.mark.slow
+def test_two_groups_lost_at_once_heal_while_the_third_trains_on(ray_session, tiny_dataset, tmp_path):
+    """Groups 1 and 2 of 3 SIGKILLed together, as a node that held both is lost (the README's
+    nodes of 2 CPUs hold 2 groups of 1). Ray Train 2.60 replaced them one at a time, and the first
+    replacement's clearing of the second, dead, group failed the run (`ControllerError`); now group
+    0 trains on alone and both heal from it, no checkpoint read, every sample once."""
+    groups = 3
+    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
+                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
+    driver = TrainDriver(address, tmp_path / "replicas", [
+        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
+        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        f"train.global_batch_size={4 * groups}", "train.micro_batch_size=4", "train.steps=100000",
+        "train.eval_every=0", "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2",
+        "checkpoint.every_steps=10", "run.max_failures=3", f"parallel.num_workers={groups}",
+        f"parallel.dp_replicate={groups}", "parallel.fault_tolerance=replica", "parallel.cpus_per_worker=1"])
+    try:
+        driver.wait_for("the groups trained 12 steps", lambda: driver.last_step() >= 12, timeout_s=120)
+        started = _group_processes(driver.log.read_text(errors="replace"))
+        for group in (1, 2):
+            os.kill(started[group][0], signal.SIGKILL)
+        driver.wait_for("groups 1 and 2 healed", lambda: len(driver.events("replica_healed")) == 2, timeout_s=180)
+        healed_at = max(e["step"] for e in driver.events("replica_healed"))
+        driver.wait_for("3 steps at full quorum", lambda: driver.last_step() >= healed_at + 3, timeout_s=60)
+        driver.proc.send_signal(signal.SIGTERM)
+        assert driver.proc.wait(timeout=60) == 128 + signal.SIGTERM, driver.tail()
+    finally:
+        driver.stop()
+    after = _group_processes(driver.log.read_text(errors="replace"))
+    assert after[0] == started[0] and len(after[1]) == len(after[2]) == 2, after  # group 0's worker went on
+    assert sorted(e["group"] for e in driver.events("replica_healed")) == [1, 2]
+    assert not driver.events("resumed")  # no checkpoint was read
+    rows = {r["step"]: r for r in driver.metrics()}
+    assert_every_sample_once(rows)
+    assert min(r["replicas"] for r in rows.values()) == 1 and rows[max(rows)]["replicas"] == groups
