@@ -256,6 +256,21 @@ def test_a_group_that_healed_rolls_back_with_its_peer_to_the_same_snapshot(tiny_
         "the groups' weights differ"
 
 
+def _replica_run(ray_session, tiny_dataset: str, tmp_path, groups: int, *extra: str) -> TrainDriver:
+    """`groups` replica groups of one CPU worker on the session's Ray, training until stopped, a
+    checkpoint every 10 steps."""
+    # Ray folds alike lines of several workers into one: every group names its process.
+    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
+                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
+    return TrainDriver(address, tmp_path / "replicas", [
+        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
+        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
+        f"train.global_batch_size={4 * groups}", "train.micro_batch_size=4", "train.steps=100000",
+        "train.eval_every=0", "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2",
+        "checkpoint.every_steps=10", "run.max_failures=3", f"parallel.num_workers={groups}",
+        f"parallel.dp_replicate={groups}", "parallel.fault_tolerance=replica", "parallel.cpus_per_worker=1", *extra])
+
+
 def _lighthouses(ray_session) -> list[int]:
     """The torchft lighthouse actors' processes on the session's Ray (ray::Lighthouse.*)."""
     raylet = ray_session._private.worker._global_node.all_processes["raylet"][0].process.pid
@@ -286,16 +301,7 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     samples are the next of the planned order, each trained once; the run is stopped (SIGTERM)
     once the groups have trained at full quorum again."""
     groups = 3
-    # Ray folds alike lines of several workers into one: every group names its process.
-    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
-                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
-    driver = TrainDriver(address, tmp_path / "replicas", [
-        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
-        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
-        f"train.global_batch_size={4 * groups}", "train.micro_batch_size=4", "train.steps=100000",
-        "train.eval_every=0", "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2",
-        "checkpoint.every_steps=10", "run.max_failures=3", f"parallel.num_workers={groups}",
-        f"parallel.dp_replicate={groups}", "parallel.fault_tolerance=replica", "parallel.cpus_per_worker=1"])
+    driver = _replica_run(ray_session, tiny_dataset, tmp_path, groups)
     try:
         driver.wait_for("the groups trained 12 steps", lambda: driver.last_step() >= 12, timeout_s=120)
         started = _group_processes(driver.log.read_text(errors="replace"))
@@ -343,14 +349,7 @@ def test_a_lost_lighthouse_restarts_every_group_from_the_checkpoint_on_a_new_one
     group loses its quorum, and the run falls back to a whole-job restart from the checkpoint, on a
     new lighthouse, and trains on. Each start used to ask the dead actor for its address again, and
     failed: the controller retried without end and the run never trained another step."""
-    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
-                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
-    driver = TrainDriver(address, tmp_path / "replicas", [
-        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
-        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
-        "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=100000", "train.eval_every=0",
-        "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2", "checkpoint.every_steps=10",
-        "run.max_failures=3", *REPLICAS, "parallel.cpus_per_worker=1", "parallel.replica_timeout_s=10"])
+    driver = _replica_run(ray_session, tiny_dataset, tmp_path, 2, "parallel.replica_timeout_s=10")
     try:
         driver.wait_for("the groups trained 12 steps", lambda: driver.last_step() >= 12, timeout_s=120)
         (lighthouse,) = _lighthouses(ray_session)
@@ -376,15 +375,7 @@ def test_two_groups_lost_at_once_heal_while_the_third_trains_on(ray_session, tin
     replacement's clearing of the second, dead, group failed the run (`ControllerError`); now group
     0 trains on alone and both heal from it, no checkpoint read, every sample once."""
     groups = 3
-    address = SimpleNamespace(address=ray_session.get_runtime_context().gcs_address,
-                              driver_env=lambda: {"RAY_DEDUP_LOGS": "0"})
-    driver = TrainDriver(address, tmp_path / "replicas", [
-        f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=replicas", "data.chunk_rows=8",
-        "data.loader=local", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32",
-        f"train.global_batch_size={4 * groups}", "train.micro_batch_size=4", "train.steps=100000",
-        "train.eval_every=0", "train.audit_samples=true", "train.tensorboard=false", "schedule.warmup_steps=2",
-        "checkpoint.every_steps=10", "run.max_failures=3", f"parallel.num_workers={groups}",
-        f"parallel.dp_replicate={groups}", "parallel.fault_tolerance=replica", "parallel.cpus_per_worker=1"])
+    driver = _replica_run(ray_session, tiny_dataset, tmp_path, groups)
     try:
         driver.wait_for("the groups trained 12 steps", lambda: driver.last_step() >= 12, timeout_s=120)
         started = _group_processes(driver.log.read_text(errors="replace"))
