@@ -112,10 +112,14 @@ def _shut_failing_groups_down_first() -> None:
         return
 
     def replace_replica_group(worker_group, index: int) -> None:
+        # Once per poll: the controller replaces its failing groups one after the other, and a
+        # group replaced already is a new, live one.
         status = worker_group.get_latest_poll_status()
-        for other in status.failing_replica_group_indices if status is not None else ():
-            if other != index:
-                worker_group._replica_groups[other].shutdown()
+        if status is not None and getattr(worker_group, "raylm_shut_down_for", None) is not status:
+            worker_group.raylm_shut_down_for = status
+            for other in status.failing_replica_group_indices:
+                if other != index:
+                    worker_group._replica_groups[other].shutdown()
         replace(worker_group, index)
 
     replace_replica_group.raylm = True
