@@ -67,8 +67,7 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
                 return ray.get(self.lighthouse.address.remote())
             except ray.exceptions.RayActorError:
                 # Its process was lost: every group lost its quorum with it and failed, and Ray Train
-                # starts them again from the checkpoint. Asking the dead actor again at each start
-                # failed every one of them, and the controller retried without end.
+                # starts them again from the checkpoint, which needs a live lighthouse to join.
                 print("raylm: the torchft lighthouse was lost; the replica groups start again on a new one", flush=True)
         # In the controller's process, on its node: the node's Ray address is the lighthouse's.
         host = ray.util.get_node_ip_address()
@@ -100,9 +99,8 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
 def _shut_failing_groups_down_first() -> None:
     """Ray Train 2.60's controller replaces failing replica groups one at a time, and each
     replacement first clears the result queues of the other groups it finds active. A group lost
-    with the first (a node that held both: 2 of 3 groups on a node of 2 CPUs) is dead there, the
-    clear raised ActorDiedError, and the controller failed the run (`ControllerError`), where
-    checkpoint mode would have restarted it. Shut down, a failing group is not cleared, and its
+    with the first (a node that held both) is dead there, and the clear's ActorDiedError fails the
+    run (`ControllerError`). Shut down, a failing group is not cleared, and its
     workers are kept for its own replacement (Ray's `ReplicaGroup` keeps them for that). On the
     worker group's class: the controller's own methods are wrapped per instance by Ray's tracing."""
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup

@@ -94,8 +94,11 @@ class ReplicaTrainer(Trainer):
         self.place = place
         self.per_group = spec.global_batch // place.groups
         super().__init__(spec, env, hooks)
+        # A split held in memory whole needs no reads ahead (and its cache is the process's, which one
+        # thread fills); otherwise they have a source of their own: open Parquet files stay in one thread.
+        self.reads = None if self.source.cache_bytes else \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-rows-ahead")
         self.ahead_source = copy.copy(self.source)  # without the open files (RowSource.__getstate__)
-        self.reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-rows-ahead")
         self.ahead: Optional[tuple[tuple, Future]] = None  # the next step's rows being read, and for what
         self.manager = self._manager()
         if not place.joining:  # torchft's step is the run's: a whole-job restart resumes at the checkpoint's
@@ -220,7 +223,7 @@ class ReplicaTrainer(Trainer):
         indices, next_position = batch_indices(self.state.position, size, skip)
         self.step_samples = indices
         batch = self._rows(self.state.step, indices, next_position, rank, groups)
-        if self.state.step + 1 < self.last:
+        if self.reads is not None and self.state.step + 1 < self.last:
             self._read_ahead(self.state.step + 1, *batch_indices(next_position, size, skip), rank, groups)
         return batch, batch
 
@@ -233,13 +236,9 @@ class ReplicaTrainer(Trainer):
         return TokenStream(self.source, len(indices), rank, groups, []).batch_of(step, indices, next_position)
 
     def _read_ahead(self, step: int, indices: list[int], next_position: int, rank: int, groups: int) -> None:
-        """Start reading the next step's share, as the quorum stands: a step's rows read from S3
-        by row groups, a shard a round trip, cost the step that waited for them (6 ms of a 165 ms
-        step on a local S3 server). A split held in memory whole needs none. A changed quorum,
-        position or skip range reads anew (`_rows`). The reads ahead have a source of their own:
-        open Parquet files are not shared between threads."""
-        if self.source.cache_bytes:  # and its cache is the process's, which one thread fills
-            return
+        """Start reading the next step's share, as the quorum stands: rows read by row groups, a
+        round trip a shard (S3), would otherwise be waited for at the step. A changed quorum,
+        position or skip range reads anew (`_rows`)."""
         stream = TokenStream(self.ahead_source, len(indices), rank, groups, [])
         self.ahead = ((step, tuple(indices), rank, groups), self.reads.submit(stream.batch_of, step, indices, next_position))
 
@@ -341,5 +340,6 @@ class ReplicaTrainer(Trainer):
         try:
             return super().train()
         finally:
-            self.reads.shutdown(wait=False, cancel_futures=True)
+            if self.reads is not None:
+                self.reads.shutdown(wait=False, cancel_futures=True)
             self.manager.shutdown(wait=False)
