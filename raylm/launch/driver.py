@@ -267,7 +267,8 @@ def _backend_config(cfg: Config) -> NodeBoundTorchConfig:
             raise ConfigError("parallel.fault_tolerance=replica needs torchft: pip install 'raylm[ft]'")
         from raylm.launch.replicas import ReplicaTorchConfig
 
-        return ReplicaTorchConfig(backend=backend, env=_rust_log(cfg))
+        return ReplicaTorchConfig(backend=backend, env=_rust_log(cfg),
+                                  join_timeout_ms=round(cfg.parallel.replica_timeout_s * 1000))
     return NodeBoundTorchConfig(backend=backend)
 
 

@@ -135,7 +135,13 @@ def _store_address() -> str:
 class ReplicaTorchConfig(NodeBoundTorchConfig):
     """The node-bound torch backend with torchft's replica groups (see the module)."""
 
-    join_timeout_ms: int = 1000  # how long the lighthouse waits for more groups before a quorum forms
+    # How long the lighthouse waits for a group of the last quorum that is alive (it heartbeats)
+    # but late: the quorum's first group saving a checkpoint, a slow host. A group dead or gone
+    # stops heartbeating and is out after the heartbeat timeout instead; one not in the last
+    # quorum (a replacement starting) is not waited for (torchft's fast quorum). At 1 s, three
+    # groups went on without the saving one at every checkpoint longer than that, and it healed.
+    # Set from parallel.replica_timeout_s.
+    join_timeout_ms: int = 30000
     # A group silent this long is out of the quorum: the stall of the others when one is lost
     # (torchft's 5 s default made it 5.1 s on 2 cores; its managers beat every 100 ms).
     heartbeat_timeout_ms: int = 2000

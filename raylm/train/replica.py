@@ -127,6 +127,9 @@ class ReplicaTrainer(Trainer):
         from torchft.checkpointing.pg_transport import PGTransport
 
         timeout = timedelta(seconds=self.place.timeout_s)
+        # The lighthouse waits up to `timeout` for a late group of the last quorum (its join
+        # timeout): the others' own wait for the quorum must outlast it, or they fail instead.
+        quorum_timeout = 2 * timeout
         pg = ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(pg, timeout=timeout, device=self.world.device)
         host, port = self.place.store.rsplit(":", 1)
@@ -134,7 +137,7 @@ class ReplicaTrainer(Trainer):
             return Manager(
                 pg=pg, load_state_dict=self._load_peer_state, state_dict=self._peer_state, min_replica_size=1,
                 # The quorum before the forward, healed before it: the step's samples depend on it.
-                use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=timeout,
                 rank=0, world_size=1, store_addr=host, store_port=int(port), lighthouse_addr=self.place.lighthouse,
                 replica_id=f"raylm_{self.place.group}", hostname=self.place.host, checkpoint_transport=transport,
                 init_sync=False)  # every group builds the same weights from the seed, or reads the same checkpoint
