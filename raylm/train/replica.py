@@ -109,6 +109,7 @@ class ReplicaTrainer(Trainer):
         self.lost: dict[int, float] = {}  # group -> when it was last seen in a committed step
         self.attempts = 0  # tries of the current step that did not commit
         self.replica_s = 0.0  # seconds of given-up tries and their quorums since the last metrics
+        self.quorum_after_retry = 0.0  # of the loop's wait for this batch: the quorum's, in replica_s
         self.step_samples: list[int] = []
         self.committed: Optional[bool] = None  # this step's should_commit, once asked
         self.healed = False  # the last quorum sent this group a peer's state
@@ -218,6 +219,7 @@ class ReplicaTrainer(Trainer):
             now = self.timeline.mark()
             self.replica_s += self.timeline.seconds(self.last_mark, now)
             self.last_mark = now
+            self.quorum_after_retry = time.perf_counter() - asked
         self.committed = None
         rank, groups = self.manager.participating_rank(), self.manager.num_participants()
         self.world.rank = rank
@@ -285,6 +287,9 @@ class ReplicaTrainer(Trainer):
 
     def _queue(self, raw: Batch, batch: Batch, data_wait: float) -> Optional[QueuedStep]:
         rng = rng_state()
+        # The wait for the quorum after a given-up step is replica_s's, outside step_time: counted in
+        # data_wait too, the report took it from the step's compute twice (a goodput below 0).
+        data_wait, self.quorum_after_retry = data_wait - self.quorum_after_retry, 0.0
         try:
             return super()._queue(raw, batch, data_wait)
         except StepNotCommitted:

@@ -411,6 +411,9 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
     assert {rows[s]["replicas"] for s in range(lost["step"], healed["step"])} == {groups - 1}
     assert rows[healed["step"]]["replicas"] == groups and rows[lost["step"] - 1]["replicas"] == groups
     assert rows[lost["step"]]["global_batch"] == 4 * (groups - 1)
+    # The wait for the quorum after the given-up step is replica_s's: it was data_wait's too, which
+    # the report takes from the step's time (a goodput below 0 once the wait was 2 s).
+    assert all(r["data_wait"] <= r["step_time"] for r in rows.values())
     summary = write_report([str(driver.run_dir)], str(tmp_path / "report"))["runs"]["replicas"]
     assert summary["replica groups lost"] == summary["replica groups healed"] == 1 and summary["restarts"] == 0
     assert 0 < summary["time lost to replica losses (s)"] and 0 < summary["goodput"] < 1
