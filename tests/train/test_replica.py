@@ -3,11 +3,13 @@ lighthouse whose replica group loses its worker mid-run (raylm.train.replica, ra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
 from types import SimpleNamespace
+from typing import Iterator
 
 import pytest
 
@@ -153,6 +155,22 @@ def test_a_replacement_group_with_no_peer_left_resumes_from_the_checkpoint_inste
     assert resumed["from_step"] == 6 and resumed["steps_lost"] == 0
 
 
+@contextlib.contextmanager
+def _finished(groups: list, lighthouse) -> Iterator[None]:
+    """Replica groups in their own processes, started in the block: each must end with exit 0;
+    whatever happens, none outlives it, nor the lighthouse."""
+    try:
+        yield
+        for process in groups:
+            process.join(timeout=300)
+            assert process.exitcode == 0, process.exitcode
+    finally:
+        for process in groups:
+            if process.is_alive():
+                process.kill()
+        lighthouse.shutdown()
+
+
 class _WaitForPeer(Hook):
     """Group 0, at the start of `step`: says so, and holds until the joining group (started then)
     is up (its manager heartbeating), which joins at the next step's quorum."""
@@ -217,21 +235,13 @@ def test_a_group_that_healed_rolls_back_with_its_peer_to_the_same_snapshot(tiny_
     spawn = multiprocessing.get_context("spawn")
     groups = [spawn.Process(target=_replica_group, args=(g, lighthouse.address(), tiny_dataset, run_dir, signals))
               for g in (0, 1)]
-    try:
+    with _finished(groups, lighthouse):
         groups[0].start()
         deadline = time.time() + 120
         while not os.path.exists(os.path.join(signals, "waiting")):  # group 0 at step 25, its snapshot of step 20
             assert time.time() < deadline and groups[0].is_alive(), "group 0 did not reach step 25"
             time.sleep(0.05)
         groups[1].start()
-        for process in groups:
-            process.join(timeout=300)
-            assert process.exitcode == 0, process.exitcode
-    finally:
-        for process in groups:
-            if process.is_alive():
-                process.kill()
-        lighthouse.shutdown()
     (rollback,) = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "rollback"]
     assert rollback["step"] == 28 and rollback["to_step"] == 20, rollback
     written = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -311,17 +321,9 @@ def test_the_groups_wait_for_the_checkpoint_save_of_the_first_instead_of_leaving
     spawn = multiprocessing.get_context("spawn")
     groups = [spawn.Process(target=_saving_group, args=(g, lighthouse.address(), tiny_dataset, run_dir, signals))
               for g in range(3)]
-    try:
+    with _finished(groups, lighthouse):
         for process in groups:
             process.start()
-        for process in groups:
-            process.join(timeout=300)
-            assert process.exitcode == 0, process.exitcode
-    finally:
-        for process in groups:
-            if process.is_alive():
-                process.kill()
-        lighthouse.shutdown()
     rows = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
     assert sorted(rows) == list(range(1, 9))
     assert rows[5]["time"] - rows[4]["time"] >= 3  # step 5, over all three, came after the save
