@@ -162,7 +162,7 @@ class Trainer(BatchFeed, GuardedSteps):
         if restored is not None:
             uri, saved = restored
             state, self.restored_world_size = TrainState.from_saved(saved), saved["world_size"]
-            if world.rank == 0 and (changes := changes_since(uri, cfg, cfg.storage)):
+            if self._records_start() and (changes := changes_since(uri, cfg, cfg.storage)):
                 record_config_change(env.run_dir, state.step, changes)  # an operator's change mid-flight, as OPT's
         # Every rank's reads of the checkpoint, for the `resumed` event: its share, not the whole.
         self.restore_read_bytes = [bytes_read() - read_before]
@@ -170,6 +170,10 @@ class Trainer(BatchFeed, GuardedSteps):
             self.restore_read_bytes = [0] * world.world_size
             dist.all_gather_object(self.restore_read_bytes, bytes_read() - read_before)
         return state
+
+    def _records_start(self) -> bool:
+        """Whether this process records what a start finds (an operator's config change)."""
+        return self.world.rank == 0
 
     def train(self) -> dict:
         """The steps from the run's current state to its last; returns the last step's metrics."""

@@ -123,6 +123,11 @@ class ReplicaTrainer(Trainer):
             return TrainState()
         return super()._restore()
 
+    def _records_start(self) -> bool:
+        # Each group is rank 0 of its own world while it starts: the first group of the start
+        # records it, as it writes the records until the first quorum.
+        return self.place.group == 0 and not self.place.joining
+
     def _manager(self):
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport

@@ -82,6 +82,37 @@ def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_
 
 
 
+def test_an_operators_config_change_is_recorded_once_by_the_groups_of_a_restart(tiny_dataset, tmp_path):
+    """Without Ray: a run's checkpoint, then a whole-job restart of both groups with a changed
+    config. Each group reads the checkpoint as rank 0 of its own world; each recorded the change
+    (a `config_changed` event per group); the first group records it for the run."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    from raylm.train.env import LocalEnv
+    from raylm.train.replica import ReplicaPlace, ReplicaTrainer
+    from raylm.train.spec import resolve_run
+    from tests.train.test_loop import tiny_config
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    first = ReplicaPlace(group=0, groups=2, joining=False, lighthouse=lighthouse.address(),
+                         store=f"127.0.0.1:{stores[0].port}", host="127.0.0.1", timeout_s=10)
+    run_dir = str(tmp_path / "run")
+    base = (tiny_dataset, *REPLICAS, "train.steps=10", "checkpoint.every_steps=3", "train.eval_every=0")
+    try:
+        ReplicaTrainer(resolve_run(tiny_config(*base, "train.stop_at_step=3")), LocalEnv(run_dir), (), first).train()
+        restarted = resolve_run(tiny_config(*base, "train.audit_samples=true"))
+        for place in (first, dataclasses.replace(first, group=1, store=f"127.0.0.1:{stores[1].port}")):
+            ReplicaTrainer(restarted, LocalEnv(run_dir), (), place).manager.shutdown(wait=False)
+    finally:
+        lighthouse.shutdown()
+    changed = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["event"] == "config_changed"]
+    assert [(e["step"], e["changes"]) for e in changed] == [(3, {"train.audit_samples": [False, True]})], changed
+
+
 def test_the_rows_read_ahead_are_the_rows_of_the_step(tiny_dataset, tmp_path):
     """A split read by row groups (data.shard_cache_mb=0, as a split larger than the cache is)
     has each step's rows read during the step before; trained on them, a replica group's losses
