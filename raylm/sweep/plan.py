@@ -73,6 +73,8 @@ def resolve(path: str, overrides: list[str]) -> Plan:
         say(line)
     ladder.check_fittable(sweep, rungs)
     batches = ladder.batch_sizes(sweep, spec.config)
+    if warning := ladder.check_chunking(spec.config, batches):
+        say(warning)
     probe_lr = sweep.lr.grid[0] if sweep.lr.grid else sweep.lr.low
     for rung in rungs:  # every trial's complete config, built and validated now
         for batch in batches:

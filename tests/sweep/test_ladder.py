@@ -112,6 +112,16 @@ def test_rungs_that_would_repeat_data_are_refused_with_their_epochs(tiny_dataset
     assert "unique training tokens; the rungs train" in out and "train on repeated tokens" in out
 
 
+def test_chunks_of_more_rows_than_a_trials_batch_are_warned_of(tiny_dataset, tmp_path, capsys):
+    plan(tiny_dataset, tmp_path)  # the shipped sweeps draw rows one by one
+    assert "chunk_rows" not in capsys.readouterr().out
+    plan(tiny_dataset, tmp_path, "data.chunk_rows=64")  # the base run's default, at 16 rows a step
+    assert ("warning: data.chunk_rows=64 is more than a trial's batch (16 rows): 4 steps in a row train on one "
+            "passage") in capsys.readouterr().out
+    plan(tiny_dataset, tmp_path, "data.chunk_rows=16")
+    assert "chunk_rows" not in capsys.readouterr().out
+
+
 def test_a_corpus_of_copies_counts_each_document_once_as_unique_data(ray_session, tmp_path, capsys):
     """Every document twice (two packages shipping one changelog): the rungs' epochs are over
     the tokens of one copy, not of both."""
