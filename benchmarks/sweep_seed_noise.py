@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import load_average  # noqa: E402
+from raylm.sweep.checks import relative_spread  # noqa: E402  (the noise floor's measure)
 
 CPU_SWEEP = str(Path(__file__).resolve().parents[1] / "configs" / "sweep-cpu.yaml")
 
@@ -105,7 +106,7 @@ def main() -> None:
     table: dict = {}
     for (variant, chunk, k), loss in sorted(losses.items()):
         table.setdefault(variant, {}).setdefault(chunk, []).append(loss)
-    spread = {v: {c: (max(x) - min(x)) / (sum(x) / len(x)) for c, x in by.items()} for v, by in table.items()}
+    spread = {v: {c: relative_spread(x) for c, x in by.items()} for v, by in table.items()}
     mean = {v: {c: sum(x) / len(x) for c, x in by.items()} for v, by in table.items()}
     result = {"val_loss": table, "spread": spread, "mean": mean, "rung": args.rung, "steps": steps, "lr": args.lr,
               "output_multiplier": args.output_multiplier, "overrides": args.overrides,

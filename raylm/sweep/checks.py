@@ -19,6 +19,11 @@ def noise_rung(fitted: list[dict], held_out_budget: str) -> str:
     return next((r for r in largest if r["budget"] == held_out_budget), min(largest, key=lambda r: r["tokens"]))["rung"]
 
 
+def relative_spread(losses: list[float]) -> float:
+    """(max - min) / mean: how far one configuration's seeds spread, the noise floor's measure."""
+    return (max(losses) - min(losses)) / float(np.mean(losses))
+
+
 def noise_floor(ladder_rows: list[dict], seed_rows: list[dict], rung: str) -> Optional[dict]:
     """The noise rung's repeats beside the ladder trial they repeat, and the relative spread of
     their losses ((max - min) / mean): None without two completed losses."""
@@ -33,7 +38,7 @@ def noise_floor(ladder_rows: list[dict], seed_rows: list[dict], rung: str) -> Op
     if len(losses) < 2:
         return None
     return {"rung": first["rung"], "lr": first["lr"], "seeds": [int(r.get("seed", 0)) for r in original[:1] + repeats],
-            "losses": losses, "relative_spread": (max(losses) - min(losses)) / float(np.mean(losses))}
+            "losses": losses, "relative_spread": relative_spread(losses)}
 
 
 def predict_check(laws: analysis.Laws, check: dict) -> dict:
