@@ -88,7 +88,8 @@ class DataConfig:
     seed: int = 0
     """Seeds the sample order: the order is a pure function of (manifests, seed, epoch)."""
     chunk_rows: int = 64
-    """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads."""
+    """Rows read together and shuffled as a unit; smaller means finer shuffling, more reads. A
+    global batch of fewer rows trains several steps in a row on one passage (warned of at start)."""
     loader: Literal["auto", "ray", "local"] = "auto"
     """`ray` reads rows in one reader actor per rank (on the rank's node when it has room), a
     few spans of steps ahead; `local` reads with pyarrow on a thread of the

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 from raylm.config import CONFIG_FILE, Config, ConfigError, ParallelConfig, config_to_yaml
 from raylm.data import storage
+from raylm.data.order import chunking_warning
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
@@ -88,6 +89,8 @@ def launch(cfg: Config) -> dict:
         with sigterm_as_ctrl_c(terminated), kept_console() as console:
             spec = resolve_run(with_machine_defaults(cfg), announce=True)
             cfg = spec.config
+            if warning := chunking_warning(cfg.data.chunk_rows, min(spec.batch_schedule.sizes()), "a global batch"):
+                print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
             if not storage.is_s3(uri):
                 try:
                     storage.check_local_output(uri)

@@ -243,20 +243,6 @@ def check_repetition(sweep: SweepConfig, rungs: list[Rung], unique_tokens: int) 
     return lines
 
 
-def check_chunking(base: Config, batches: list[int]) -> Optional[str]:
-    """A warning when a trial's batch holds fewer rows than `data.chunk_rows`: the order shuffles
-    chunks of consecutive rows as units (`raylm.data.order`), so steps in a row train on one
-    passage, and a rung's loss then depends on which passages came last: measured on
-    configs/sweep-cpu.yaml's 201k rung, chunks of 64 rows at 4 a step scored 14% worse than rows
-    drawn one by one and spread 10% over 3 seeds against 2.3% (benchmarks/RESULTS.md, issue 64)."""
-    rows, batch = base.data.chunk_rows, min(batches)
-    if rows <= batch:
-        return None
-    return (f"warning: data.chunk_rows={rows} is more than a trial's batch ({batch} rows): {rows // batch} steps in a "
-            "row train on one passage of consecutive rows, which costs the small models loss and spreads it over "
-            "seeds; data.chunk_rows=1 draws every row on its own")
-
-
 def check_fittable(sweep: SweepConfig, rungs: list[Rung]) -> None:
     """The parametric fit has 5 constants: a check or a target needs enough distinct (N, D) to fit them."""
     if not (sweep.check or sweep.target.flops or sweep.target.params):

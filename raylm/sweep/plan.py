@@ -11,6 +11,7 @@ import yaml
 
 from raylm.config import Config, ParallelConfig, build_dataclass, config_to_dict
 from raylm.data import storage
+from raylm.data.order import chunking_warning
 from raylm.errors import ConfigError
 from raylm.sweep import ladder
 from raylm.sweep.config import SweepConfig, load_sweep, sweep_to_dict
@@ -73,8 +74,8 @@ def resolve(path: str, overrides: list[str]) -> Plan:
         say(line)
     ladder.check_fittable(sweep, rungs)
     batches = ladder.batch_sizes(sweep, spec.config)
-    if warning := ladder.check_chunking(spec.config, batches):
-        say(warning)
+    if warning := chunking_warning(spec.config.data.chunk_rows, min(batches), "a trial's batch"):
+        say(f"warning: {warning}")
     probe_lr = sweep.lr.grid[0] if sweep.lr.grid else sweep.lr.low
     for rung in rungs:  # every trial's complete config, built and validated now
         for batch in batches:

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from raylm.data.order import MIX_BLOCK, DatasetOrder, SampleOrder, batch_indices, rank_slice
+from raylm.data.order import MIX_BLOCK, DatasetOrder, SampleOrder, batch_indices, chunking_warning, rank_slice
 from tests.support.order import epoch_samples, locate
 
 
@@ -107,3 +107,14 @@ def test_mixture_proportions_and_determinism():
 def test_uneven_split_is_a_clear_error():
     with pytest.raises(ValueError, match="does not split evenly over 4"):
         rank_slice(list(range(6)), 0, 4)
+
+
+def test_a_batch_of_fewer_rows_than_a_chunk_is_warned_of_with_the_steps_it_spends_on_one_passage():
+    order = make_order(rows=(256,), chunk_rows=64)
+    per_step, _ = consume(order, 0, 8, 16, 1)
+    passages = [{row // 64 for _, _, row in step[0]} for step in per_step]
+    assert all(len(p) == 1 for p in passages) and passages[0] == passages[3] != passages[4]  # 4 steps, one passage
+    assert chunking_warning(64, 16, "a global batch") == (
+        "data.chunk_rows=64 is more than a global batch (16 rows): 4 steps in a row train on one passage of "
+        "consecutive rows, which costs loss; set data.chunk_rows to at most 16 (1 draws every row on its own)")
+    assert chunking_warning(16, 16, "a global batch") is None and chunking_warning(1, 4, "a global batch") is None

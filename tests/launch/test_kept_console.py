@@ -58,6 +58,9 @@ def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp
     run = storage.join(storage_path, "told")
     kept = storage.read_bytes(storage.join(run, CONSOLE_FILE), storage_cfg).decode()
     assert "raylm: parallel.cpus_per_worker=auto" in kept  # held from the start of the command
+    # A warning on stderr is kept as well: this run's 4-row batches read chunks of 8 rows.
+    warning = "raylm: warning: data.chunk_rows=8 is more than a global batch (4 rows): 2 steps in a row train on"
+    assert warning in done.stderr and warning in kept
     assert "step      4/4 | loss" in kept  # the workers' lines, relayed by Ray
     assert kept.endswith(done.stdout.splitlines()[-1] + "\n") and kept.splitlines()[-1].startswith("done: step 4, ")
     assert kept == open(os.path.join(local_run_dir(load_config(None, args)), CONSOLE_FILE)).read()
