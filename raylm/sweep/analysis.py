@@ -108,7 +108,7 @@ class Laws:
 def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int,
                   log: Optional[Callable[[str], None]] = None) -> Predictor:
     """`name`'s form fitted to these rungs (ValueError when they cannot determine it). The local
-    form takes the rungs of the largest `fit.local_sizes` sizes only: it describes the ladder's top end.
+    form takes the rungs of the largest `fit.local_sizes` sizes (0, the default: every size).
     `log` is told how the Chinchilla form's bootstrap refits progress (minutes on a small machine)."""
     if name == CHINCHILLA:
         if len(bests) < 5:

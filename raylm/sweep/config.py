@@ -112,9 +112,10 @@ class FitConfig:
     """Huber loss threshold on log-loss residuals (Hoffmann et al. 2022 used 1e-3)."""
     confidence: float = 0.95
     seed: int = 0
-    local_sizes: int = 2
-    """The local form is fitted on the rungs of this many of the ladder's largest sizes (0: all):
-    it describes the ladder's top end; a ladder of many close sizes averages more of them."""
+    local_sizes: int = 0
+    """The local form is fitted on the rungs of this many of the ladder's largest sizes (0: all).
+    All: refitted on every size, the 26 recorded sweeps' held-out errors fell from 3.17% to 2.26%
+    on average (the largest from 8.85% to 5.24%) against the top two (benchmarks/RESULTS.md)."""
 
 
 @dataclass

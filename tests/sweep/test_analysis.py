@@ -90,6 +90,7 @@ def steepening(n, d):
 def test_the_predictor_is_chosen_by_predicting_the_largest_fitted_size_from_the_smaller(law, chosen):
     sweep = SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]))
     sweep.fit.bootstrap = 20
+    sweep.fit.local_sizes = 2  # on a ladder of many sizes whose curve bends, the local form of its top end
     result, laws = analysis.analyze(synthetic_rows(law), sizes(), sweep)
     validation = {name: p["cross_validation"] for name, p in result["predictors"].items()}
     assert all(v["left_out_params"] == 1.6e5 and len(v["relative_errors"]) == 3 for v in validation.values())
@@ -112,10 +113,10 @@ def test_the_local_form_takes_the_largest_sizes_fit_local_sizes_asks_for():
     bests = [{"params": n, "tokens": n * r, "loss": plane(n, n * r) * (1.05 if n < 4e4 else 1.0),
               "budget": f"tokens_per_param={r}"} for n in (1e4, 2e4, 4e4, 8e4) for r in (10, 20)]
     sweep = SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20]))
+    every = analysis.fit_predictor(analysis.LOCAL, bests, sweep, resamples=0).fit  # the default: every size
+    sweep.fit.local_sizes = 2
     two = analysis.fit_predictor(analysis.LOCAL, bests, sweep, resamples=0).fit
     assert (two.K, two.a, two.b) == pytest.approx((8.0, 0.1, 0.08), rel=1e-6)
-    sweep.fit.local_sizes = 0
-    every = analysis.fit_predictor(analysis.LOCAL, bests, sweep, resamples=0).fit
     assert every.a + every.b > 0.18 + 0.01  # the high small sizes steepen it
     assert every == fit.fit_local(*([b[k] for b in bests] for k in ("params", "tokens", "loss")))
 
