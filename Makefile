@@ -20,9 +20,9 @@ $(VENV)/.installed: pyproject.toml
 # Train a BPE tokenizer on the built-in corpus (this Python's standard library sources), prepare
 # the corpus with it, train a small GPT on a local Ray cluster, draw its report, sample from it and
 # say where everything is. BPE, not bytes: its tokens are pieces of words, so 600 steps of the demo
-# model end in text that reads as Python (val loss 4.44 a token, 1.35 a byte: 2.13 a byte after
-# 300 byte-level steps gave no words yet). Measured on 2 idle cores without runs/: the whole target
-# 156 s (9.8 minutes on 2 cores shared with other work, load 15-30).
+# model end in text that reads as Python (val loss 3.52 a token, 1.12 nats a byte: 2.13 a byte
+# after 300 byte-level steps gave no words yet). Measured on 2 idle cores without runs/: the whole
+# target 165 s (9.8 minutes on 2 cores shared with other work, load 15-30, before rows one by one).
 demo: $(VENV)/.installed
 	test -f $(DEMO_TOKENIZER) || $(RAYLM) tokenizer train --vocab-size 2048 --output $(DEMO_TOKENIZER)
 	test -f $(DEMO_DATA)/manifest.json || $(RAYLM) prepare --tokenizer $(DEMO_TOKENIZER) --output $(DEMO_DATA) --seq-len 128
