@@ -63,14 +63,12 @@ LONG_MODULES = ("tests/sweep/test_sweep.py",  # 786 s
                 "tests/launch/test_driver.py",  # 417
                 "tests/test_guard_panel.py",  # 272
                 "tests/launch/test_s3.py",  # 211
-                "tests/train/test_replica.py",  # ~150 (2026-12-06; it was collected near the end)
                 "tests/train/resilience/test_guard.py",  # 145
                 "tests/sweep/test_mup_sweep.py",  # 143
                 "tests/parallel/test_layouts.py",  # 108
                 "tests/launch/test_one_writer.py",  # 106
                 "tests/downstream/test_lm_eval.py",  # 104
-                "tests/launch/test_sockets.py",  # 101
-                "tests/launch/test_kept_console.py")  # 62
+                "tests/launch/test_sockets.py")  # 101
 
 
 def unit_of_work(nodeid: str) -> str:
