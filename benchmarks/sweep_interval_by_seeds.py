@@ -20,14 +20,14 @@ import yaml
 
 from raylm.config import build_dataclass
 from raylm.sweep import fit
+from raylm.sweep.analysis import local_rungs
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.run import fit_ladder
 
 
 def seed_interval(rungs: list[dict], sweep: SweepConfig, params: float, tokens: float, resamples: int) -> list[float]:
     """The local form refitted on `resamples` draws of each rung's seeds (with replacement)."""
-    sizes = sorted({r["params"] for r in rungs})
-    points = [r for r in rungs if r["params"] in sizes[-sweep.fit.local_sizes:]]
+    points = local_rungs(rungs, sweep)
     rng = np.random.default_rng(sweep.fit.seed)
     n, d = [r["params"] for r in points], [r["tokens"] for r in points]
     samples = []

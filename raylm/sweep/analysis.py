@@ -105,6 +105,12 @@ class Laws:
             params, tokens, self.confidence)
 
 
+def local_rungs(bests: list[dict], sweep: SweepConfig) -> list[dict]:
+    """The rungs the local form is fitted on: those of the largest `fit.local_sizes` sizes (0: all)."""
+    sizes = sorted({b["params"] for b in bests})
+    return [b for b in bests if b["params"] in (sizes[-sweep.fit.local_sizes:] if sweep.fit.local_sizes else sizes)]
+
+
 def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: int,
                   log: Optional[Callable[[str], None]] = None) -> Predictor:
     """`name`'s form fitted to these rungs (ValueError when they cannot determine it). The local
@@ -119,9 +125,7 @@ def fit_predictor(name: str, bests: list[dict], sweep: SweepConfig, resamples: i
                                          _progress(f"fit: {name}: bootstrap refits", resamples, log)) \
             if resamples else []
         return Predictor(name, CHINCHILLA_FORM, p.fit, boots)
-    sizes = sorted({b["params"] for b in bests})
-    top = sizes[-sweep.fit.local_sizes:] if sweep.fit.local_sizes else sizes
-    points = [b for b in bests if b["params"] in top]
+    points = local_rungs(bests, sweep)
     n, d, loss = ([b[k] for b in points] for k in ("params", "tokens", "loss"))
     local = fit.fit_local(n, d, loss)
     return Predictor(name, LOCAL_FORM, local, fit.bootstrap_local(n, d, loss, resamples, sweep.fit.seed))
