@@ -85,7 +85,7 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
         group.execute(_set_env, {LIGHTHOUSE_ENV: lighthouse, STORE_ENV: store, JOINING_ENV: "1" if joining else "0"})
 
     def on_start(self, worker_group, backend_config: "ReplicaTorchConfig") -> None:
-        _shut_failing_groups_down_first()  # in the controller's process, where it replaces them
+        _replace_without_the_dead()  # in the controller's process, where it replaces them
         lighthouse = self._lighthouse_address(backend_config)
         groups = worker_group.get_replica_groups() if hasattr(worker_group, "get_replica_groups") else None
         if groups is None:  # one replica group, replacing a failed one
@@ -96,13 +96,17 @@ class _ReplicaBackend(_NodeBoundTorchBackend):
                 done.result()
 
 
-def _shut_failing_groups_down_first() -> None:
+def _replace_without_the_dead() -> None:
     """Ray Train 2.60's controller replaces failing replica groups one at a time, and each
     replacement first clears the result queues of the other groups it finds active. A group lost
     with the first (a node that held both) is dead there, and the clear's ActorDiedError fails the
-    run (`ControllerError`). Shut down, a failing group is not cleared, and its
-    workers are kept for its own replacement (Ray's `ReplicaGroup` keeps them for that). On the
-    worker group's class: the controller's own methods are wrapped per instance by Ray's tracing."""
+    run (`ControllerError`). Two cases: the poll found both failing (they are shut down before the
+    first is replaced), or the poll still found the second running (it went silent first, or its
+    poll was late on a loaded machine) and the clear meets it dead (it is shut down then, and the
+    replacement tried again; the next poll finds it failed and replaces it). Shut down, a group is
+    not cleared, and its workers are kept for its own replacement (Ray's `ReplicaGroup` keeps them
+    for that). On the worker group's class: the controller's own methods are wrapped per instance
+    by Ray's tracing."""
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     replace = WorkerGroup.replace_replica_group
@@ -118,10 +122,35 @@ def _shut_failing_groups_down_first() -> None:
             for other in status.failing_replica_group_indices:
                 if other != index:
                     worker_group._replica_groups[other].shutdown()
-        replace(worker_group, index)
+        while True:
+            try:
+                return replace(worker_group, index)
+            except ray.exceptions.RayActorError:
+                # Ray's replacement leaves the old group shut down and no new one made when its
+                # clear fails, so trying again starts from where the first try began.
+                if not _shut_dead_groups_down(worker_group, index):
+                    raise
 
     replace_replica_group.raylm = True
     WorkerGroup.replace_replica_group = replace_replica_group
+
+
+def _shut_dead_groups_down(worker_group, index: int) -> bool:
+    """Shut down the active groups other than `index` whose workers are dead; whether there were any.
+    The probe is the replacement's own clear of their result queues."""
+    dead = []
+    for other, group in enumerate(worker_group._replica_groups):
+        if other == index or not group.is_active():
+            continue
+        try:
+            ray.get([worker.actor.clear_result_queue.remote() for worker in group.get_workers()])
+        except ray.exceptions.RayActorError:
+            dead.append(other)
+            group.shutdown()
+    if dead:
+        print(f"raylm: replica group(s) {dead} died while group {index} was being replaced; Ray Train "
+              "replaces them after it", flush=True)
+    return bool(dead)
 
 
 def _store_address() -> str:
