@@ -31,7 +31,7 @@ import copy
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterator, Optional
 
@@ -62,6 +62,38 @@ class ReplicaPlace:
     store: str  # this group's rendezvous store, host:port
     host: str  # the address this node's servers listen on (127.0.0.1 on a local run)
     timeout_s: float  # parallel.replica_timeout_s
+
+
+@dataclass
+class GroupLedger:
+    """Which groups trained the last committed step, and when each missing one was last seen: the
+    `replica_lost` and `replica_healed` events of each committed step."""
+
+    members: list[int] = field(default_factory=list)
+    lost: dict[int, float] = field(default_factory=dict)  # group -> when it was last seen in a committed step
+    last_commit_time: float = 0.0
+
+    def commit(self, step: int, now: float, members: list[int], rejoined: list[int], retried: int) -> list[dict]:
+        """A lost event for each group of the last step missing from this one, a healed event for each
+        lost one back in it, with the seconds each took. `rejoined`: the groups healed from a peer
+        since the last commit; one of them the others never committed a step without (its
+        replacement was back before they went on, and they waited for it at the quorum) was lost and
+        healed at this step."""
+        before, now_members = set(self.members), set(members)
+        back = before & set(rejoined) - set(self.lost)
+        events = []
+        if self.members:
+            for group in sorted(before - now_members | back):
+                # From the last step with the group to this one: what the loss cost the others.
+                events.append({"event": "replica_lost", "group": group, "step": step,
+                               "seconds": now - self.last_commit_time, "retried": retried})
+                self.lost[group] = self.last_commit_time
+            for group in sorted(now_members - before | back):
+                if group in self.lost:
+                    events.append({"event": "replica_healed", "group": group, "step": step,
+                                   "seconds": now - self.lost.pop(group)})
+        self.members, self.last_commit_time = sorted(now_members), now
+        return events
 
 
 class StepNotCommitted(Exception):
@@ -105,14 +137,15 @@ class ReplicaTrainer(Trainer):
             self.manager.load_state_dict({"step": self.state.step, "batches_committed": 0})
         # Until the first quorum: the first group of a fresh start writes the records (its resume).
         self.world.rank = 0 if place.group == 0 and not place.joining else 1
-        self.members: list[int] = []  # the groups of the last committed step
-        self.lost: dict[int, float] = {}  # group -> when it was last seen in a committed step
+        self.ledger = GroupLedger()
         self.attempts = 0  # tries of the current step that did not commit
         self.replica_s = 0.0  # seconds of given-up tries and their quorums since the last metrics
         self.quorum_after_retry = 0.0  # of the loop's wait for this batch: the quorum's, in replica_s
         self.step_samples: list[int] = []
         self.committed: Optional[bool] = None  # this step's should_commit, once asked
         self.healed = False  # the last quorum sent this group a peer's state
+        self.rejoined = False  # healed from a peer, and no step committed since: it says so in the step's all-reduce
+        self.step_rejoined: list[int] = []  # the groups of this step that said so
         self.first_quorum = True
         print(f"raylm: replica group {place.group} of {place.groups} in process {os.getpid()}"
               + (": joins the running quorum, healing from a live peer" if place.joining else ""), flush=True)
@@ -154,14 +187,14 @@ class ReplicaTrainer(Trainer):
         if self.guard is not None:
             self.guard.save_history(self.state)
         return {"model": self.model.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "state": dict(vars(self.state)), "members": list(self.members), "lost": dict(self.lost),
+                "state": dict(vars(self.state)), "members": list(self.ledger.members), "lost": dict(self.ledger.lost),
                 "guard": self.guard.evidence().to_dict() if self.guard is not None else None}
 
     def _load_peer_state(self, peer: dict) -> None:
         self.model.model.load_state_dict(peer["model"])
         self.optimizer.load_state_dict(peer["optim"])
         self.state.__dict__.update(peer["state"])
-        self.members, self.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
+        self.ledger.members, self.ledger.lost = list(peer["members"]), {int(k): v for k, v in peer["lost"].items()}
         self._state_replaced(Evidence.from_dict(peer["guard"]) if peer["guard"] is not None else None)
         self.healed = True
 
@@ -219,7 +252,7 @@ class ReplicaTrainer(Trainer):
         if self.healed:
             print(f"raylm: replica group {self.place.group} healed from a peer after step {self.state.step} "
                   f"(the quorum and the transfer: {time.perf_counter() - asked:.2f} s)", flush=True)
-            self.healed = False
+            self.healed, self.rejoined = False, True
         if self.attempts:  # the step given up and the wait for the quorum after it: not the step's time
             now = self.timeline.mark()
             self.replica_s += self.timeline.seconds(self.last_mark, now)
@@ -255,10 +288,10 @@ class ReplicaTrainer(Trainer):
     def _across_replicas(self, loss: torch.Tensor, noise: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """One all-reduce over the quorum (torchft's average): the gradients, the loss, the noise
-        rows, and which groups took part (each adds 1 at its own index)."""
+        rows, and which groups took part (each adds 1 at its own index, 2 on its first step after a heal)."""
         grads = [p.grad for p in unique_parameters(self.model.parts)]
         present = torch.zeros(self.place.groups, device=loss.device)
-        present[self.place.group] = 1.0
+        present[self.place.group] = 2.0 if self.rejoined else 1.0
         rows = noise if noise is not None else loss.new_zeros(0)
         extra = torch.cat([loss.reshape(1), present, rows])
         flat = _flatten_dense_tensors([*grads, extra])
@@ -267,7 +300,9 @@ class ReplicaTrainer(Trainer):
         for grad, mean in zip(grads, averaged):
             grad.copy_(mean)
         groups = self.manager.num_participants()
-        self.step_members = [g for g, share in enumerate(extra[1:1 + len(present)].tolist()) if share * groups > 0.5]
+        shares = [share * groups for share in extra[1:1 + len(present)].tolist()]
+        self.step_members = [g for g, share in enumerate(shares) if share > 0.5]
+        self.step_rejoined = [g for g, share in enumerate(shares) if share > 1.5]
         return extra[0], (extra[1 + len(present):] if noise is not None else None)
 
     def _first_row(self, batch: Batch) -> int:
@@ -326,30 +361,17 @@ class ReplicaTrainer(Trainer):
         return metrics
 
     def _record_quorum(self, step: int, now: float) -> None:
-        """`replica_lost` for each group missing from this committed step that trained the last,
-        `replica_healed` for each back in it, with the seconds each took (the quorum's first group
-        writes them)."""
-        before, now_members = set(self.members), set(self.step_members)
-        events = []
-        if self.members:
-            for group in sorted(before - now_members):
-                # From the last step with the group to this one: what the loss cost the others.
-                events.append({"event": "replica_lost", "group": group, "step": step,
-                               "seconds": now - self.last_commit_time, "retried": self.attempts})
-                self.lost[group] = self.last_commit_time
-            for group in sorted(now_members - before):
-                if group in self.lost:
-                    events.append({"event": "replica_healed", "group": group, "step": step,
-                                   "seconds": now - self.lost.pop(group)})
+        """The ledger's events of this committed step (the quorum's first group writes them)."""
+        events = self.ledger.commit(step, now, self.step_members, self.step_rejoined, self.attempts)
         if self.world.rank == 0:
             for event in events:
                 append_event(self.events_path, {**event, "time": now})
                 print(f"raylm: replica group {event['group']} {event['event'].split('_')[1]} at step {step} "
                       f"({event['seconds']:.1f} s)", flush=True)
-        self.members, self.last_commit_time, self.attempts = sorted(now_members), now, 0
+        self.attempts, self.rejoined = 0, False
 
     def train(self) -> dict:
-        self.last_commit_time = time.time()
+        self.ledger.last_commit_time = time.time()
         try:
             return super().train()
         finally:

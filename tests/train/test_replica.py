@@ -19,6 +19,7 @@ from raylm.config import ConfigError, load_config
 from raylm.report import write_report
 from raylm.train.hooks import Hook
 from raylm.train.observe.records import read_jsonl
+from raylm.train.replica import GroupLedger
 from raylm.train.spec import check_config
 from tests.support.order import assert_every_sample_once
 from tests.support.sockets import listeners
@@ -45,6 +46,28 @@ def test_fault_tolerance_is_checkpoint_by_default_and_an_unknown_value_names_the
 def test_a_replica_layout_ray_train_cannot_run_is_refused_naming_the_field(extra, refused):
     with pytest.raises(ConfigError, match=refused):
         load_config(None, [*REPLICAS, *extra])
+
+
+def test_the_ledger_counts_a_group_lost_and_healed_even_when_no_step_went_on_without_it():
+    """A group missing from a committed step is lost, and healed when it is back; a group replaced
+    and healed before the others committed a step without it (they waited for it at the quorum) was
+    lost and healed at the step it came back in: the report counted neither, and the test of two
+    groups lost at once waited for heals it never saw."""
+    ledger = GroupLedger(last_commit_time=0.0)
+    assert ledger.commit(1, 1.0, [0, 1, 2], [], 0) == []
+    assert ledger.commit(2, 4.0, [0, 2], [], 1) == [
+        {"event": "replica_lost", "group": 1, "step": 2, "seconds": 3.0, "retried": 1}]
+    assert ledger.commit(3, 5.0, [0, 2], [], 0) == []
+    assert ledger.commit(4, 11.0, [0, 1, 2], [1], 0) == [  # back, healed: lost once, not again
+        {"event": "replica_healed", "group": 1, "step": 4, "seconds": 10.0}]
+    assert ledger.commit(5, 43.0, [0, 1, 2], [1, 2], 1) == [
+        {"event": "replica_lost", "group": 1, "step": 5, "seconds": 32.0, "retried": 1},
+        {"event": "replica_lost", "group": 2, "step": 5, "seconds": 32.0, "retried": 1},
+        {"event": "replica_healed", "group": 1, "step": 5, "seconds": 32.0},
+        {"event": "replica_healed", "group": 2, "step": 5, "seconds": 32.0}]
+    assert ledger.members == [0, 1, 2] and ledger.lost == {} and ledger.last_commit_time == 43.0
+    # A replacement's first commit, from a peer's ledger: nothing before it to have lost.
+    assert GroupLedger().commit(6, 44.0, [0, 1], [1], 0) == []
 
 
 def test_a_whole_job_restart_of_replica_groups_resumes_the_exact_order_from_the_checkpoint(tiny_dataset, tmp_path,
@@ -518,8 +541,14 @@ def test_two_groups_lost_at_once_heal_while_the_third_trains_on(ray_session, tin
     assert after[0] == started[0] and len(after[1]) == len(after[2]) == 2, after  # group 0's worker went on
     if second_lost == "while_the_first_is_replaced":  # (both at once can take this path too, when a poll is late)
         assert "raylm: replica group(s) [2] died while group 1 was being replaced" in log
-    assert sorted(e["group"] for e in driver.events("replica_healed")) == [1, 2]
+    lost = driver.events("replica_lost")
+    assert sorted(e["group"] for e in lost) == sorted(e["group"] for e in driver.events("replica_healed")) == [1, 2]
     assert not driver.events("resumed")  # no checkpoint was read
     rows = {r["step"]: r for r in driver.metrics()}
     assert_every_sample_once(rows)
-    assert min(r["replicas"] for r in rows.values()) == 1 and rows[max(rows)]["replicas"] == groups
+    assert rows[max(rows)]["replicas"] == groups
+    # Group 0 trains on alone until the replacements are back, but for one case (2 of 9 runs): the
+    # lighthouse formed the quorum after the kills with a dead group in it (it had asked for the
+    # quorum before it died), and group 0 waited out the process group's rendezvous for it
+    # (parallel.replica_timeout_s, 30 s), by when both replacements were back (benchmarks/RESULTS.md).
+    assert min(r["replicas"] for r in rows.values()) == 1 or min(e["seconds"] for e in lost) >= 30, lost
