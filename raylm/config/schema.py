@@ -375,10 +375,10 @@ class ParallelConfig:
     Whole-job failures still restart from the latest checkpoint."""
     replica_timeout_s: float = 30.0
     """replica: how long a group waits for a collective or a heal before it gives the step up
-    (torchft's timeouts), and how long the others wait at the quorum for a live group that is late
-    (the quorum's first group saving a checkpoint: a save longer than this leaves it out, and it
-    heals); a group's own wait for the quorum is twice this. A lost group (its heartbeats stop) is
-    left out after 2 s."""
+    (torchft's timeouts; at a new quorum's rendezvous, 10 s at most), and how long the others wait
+    at the quorum for a live group that is late (the quorum's first group saving a checkpoint: a
+    save longer than this leaves it out, and it heals); a group's own wait for the quorum is twice
+    this. A lost group (its heartbeats stop) is left out after 2 s."""
 
 
 @dataclass

@@ -64,6 +64,33 @@ class ReplicaPlace:
     timeout_s: float  # parallel.replica_timeout_s
 
 
+# How long a group waits at a new quorum's process-group rendezvous for the others' keys. The
+# lighthouse answers every member of a quorum at once, so live ones are there within a second; a
+# group that asked for the quorum and died before its rendezvous (two groups killed together: the
+# lighthouse counted the one whose heartbeats it had seen last) is waited for this long, then the
+# step is given up and the next quorum forms without it. At replica_timeout_s (30 s) it stalled
+# the others that long, 2 of 9 times.
+RENDEZVOUS_TIMEOUT = timedelta(seconds=10)
+
+
+def quick_rendezvous_gloo(timeout: timedelta, rendezvous: timedelta):
+    """torchft's reconfigurable gloo process group, whose collectives wait up to `timeout` and whose
+    rendezvous at each new quorum waits up to `rendezvous` (torchft gives both its one timeout)."""
+    from torchft import ProcessGroupGloo
+
+    class QuickRendezvousGloo(ProcessGroupGloo):
+        def _create_pg(self, store, rank: int, world_size: int):
+            collectives, self._timeout = self._timeout, rendezvous  # gloo's rendezvous waits its backend's timeout
+            try:
+                pg = super()._create_pg(store, rank, world_size)
+            finally:
+                self._timeout = collectives
+            pg._get_backend(torch.device("cpu"))._set_default_timeout(collectives)
+            return pg
+
+    return QuickRendezvousGloo(timeout=timeout)
+
+
 @dataclass
 class GroupLedger:
     """Which groups trained the last committed step, and when each missing one was last seen: the
@@ -162,14 +189,14 @@ class ReplicaTrainer(Trainer):
         return self.place.group == 0 and not self.place.joining
 
     def _manager(self):
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         timeout = timedelta(seconds=self.place.timeout_s)
         # The lighthouse waits up to `timeout` for a late group of the last quorum (its join
         # timeout): the others' own wait for the quorum must outlast it, or they fail instead.
         quorum_timeout = 2 * timeout
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = quick_rendezvous_gloo(timeout, min(timeout, RENDEZVOUS_TIMEOUT))
         transport = PGTransport(pg, timeout=timeout, device=self.world.device)
         host, port = self.place.store.rsplit(":", 1)
         with _servers_on(self.place.host):
