@@ -66,10 +66,8 @@ class ReplicaPlace:
 
 # How long a group waits at a new quorum's process-group rendezvous for the others' keys. The
 # lighthouse answers every member of a quorum at once, so live ones are there within a second; a
-# group that asked for the quorum and died before its rendezvous (two groups killed together: the
-# lighthouse counted the one whose heartbeats it had seen last) is waited for this long, then the
-# step is given up and the next quorum forms without it. At replica_timeout_s (30 s) it stalled
-# the others that long, 2 of 9 times.
+# member that asked for the quorum and died before its rendezvous holds the others this long, not
+# the collectives' timeout, before the step is given up and the next quorum forms without it.
 RENDEZVOUS_TIMEOUT = timedelta(seconds=10)
 
 
@@ -97,7 +95,7 @@ class GroupLedger:
     `replica_lost` and `replica_healed` events of each committed step."""
 
     members: list[int] = field(default_factory=list)
-    lost: dict[int, float] = field(default_factory=dict)  # group -> when it was last seen in a committed step
+    lost: dict[int, float] = field(default_factory=dict)
     last_commit_time: float = 0.0
 
     def commit(self, step: int, now: float, members: list[int], rejoined: list[int], retried: int) -> list[dict]:
