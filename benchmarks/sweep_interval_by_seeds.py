@@ -47,7 +47,7 @@ def main() -> None:
     print("| sweep | predicted (local) | rungs resampled | seeds resampled | measured, mean of seeds |")
     print("|---|---|---|---|---|")
     for directory in args.sweeps:
-        _, result, laws = fit_ladder(directory)
+        _, result, laws, _ = fit_ladder(directory)
         with open(os.path.join(directory, "fit.json")) as f:
             check = json.load(f)["check"]
         prediction = laws.predict(check["params"], check["tokens"], "local")

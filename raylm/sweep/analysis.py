@@ -25,6 +25,7 @@ COMPLETED, STOPPED, DIVERGED, ERROR = "completed", "stopped_early", "diverged", 
 LR_SEARCH = "lr-search"  # sweep.parametrization=mup: the phase that searches the rate at the base width
 CHINCHILLA, LOCAL = "chinchilla", "local"
 PREDICTORS = (CHINCHILLA, LOCAL)
+CONSTANTS = {CHINCHILLA: 5, LOCAL: 3}
 CHINCHILLA_FORM, LOCAL_FORM = "L(N, D) = E + A / N^alpha + B / D^beta", "L(N, D) = K / (N^a D^b)"
 DISAGREEMENT = 0.01  # predictors further apart than this (or the noise floor, when measured) are flagged
 
@@ -181,17 +182,26 @@ def validation_entry(law: Union[fit.Parametric, fit.LocalPowerLaw], left_out: li
             "mean_abs_error": float(np.mean(np.abs(errors)))}
 
 
-def choose_predictor(validation: dict[str, dict]) -> tuple[str, str]:
+def choose_predictor(validation: dict[str, dict], noise_floor: Optional[float] = None) -> tuple[str, str]:
     """(the predictor with the smallest cross-validated error, why); Chinchilla's form when none
-    could be checked."""
+    could be checked. One with fewer constants whose error is within `noise_floor` of the smallest
+    is chosen instead (the one-standard-error rule, Hastie et al., "The Elements of Statistical
+    Learning", 7.10): a difference smaller than the seeds alone move a rung's loss is no evidence
+    for the form that extrapolates on more constants."""
     checked = {name: v["mean_abs_error"] for name, v in validation.items() if "mean_abs_error" in v}
     if not checked:
         return CHINCHILLA, "no predictor could be cross-validated inside the ladder; Chinchilla's form by default"
-    name = min(checked, key=lambda k: (checked[k], k != CHINCHILLA))
+    best = min(checked, key=lambda k: (checked[k], k != CHINCHILLA))
+    name = min((k for k in checked if checked[k] <= checked[best] + (noise_floor or 0)),
+               key=lambda k: (CONSTANTS[k], checked[k]))
     others = [f"{k} {100 * v:.2f}%" for k, v in checked.items() if k != name]
     others += [f"{k} could not be checked: {v['error']}" for k, v in validation.items() if k not in checked]
-    return name, (f"smallest error predicting the largest fitted size from the smaller ones: {100 * checked[name]:.2f}%"
-                  + (f" (against {'; '.join(others)})" if others else ""))
+    against = f" (against {'; '.join(others)})" if others else ""
+    error = f"{100 * checked[name]:.2f}%"
+    if name == best:
+        return name, f"smallest error predicting the largest fitted size from the smaller ones: {error}{against}"
+    return name, (f"fewer constants, and its error predicting the largest fitted size from the smaller ones, {error}, "
+                  f"is within the noise floor ({100 * noise_floor:.2f}%) of the smallest{against}")
 
 
 def _safe(f: Callable[[], dict]) -> dict:
@@ -229,10 +239,11 @@ def _batch_fits(bests: list[dict]) -> dict:
 
 
 def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: list[dict] = (),
-            log: Optional[Callable[[str], None]] = None) -> tuple[dict, Laws]:
+            log: Optional[Callable[[str], None]] = None, noise_floor: Optional[float] = None) -> tuple[dict, Laws]:
     """fit.json's fits from the ladder's trials (the held-out rung's trial is not among `rows`);
     with ladder.seeds > 1, on the mean over each rung's seeds (`repeats`: the "seeds" phase).
-    `log` is told how the slow fits progress."""
+    `log` is told how the slow fits progress; `noise_floor` (relative) is the margin within which
+    the predictor with fewer constants is chosen."""
     bests = rung_bests(rows, repeats if sweep.ladder.seeds > 1 else ())
     result: dict = {"params_count": sweep.fit.params, "parametrization": sweep.parametrization, "rungs": bests,
                     "lr": _lr_fits(bests, sweep)}
@@ -262,7 +273,7 @@ def analyze(rows: list[dict], sizes: list[Size], sweep: SweepConfig, repeats: li
     else:
         result["parametric"] = {"error": f"{len(bests)} rungs completed; the fit needs at least 5"}
     validation = cross_validate(bests, sweep) if len({b["params"] for b in bests}) >= 3 else {}
-    chosen, why = choose_predictor({k: v for k, v in validation.items() if k in predictors})
+    chosen, why = choose_predictor({k: v for k, v in validation.items() if k in predictors}, noise_floor)
     if chosen not in predictors and predictors:
         chosen, why = next(iter(predictors)), f"the only predictor the ladder determines ({why})"
     for name, predictor in predictors.items():

@@ -70,7 +70,8 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     completed = [r for r in rows if r["status"] == COMPLETED]
     noisy = noise_rung(completed, ladder.held_out_rung(plan.rungs).budget) if sweep.check else None
     seed_rows = seeds_phase(plan, rows, noisy, trials, concurrency)
-    result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows, log=say)
+    noise = noise_floor(rows, seed_rows, noisy)
+    result, laws = analysis.analyze(rows, plan.sizes, sweep, seed_rows, say, noise and noise["relative_spread"])
     result = {"sweep": plan.directory, "asha": asha_savings(rows), **result}
     if transfer is not None:
         result["transfer"] = transfer
@@ -78,7 +79,6 @@ def _sweep(plan: Plan, path: str, started: float) -> dict:
     if sweep.check and laws.predictors:
         import ray
 
-        noise = noise_floor(rows, seed_rows, noisy)
         cpus = sweep.trial.check_cpus or ray.cluster_resources().get("CPU", 1)
         check, check_rows = check_phase(plan, laws, result["rungs"], trials, cpus)
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
@@ -108,9 +108,11 @@ def _trial_plan(plan: Plan) -> TrialPlan:
                      threads(sweep.trial.cpus), sweep.trial.gpus > 0)
 
 
-def fit_ladder(directory: str, log: Optional[Callable[[str], None]] = None) -> tuple[list[dict], dict, analysis.Laws]:
+def fit_ladder(directory: str, log: Optional[Callable[[str], None]] = None
+               ) -> tuple[list[dict], dict, analysis.Laws, Optional[dict]]:
     """The ladder's fits from the sweep directory alone (sweep.yaml, trials.csv): its trials, the
-    fits' record and the laws they make, with no data and no Ray; `log` is told how they progress."""
+    fits' record, the laws they make and the noise floor (None without the check's seeds), with no
+    data and no Ray; `log` is told how they progress."""
     record_path = os.path.join(directory, SWEEP_FILE)
     if not os.path.exists(record_path):
         raise ConfigError(f"{directory} holds no {SWEEP_FILE}: not a sweep directory")
@@ -122,18 +124,21 @@ def fit_ladder(directory: str, log: Optional[Callable[[str], None]] = None) -> t
                                          r["params_total"], r["flops_per_token"])
              for r in rows if r["phase"] != "check-repeats"}
     ladder_rows = [r for r in rows if r["phase"] == "ladder"]
+    seed_rows = [r for r in rows if r["phase"] == "seeds"]
+    held_out = [r for r in rows if r["phase"] == "check"]
+    noise = noise_floor(ladder_rows, seed_rows, noise_rung(ladder_rows, held_out[0]["budget"])) if held_out else None
     if log is not None:
         log(f"fitting {len(ladder_rows)} ladder trials of {len(sizes)} sizes from {os.path.join(directory, TRIALS_FILE)}")
-    result, laws = analysis.analyze(ladder_rows, [sizes[i] for i in sorted(sizes)], sweep,
-                                    [r for r in rows if r["phase"] == "seeds"], log)
-    return rows, result, laws
+    result, laws = analysis.analyze(ladder_rows, [sizes[i] for i in sorted(sizes)], sweep, seed_rows, log,
+                                    noise and noise["relative_spread"])
+    return rows, result, laws, noise
 
 
 def refit(directory: str) -> dict:
     """fit.json again from the sweep directory alone (sweep.yaml, trials.csv, check_plan.json): the
     fits, the choice of predictor, the noise floor and the check, with no data and no Ray. The
     recommendation is carried over as the sweep made it: placing it needs the base run's data."""
-    rows, result, laws = fit_ladder(directory, say)
+    rows, result, laws, noise = fit_ladder(directory, say)
     ladder_rows = [r for r in rows if r["phase"] == "ladder"]
     previous = {}
     if os.path.exists(os.path.join(directory, FIT_FILE)):
@@ -146,9 +151,6 @@ def refit(directory: str) -> dict:
         with open(plan_path) as f:
             check = json.load(f)
         check.update(predict_check(laws, check))
-        held_out_budget = next(r["budget"] for r in check_rows if r["rung"] == check["rung"])
-        noise = noise_floor(ladder_rows, [r for r in rows if r["phase"] == "seeds"],
-                            noise_rung(result["rungs"], held_out_budget))
         result["noise"], result["check"] = noise, measure_check(check, check_rows, noise)
     if "transfer" in previous:  # the search's decision, as the sweep took it
         result["transfer"] = previous["transfer"]
