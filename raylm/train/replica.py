@@ -64,10 +64,10 @@ class ReplicaPlace:
     timeout_s: float  # parallel.replica_timeout_s
 
 
-# How long a group waits at a new quorum's process-group rendezvous for the others' keys. The
-# lighthouse answers every member of a quorum at once, so live ones are there within a second; a
-# member that asked for the quorum and died before its rendezvous holds the others this long, not
-# the collectives' timeout, before the step is given up and the next quorum forms without it.
+# How long a group waits at a new quorum's process-group rendezvous for the others' keys. Live
+# members are there within a second (the lighthouse answers them all at once); a quorum can name a
+# member that is already dead, and the others should give that step up soon, not after the
+# collectives' timeout, so the next quorum forms without it.
 RENDEZVOUS_TIMEOUT = timedelta(seconds=10)
 
 

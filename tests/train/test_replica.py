@@ -513,10 +513,9 @@ def test_a_killed_replica_group_costs_one_step_and_heals_from_a_peer(ray_session
 @pytest.mark.slow
 def test_a_lost_lighthouse_restarts_every_group_from_the_checkpoint_on_a_new_one(ray_session, tiny_dataset, tmp_path):
     """torchft's lighthouse actor SIGKILLed mid-run (2 replica groups on the session's Ray): every
-    group loses its quorum, and the run goes on from the checkpoint, on a new lighthouse. Each start
-    used to ask the dead actor for its address again, and failed: the controller retried without
-    end and the run never trained another step. When one poll finds both groups failed, Ray Train
-    restarts them together from the checkpoint; when it finds one (its quorum timed out first),
+    group loses its quorum, and the run goes on from the checkpoint, on a new lighthouse (each start
+    asks for the lighthouse's address anew, not the dead actor's). When one poll finds both groups
+    failed, Ray Train restarts them together from the checkpoint; when it finds one (its quorum timed out first),
     that one is replaced alone, finds no live peer on the new lighthouse and resumes from the
     checkpoint, and the other heals from it once its own quorum times out."""
     driver = _replica_run(ray_session, tiny_dataset, tmp_path, 2, "parallel.replica_timeout_s=10")
