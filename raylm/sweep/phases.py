@@ -15,7 +15,7 @@ from raylm.sweep.checks import predict_check
 from raylm.sweep.plan import Plan
 from raylm.sweep.results import CHECK_PLAN_FILE
 from raylm.sweep.trial import TrialPlan
-from raylm.sweep.tuner import cluster_share, grid_search, repeats, run_phase, threads, trial_rows
+from raylm.sweep.tuner import cluster_share, repeats, threads
 
 NOISE_SEEDS = 2  # the largest fitted rung's extra seeds
 LR_PICK_FACTORS = (2 ** -0.5, 1.0, 2 ** 0.5)  # the held-out rung's learning rates, x the predicted one
@@ -89,15 +89,13 @@ def check_phase(plan: Plan, laws: analysis.Laws, bests: list[dict], trials: Tria
                       trial.max_concurrent or math.inf)
     lrs = [check["lr"] * factor for factor in LR_PICK_FACTORS]
     trials = dataclasses.replace(trials, threads=threads(cpus))
-    grid = run_phase(plan, "tune-check", trials, resources, concurrency=int(concurrency),
-                     param_space={"rung": rung.name, "lr": grid_search(lrs), "batch": check["batch"]})
-    rows = trial_rows(plan, grid, "check", expected=len(lrs))
+    rows = repeats(plan, "tune-check", "check", [RungSlot(rung.name, 1.0, lr, check["batch"]) for lr in lrs],
+                   trials, resources, int(concurrency))
     others = [b for b in plan.batches if b != check["batch"]]
     if others:  # batch sizes were swept: the batch picked is checked against them, at the picked rate
         print(f"raylm: check: batch {check['batch']} against {others} at lr {check['lr']:.3g}", flush=True)
-        grid = run_phase(plan, "tune-check-batch", trials, resources, concurrency=int(concurrency),
-                         param_space={"rung": rung.name, "lr": check["lr"], "batch": grid_search(others)})
-        rows += trial_rows(plan, grid, "check-batch", expected=len(others))
+        rows += repeats(plan, "tune-check-batch", "check-batch", [RungSlot(rung.name, 1.0, check["lr"], b) for b in others],
+                        trials, resources, int(concurrency))
     seeds = plan.sweep.ladder.seeds
     slots = [RungSlot(rung.name, 1.0, check["lr"], check["batch"], seed) for seed in range(1, seeds)]
     slots += [RungSlot(shape["rung"], 1.0, shape["lr"], check["batch"], seed)

@@ -9,6 +9,8 @@ of a rung when its later candidates run), costliest rungs first within a round.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 from dataclasses import dataclass
@@ -60,14 +62,25 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
     return [per_rung[r.name][k] for k in range(rounds) for r in fitted if k < len(per_rung[r.name])]
 
 
-class RungSearcher(Searcher):
-    """Suggests {"rung", "lr", "batch"} (and "seed" for a repeat, "output_multiplier" for µP's
-    search) from a fixed plan; for bayes, each rung's learning rate (batch, output multiplier)
-    comes from that rung's own Optuna TPE study."""
+def trial_name(phase: str, index: int, config: dict) -> str:
+    """A trial's id in trials.csv, and its run directory's name: its phase, its place in the
+    phase's plan and a digest of its settings. Tune saves which trials it created at most every
+    10 s, so a trial created (even finished) after the last save is suggested again when a sweep
+    whose driver died resumes, under a new Tune trial id; by this id it finds its own directory,
+    and its final result or checkpoints, instead of training again. The digest keeps a trial
+    whose settings differ the second time (an Optuna study that learned of more results) out."""
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:6]
+    return f"{phase}-{index:03d}-{digest}"
 
-    def __init__(self, slots: list[RungSlot], sweep: SweepConfig, batches: list[int]):
+
+class RungSearcher(Searcher):
+    """Suggests {"trial", "rung", "lr", "batch"} (and "seed" for a repeat, "output_multiplier"
+    for µP's search) from a fixed plan; for bayes, each rung's learning rate (batch, output
+    multiplier) comes from that rung's own Optuna TPE study."""
+
+    def __init__(self, phase: str, slots: list[RungSlot], sweep: SweepConfig, batches: list[int]):
         super().__init__(metric=METRIC, mode=MODE)
-        self.slots, self.next = slots, 0
+        self.phase, self.slots, self.next = phase, slots, 0
         self.trial_rung: dict[str, str] = {}
         self.studies: dict = {}
         rungs = list(dict.fromkeys(s.rung for s in slots if s.lr is None))  # each its own study and seed
@@ -101,7 +114,8 @@ class RungSearcher(Searcher):
                       "batch": suggested.get("batch", self.batch),
                       "output_multiplier": suggested.get("output_multiplier")}
         # Absent, a seed is 0 and the multiplier the rung's model's (`trial_config`).
-        return {k: v for k, v in config.items() if v or k in ("rung", "lr", "batch")}
+        config = {k: v for k, v in config.items() if v or k in ("rung", "lr", "batch")}
+        return {"trial": trial_name(self.phase, self.next - 1, config), **config}
 
     def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
         rung = self.trial_rung.get(trial_id)
@@ -130,7 +144,7 @@ class RungASHA(FIFOScheduler):
         super().__init__()
         self.grace, self.reduction, self.state_path = grace_fraction, reduction_factor, state_path
         self.per_rung: dict[str, AsyncHyperBandScheduler] = {}
-        self.stopped: set[str] = set()  # trial ids ASHA stopped: the sweep tells them from interrupted ones
+        self.stopped: set[str] = set()  # trial ids (`trial_name`) ASHA stopped: the sweep tells them from interrupted ones
         self.loaded = False
 
     def _save(self) -> None:
@@ -164,7 +178,7 @@ class RungASHA(FIFOScheduler):
         if result.get(PROGRESS, 0.0) >= 1.0:  # nothing left to save: let it write its final result
             action = FIFOScheduler.CONTINUE
         if action == FIFOScheduler.STOP:
-            self.stopped.add(trial.trial_id)
+            self.stopped.add(trial.config["trial"])
         self._save()
         return action
 
@@ -180,7 +194,7 @@ class RungASHA(FIFOScheduler):
 
 
 def stopped_by_asha(state_path: str) -> set[str]:
-    """The trial ids a RungASHA with this state file stopped."""
+    """The trial ids (`trial_name`) a RungASHA with this state file stopped."""
     if not os.path.exists(state_path):
         return set()
     with open(state_path, "rb") as f:

@@ -1,10 +1,11 @@
 """One sweep trial: a Ray Tune function trainable that runs the training loop of `raylm train`
 (`raylm.train.loop.train`) in-process on one worker, the issue's allowance for tiny CPU trials.
 
-Its run directory is `<sweep>/trials/<trial id>`: metrics.jsonl and a checkpoint at every
-evaluation. A restarted trial (Tune's FailureConfig, or a sweep resumed after its driver died)
-resumes from its newest checkpoint there; a trial that had finished reports its final result
-again from `final.json` instead of training twice. A trial whose loss turns non-finite (its
+Its run directory is `<sweep>/trials/<trial id>` (`search.trial_name`): metrics.jsonl and a
+checkpoint at every evaluation. A restarted trial (Tune's FailureConfig, or a sweep resumed after
+its driver died, even a trial Tune had not recorded) resumes from its newest checkpoint there; a
+trial that had finished reports its final result again from `final.json` instead of training
+twice. A trial whose loss turns non-finite (its
 learning rate too high; the stability guard is off in trials) ends as diverged, not retried.
 """
 
@@ -75,7 +76,7 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def run_trial(config: dict, plan: TrialPlan) -> None:
-    run_dir = trial_dir(plan.trials_dir, tune.get_context().get_trial_id())
+    run_dir = trial_dir(plan.trials_dir, config["trial"])
     os.makedirs(run_dir, exist_ok=True)
     final_path = os.path.join(run_dir, FINAL_FILE)
     if os.path.exists(final_path):

@@ -50,9 +50,8 @@ class _NoTunerRestoreHint(logging.Filter):
 _NO_TUNER_RESTORE_HINT = _NoTunerRestoreHint()
 
 
-def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict, *, searcher=None,
-              scheduler=None, param_space: Optional[dict] = None, num_samples: int = 1,
-              concurrency: int = 1) -> ResultGrid:
+def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict, searcher, *, scheduler=None,
+              num_samples: int = 1, concurrency: int = 1) -> ResultGrid:
     """One Tune experiment in the sweep directory, restored if an earlier run of the command left it."""
     from ray import tune
 
@@ -66,7 +65,7 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
         tuner = tune.Tuner.restore(experiment, trainable, resume_unfinished=True, resume_errored=True)
     else:
         tuner = tune.Tuner(
-            trainable, param_space=param_space or {},
+            trainable,
             tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, search_alg=searcher, scheduler=scheduler,
                                         num_samples=num_samples, max_concurrent_trials=concurrency,
                                         # a new process per trial costs ~5 s of start and imports,
@@ -101,10 +100,10 @@ def trial_rows(plan: Plan, grid: ResultGrid, phase: str, expected: int) -> list[
     rows = []
     for result in grid:
         config, metrics = _trial_config(result), dict(result.metrics or {})
-        trial_id = metrics.get("trial_id") or os.path.basename(result.path or "?")
         if config is None:
-            raise SweepInterrupted(f"the sweep was interrupted ({trial_id} of {phase} did not start); run the same "
-                                   "command again to resume it (finished trials are kept)")
+            raise SweepInterrupted(f"the sweep was interrupted ({os.path.basename(result.path or '?')} of {phase} "
+                                   "did not start); run the same command again to resume it (finished trials are kept)")
+        trial_id = config["trial"]
         rung = plan.rung(config["rung"])
         final_path = os.path.join(trial_dir(os.path.join(plan.directory, "trials"), trial_id), FINAL_FILE)
         if os.path.exists(final_path):
@@ -143,7 +142,7 @@ def repeats(plan: Plan, name: str, phase: str, slots: list, trials: TrialPlan, r
     """Trials at decided rates and seeds (RungSlots) as one Tune experiment; their rows."""
     from raylm.sweep.search import RungSearcher
 
-    grid = run_phase(plan, name, trials, resources, searcher=RungSearcher(slots, plan.sweep, plan.batches),
+    grid = run_phase(plan, name, trials, resources, RungSearcher(phase, slots, plan.sweep, plan.batches),
                      num_samples=len(slots), concurrency=concurrency)
     return trial_rows(plan, grid, phase, expected=len(slots))
 
@@ -160,7 +159,7 @@ def search(plan: Plan, name: str, phase: str, rungs: list[ladder.Rung], trials: 
     print(f"raylm: {phase}: {len(slots)} trials over {len(rungs)} rungs, {concurrency} at a time", flush=True)
     scheduler = RungASHA(sweep.early_stopping.grace_fraction, sweep.early_stopping.reduction_factor,
                          os.path.join(plan.directory, ASHA_STATE_FILE)) if sweep.early_stopping.asha else None
-    grid = run_phase(plan, name, trials, resources, searcher=RungSearcher(slots, sweep, plan.batches),
+    grid = run_phase(plan, name, trials, resources, RungSearcher(phase, slots, sweep, plan.batches),
                      scheduler=scheduler, num_samples=len(slots), concurrency=concurrency)
     rows = trial_rows(plan, grid, phase, expected=len(slots))
     if not any(r["status"] == COMPLETED for r in rows):
@@ -168,9 +167,3 @@ def search(plan: Plan, name: str, phase: str, rungs: list[ladder.Rung], trials: 
         raise RuntimeError(f"no trial of the sweep's {phase} completed; first error: "
                            f"{errors[0] if errors else 'none reported'}")
     return rows
-
-
-def grid_search(values: list) -> dict:
-    from ray import tune
-
-    return tune.grid_search(values)

@@ -11,7 +11,7 @@ from raylm.sweep import analysis, fit
 from raylm.sweep.config import SweepConfig, LadderConfig, LRConfig, SearchConfig
 from raylm.sweep.fit import Parametric
 from raylm.sweep.ladder import Rung, Size
-from raylm.sweep.search import plan_slots
+from raylm.sweep.search import RungSearcher, RungSlot, plan_slots, trial_name
 
 TRUE = Parametric(E=1.0, A=30.0, alpha=0.35, B=60.0, beta=0.3)
 
@@ -323,6 +323,26 @@ def test_trials_are_handed_out_round_by_round_costliest_rung_first():
     drawn = plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})
     assert len(drawn) == 6 and all(1e-3 <= s.lr / s.lr_scale <= 1e-2 and s.batch in (8, 16) for s in drawn)
     assert drawn == plan_slots(sweep, rungs, [8, 16], {"small": 1.0, "big": 2.0, "held": 4.0})  # seeded
+
+
+def test_a_trial_suggested_again_by_a_restored_searcher_has_the_same_name(tmp_path):
+    """A resumed sweep's searcher is restored from Tune's last save: the trials it suggests again
+    (created after that save) get the names, and so the directories, they had."""
+    slots = [RungSlot("small", 1.0, lr, 8) for lr in (1e-3, 2e-3, 4e-3)]
+    searcher = RungSearcher("ladder", slots, SweepConfig(), [8])
+    first = searcher.suggest("tune-id-a")
+    searcher.save(str(tmp_path / "searcher.pkl"))
+    later = [searcher.suggest(f"tune-id-{k}") for k in "bc"]
+    restored = RungSearcher("ladder", slots, SweepConfig(), [8])
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    assert [restored.suggest(f"other-id-{k}") for k in "bc"] == later
+    names = [first["trial"]] + [c["trial"] for c in later]
+    assert len(set(names)) == 3 and all(n.startswith(f"ladder-{k:03d}-") for k, n in enumerate(names))
+    # Other settings in the same place of the plan (an Optuna study that learned more): another name.
+    settings = {k: v for k, v in later[0].items() if k != "trial"}
+    assert trial_name("ladder", 1, settings) == later[0]["trial"]
+    assert trial_name("ladder", 1, {**settings, "lr": 3e-3}) != later[0]["trial"]
+    assert RungSearcher("seeds", slots, SweepConfig(), [8]).suggest("x")["trial"] != first["trial"]
 
 
 def test_the_output_multiplier_is_searched_with_every_learning_rate():

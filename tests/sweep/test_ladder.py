@@ -94,8 +94,9 @@ def test_a_trial_interrupted_before_its_first_report_reads_as_an_interrupted_swe
     p = plan(tiny_dataset, tmp_path)
     started = tmp_path / "tune-check-repeats" / "run_trial_1"
     started.mkdir(parents=True)
-    (started / "params.json").write_text(json.dumps({"rung": "s3-check", "lr": 0.01, "batch": 16, "seed": 1}))
-    with pytest.raises(SweepInterrupted, match="run_trial_1 of check-repeats did not finish"):
+    (started / "params.json").write_text(json.dumps({"trial": "check-repeats-000-a1b2c3", "rung": "s3-check",
+                                                     "lr": 0.01, "batch": 16, "seed": 1}))
+    with pytest.raises(SweepInterrupted, match="check-repeats-000-a1b2c3 of check-repeats did not finish"):
         trial_rows(p, [SimpleNamespace(config=None, metrics={}, path=str(started), error=None)], "check-repeats", 1)
     with pytest.raises(SweepInterrupted, match="gone of check-repeats did not start"):
         trial_rows(p, [SimpleNamespace(config=None, metrics={}, path=str(tmp_path / "gone"), error=None)], "check-repeats", 1)

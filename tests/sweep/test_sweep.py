@@ -86,17 +86,28 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     said = (tmp_path / "term.log").read_text(errors="replace")
     assert term.returncode == 143, said[-4000:]
     assert "raylm: stopped by SIGTERM: the sweep was interrupted" in said and "SIGTERM received" not in said
+    # Tune's state as it saved it on that SIGTERM, and the trials it knew of.
+    experiment = os.path.join(directory, "tune-ladder")
+    saved = shutil.copytree(experiment, tmp_path / "tune-ladder-saved")
+    known = {json.loads(params.read_text())["trial"] for params in saved.glob("*/params.json")}
     # Resumed, then its driver (and the Ray it started, in its process group) dies once more
     # trials have finished.
-    interrupt("second", 3, signal.SIGKILL)
+    interrupt("second", len(finished_trials(directory)) + 3, signal.SIGKILL)
     before = finished_trials(directory)
     assert 3 <= len(before) < ladder_trials + 1
+    # Tune saves its state at most every 10 s: a driver killed just after trials were created and
+    # finished leaves a state that never knew them. Tune's state is put back to the one above,
+    # which knew fewer trials than have finished since.
+    shutil.rmtree(experiment)
+    shutil.copytree(saved, experiment)
+    assert set(before) - known, "no trial finished that Tune's saved state did not know of"
 
     last = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=1200)
     assert last.returncode == 0, last.stderr[-3000:]
     assert "resuming" in last.stdout
 
-    # Finished trials were kept, not trained again.
+    # Finished trials were kept, not trained again, those Tune had not recorded too: created again
+    # by the resumed experiment, each found its directory by its name.
     after = finished_trials(directory)
     for trial_id, record in before.items():
         assert after[trial_id] == record, trial_id
