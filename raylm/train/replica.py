@@ -125,6 +125,20 @@ class StepNotCommitted(Exception):
     """torchft did not commit the step (a group was lost in it): it is taken again."""
 
 
+def should_commit(manager, process_group) -> bool:
+    """torchft's verdict on this group's step. A step given up on an error (a peer lost in its
+    collective) also drops the group's process group: a peer still waiting in that collective for
+    this group's part would otherwise wait out the collectives' timeout (replica_timeout_s), since
+    gloo's abort leaves the connections open and only a process group's end closes them; and the
+    lighthouse keeps the next quorum for it, so every group waited that long. torchft's lighthouse
+    forms a new quorum after a failed commit, whose configure makes the group a new process group."""
+    if manager.should_commit():
+        return True
+    if manager.errored() is not None:
+        process_group.abort()
+    return False
+
+
 @contextlib.contextmanager
 def _servers_on(host: str) -> Iterator[None]:
     """torchft's Manager starts its server on `[::]:port`, every interface; here on `host`. Its
@@ -194,7 +208,7 @@ class ReplicaTrainer(Trainer):
         # The lighthouse waits up to `timeout` for a late group of the last quorum (its join
         # timeout): the others' own wait for the quorum must outlast it, or they fail instead.
         quorum_timeout = 2 * timeout
-        pg = quick_rendezvous_gloo(timeout, min(timeout, RENDEZVOUS_TIMEOUT))
+        pg = self.process_group = quick_rendezvous_gloo(timeout, min(timeout, RENDEZVOUS_TIMEOUT))
         transport = PGTransport(pg, timeout=timeout, device=self.world.device)
         host, port = self.place.store.rsplit(":", 1)
         with _servers_on(self.place.host):
@@ -345,7 +359,7 @@ class ReplicaTrainer(Trainer):
     def _step(self, batch: Batch) -> torch.Tensor:
         loss, grad_norm, noise = self.forward_backward(batch)
         if self.committed is None:  # once a step: a guard's rerun of it asks no more
-            self.committed = self.manager.should_commit()
+            self.committed = should_commit(self.manager, self.process_group)
         if not self.committed:
             raise StepNotCommitted()
         return self._judged(batch, loss, grad_norm, noise)

@@ -21,7 +21,7 @@ from raylm.config import ConfigError, load_config
 from raylm.report import write_report
 from raylm.train.hooks import Hook
 from raylm.train.observe.records import read_jsonl
-from raylm.train.replica import RENDEZVOUS_TIMEOUT, GroupLedger, quick_rendezvous_gloo
+from raylm.train.replica import RENDEZVOUS_TIMEOUT, GroupLedger, quick_rendezvous_gloo, should_commit
 from raylm.train.spec import check_config
 from tests.support.order import assert_every_sample_once
 from tests.support.sockets import listeners
@@ -80,6 +80,54 @@ def test_a_quorum_member_dead_before_its_rendezvous_costs_the_rendezvous_timeout
     for thread in threads:
         thread.join(timeout=60)
     assert sums == {0: 2.0, 1: 2.0}
+
+
+def test_a_group_that_gives_up_a_step_on_an_error_frees_the_peers_waiting_for_it_in_the_collective():
+    """Three torchft groups on a real lighthouse and real gloo groups: group 0's step fails before
+    its all-reduce (as when it lost a peer), so the others wait in theirs for its part. Dropping its
+    process group as it gives the step up ends their wait at once, not after the collectives'
+    timeout; the next quorum is a new one, and every group commits on new process groups."""
+    import torch
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft._torchft import LighthouseServer
+
+    collectives = timedelta(seconds=15)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=20_000)
+    steps: dict[int, list] = {}
+
+    def group(g: int) -> None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        pg = quick_rendezvous_gloo(collectives, RENDEZVOUS_TIMEOUT)
+        manager = Manager(pg=pg, min_replica_size=1, load_state_dict=lambda _: None, state_dict=dict,
+                          replica_id=f"g{g}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                          use_async_quorum=False, lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
+                          timeout=collectives, quorum_timeout=2 * collectives, init_sync=False)
+        try:
+            for step in range(4):
+                started = time.monotonic()
+                manager.start_quorum()
+                if g == 0 and step == 1:
+                    manager.report_error(RuntimeError("lost a peer"))  # its all-reduce is not made
+                manager.allreduce(torch.ones(100_000)).wait()
+                committed = should_commit(manager, pg)
+                steps.setdefault(g, []).append((committed, manager._quorum_id, time.monotonic() - started))
+        finally:
+            manager.shutdown()
+
+    threads = [threading.Thread(target=group, args=(g,)) for g in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        lighthouse.shutdown()
+    assert sorted(steps) == [0, 1, 2]
+    for g, taken in steps.items():
+        assert [committed for committed, _, _ in taken] == [True, False, True, True], (g, taken)
+        assert taken[2][1] != taken[1][1], (g, taken)  # a new quorum after the failed commit
+        assert taken[1][2] < 5 and taken[2][2] < 5, (g, taken)  # not the collectives' 15 s
 
 
 def test_the_ledger_counts_a_group_lost_and_healed_even_when_no_step_went_on_without_it():
