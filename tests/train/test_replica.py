@@ -93,13 +93,14 @@ def test_a_group_that_gives_up_a_step_on_an_error_frees_the_peers_waiting_for_it
     from torchft._torchft import LighthouseServer
 
     collectives = timedelta(seconds=15)
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=20_000)
+    # Every quorum of all three: each step is the same step in every group.
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=3, join_timeout_ms=20_000)
     steps: dict[int, list] = {}
 
     def group(g: int) -> None:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         pg = quick_rendezvous_gloo(collectives, RENDEZVOUS_TIMEOUT)
-        manager = Manager(pg=pg, min_replica_size=1, load_state_dict=lambda _: None, state_dict=dict,
+        manager = Manager(pg=pg, min_replica_size=3, load_state_dict=lambda _: None, state_dict=dict,
                           replica_id=f"g{g}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
                           use_async_quorum=False, lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
                           timeout=collectives, quorum_timeout=2 * collectives, init_sync=False)
