@@ -64,11 +64,11 @@ def plan_slots(sweep: SweepConfig, rungs: list[Rung], batches: list[int], cost: 
 
 def trial_name(phase: str, index: int, config: dict) -> str:
     """A trial's id in trials.csv, and its run directory's name: its phase, its place in the
-    phase's plan and a digest of its settings. Tune saves which trials it created at most every
-    10 s, so a trial created (even finished) after the last save is suggested again when a sweep
-    whose driver died resumes, under a new Tune trial id; by this id it finds its own directory,
-    and its final result or checkpoints, instead of training again. The digest keeps a trial
-    whose settings differ the second time (an Optuna study that learned of more results) out."""
+    phase's plan and a digest of its settings. Unlike Tune's random trial id it is the same each
+    time the plan suggests the trial, so a resumed sweep's trial finds its own directory (its
+    final result or checkpoints) even where Tune's state, saved at most every 10 s, did not hold
+    it. The digest keeps out a trial whose settings differ the second time (an Optuna study that
+    has seen more results)."""
     digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:6]
     return f"{phase}-{index:03d}-{digest}"
 

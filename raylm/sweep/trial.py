@@ -3,9 +3,8 @@
 
 Its run directory is `<sweep>/trials/<trial id>` (`search.trial_name`): metrics.jsonl and a
 checkpoint at every evaluation. A restarted trial (Tune's FailureConfig, or a sweep resumed after
-its driver died, even a trial Tune had not recorded) resumes from its newest checkpoint there; a
-trial that had finished reports its final result again from `final.json` instead of training
-twice. A trial whose loss turns non-finite (its learning rate too high; the stability guard is
+its driver died) resumes from its newest checkpoint there; a trial that had finished reports its
+final result again from `final.json` instead of training twice. A trial whose loss turns non-finite (its learning rate too high; the stability guard is
 off in trials) ends as diverged, not retried.
 """
 
