@@ -50,6 +50,8 @@ class TrialPlan:
 class TuneReporter(Hook):
     """Each validation loss goes to Tune with the fraction of the budget trained (ASHA's clock)."""
 
+    after_metrics_written = True  # ASHA may stop the trial at this report: its metrics row is kept
+
     def __init__(self, steps: int):
         self.steps = steps
 

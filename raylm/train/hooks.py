@@ -39,6 +39,10 @@ class Run:
 class Hook:
     """Callbacks around each step."""
 
+    # A hook that only reads a step's metrics, and whose call may be its process's last (a report
+    # to Tune, whose scheduler may end the trial there), is called after they are written out.
+    after_metrics_written: bool = False
+
     def on_train_start(self, run: Run) -> None: ...
 
     def on_step_begin(self, run: Run, step: int) -> None:

@@ -131,7 +131,9 @@ class Trainer(BatchFeed, GuardedSteps):
             probes += (ProfileHook(cfg.train.profile, env.run_dir, env.checkpoint_root, cfg.storage),)
         if cfg.train.inject_nonfinite:
             probes += (NonFiniteLoss(cfg.train.inject_nonfinite),)
-        self.hooks = (*hooks, *probes, self.logger)  # the logger last: it writes out what the other hooks added
+        # The logger after the hooks that add to a step's metrics: it writes out what they added.
+        self.hooks = (*(h for h in hooks if not h.after_metrics_written), *probes, self.logger,
+                      *(h for h in hooks if h.after_metrics_written))
         self.last = min(cfg.train.steps, cfg.train.stop_at_step or cfg.train.steps)
         # A CPU runs each operation as it is queued: reading every step costs it nothing.
         self.read_every = cfg.train.read_every or (cfg.train.log_every if world.device.type == "cuda" else 1)

@@ -123,6 +123,10 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
     assert all(r["status"] == "completed" for r in ladder if float(r["lr"]) == 1e-2)
     stopped = [r for r in ladder if r["status"] == "stopped_early"]
     assert stopped and all(float(r["lr"]) == 1e-5 and float(r["progress"]) < 1 for r in stopped)
+    for r in stopped:  # the evaluation ASHA stopped it at is the last row of its metrics
+        last = read_jsonl(os.path.join(directory, "trials", r["trial_id"], METRICS_FILE))[-1]
+        assert last["step"] == round(float(r["progress"]) * int(r["steps"])), r
+        assert last["val_loss"] == pytest.approx(float(r["val_loss"]), rel=1e-6), r
     for r in rows:
         assert float(r["flops"]) == pytest.approx(float(r["tokens"]) * float(r["flops_per_token"]))
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raylm.config import ConfigError, load_config
+from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
 
@@ -39,6 +40,35 @@ def test_loss_falls_and_metrics_are_written(tiny_dataset, tmp_path):
     # Byte tokens stand for one byte each, end of text for none: a little above loss / ln 2.
     assert final["val_loss"] / math.log(2) < final["val_bpb"] < 1.1 * final["val_loss"] / math.log(2)
     assert os.listdir(tmp_path / "checkpoint_00000030")
+
+
+class Stop(Exception):
+    pass
+
+
+class AddsToMetrics(Hook):
+    def on_step_end(self, run, step, metrics):
+        metrics["added"] = step
+
+
+class EndsTheProcessAtAnEvaluation(Hook):
+    """As Tune's scheduler does at a trial's report: the call never returns."""
+
+    after_metrics_written = True
+
+    def on_step_end(self, run, step, metrics):
+        if "val_loss" in metrics:
+            raise Stop(metrics)
+
+
+def test_a_hook_that_may_end_the_process_is_called_after_its_steps_metrics_are_written(tiny_dataset, tmp_path):
+    with pytest.raises(Stop) as stopped:
+        train_local(tiny_config(tiny_dataset, "train.steps=8", "checkpoint.every_steps=0"), str(tmp_path),
+                    hooks=(EndsTheProcessAtAnEvaluation(), AddsToMetrics()))
+    (reported,) = stopped.value.args
+    rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1] == reported
+    assert [r["added"] for r in rows] == [0, 1, 2, 3]  # hooks that add to the metrics come before the logger
 
 
 def test_tensorboard_holds_every_steps_metrics(tiny_dataset, tmp_path):
