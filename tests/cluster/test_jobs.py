@@ -253,6 +253,12 @@ def test_a_job_no_node_can_hold_says_so_and_a_stop_ends_it_with_its_line(cluster
         assert time.monotonic() < deadline and jobs.get_job_status("raylm-unplaceable-1").value in (
             "PENDING", "RUNNING"), logs[-3000:]
         time.sleep(0.5)
+    # The run's console is kept from the moment its trainer is made, just before it trains (on a
+    # busy machine that came after the warning by more than any fixed wait).
+    deadline = time.monotonic() + 120
+    while not (run_dir / "console.log").exists():
+        assert time.monotonic() < deadline, jobs.get_job_logs("raylm-unplaceable-1")[-3000:]
+        time.sleep(0.2)
     time.sleep(3)  # the controller in its first attempt to start the workers
     assert jobs.stop_job("raylm-unplaceable-1")
     assert wait_for_status(jobs, "raylm-unplaceable-1") == "STOPPED"
