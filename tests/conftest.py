@@ -56,19 +56,20 @@ LOCAL_CLUSTER_FIXTURE = "shared_cluster"
 LOCAL_CLUSTER_MODULES = ("tests/cluster/test_chaos.py", "tests/cluster/test_elastic.py",
                          "tests/cluster/test_jobs.py", "tests/cluster/test_preemption.py",
                          "tests/cluster/test_local_cluster.py", "tests/test_drill.py")
-# Then the longest other modules, longest first (their seconds in a `make test` at load ~30,
-# --durations=0), so that no worker is left alone with one of them at the end while the other
-# idles: longest processing time first. The rest follow as collected.
-LONG_MODULES = ("tests/sweep/test_sweep.py",  # 786 s
-                "tests/launch/test_driver.py",  # 417
-                "tests/test_guard_panel.py",  # 272
-                "tests/launch/test_s3.py",  # 211
-                "tests/train/resilience/test_guard.py",  # 145
-                "tests/sweep/test_mup_sweep.py",  # 143
-                "tests/parallel/test_layouts.py",  # 108
-                "tests/launch/test_one_writer.py",  # 106
-                "tests/downstream/test_lm_eval.py",  # 104
-                "tests/launch/test_sockets.py")  # 101
+# Then the longest other modules, longest first (their seconds in the `make test` of 2026-12-06,
+# --durations=0, nothing else running), so that no worker is left alone with one of them at the
+# end while the other idles: longest processing time first. The rest follow as collected.
+LONG_MODULES = ("tests/sweep/test_sweep.py",  # 469 s
+                "tests/launch/test_driver.py",  # 277
+                "tests/train/test_replica.py",  # 199
+                "tests/test_guard_panel.py",  # 154
+                "tests/launch/test_s3.py",  # 149
+                "tests/train/resilience/test_guard.py",  # 136
+                "tests/launch/test_one_writer.py",  # 111
+                "tests/sweep/test_mup_sweep.py",  # 109
+                "tests/parallel/test_layouts.py",  # 96
+                "tests/downstream/test_lm_eval.py",  # 95
+                "tests/launch/test_sockets.py")  # 77
 
 
 def unit_of_work(nodeid: str) -> str:
