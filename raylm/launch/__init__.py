@@ -6,6 +6,7 @@
                  (`raylm.train.loop.train`), the worker's self-test and hooks
     backend.py   the torch backend: the process group, its rendezvous bound to the node's address
     scaling.py   the worker group's size on a Ray raylm started (no autoscaler to ask)
+    coordinator.py  Ray's autoscaling coordinator at an elastic run's start
     recovery.py  the record of worker failures (`events.jsonl`), in Train's controller
     ray_watchdog.py  the progress watchdog's view of the cluster, and its way to fail the group
     submit.py    `raylm submit`: a run as a Ray job, followed to its end
@@ -24,7 +25,9 @@ internal is missing, except where noted):
   `after_controller_start`, `_maybe_send_resource_request`, `_send_resource_request`): a
   fixed-size policy that asks no autoscaler on a one-machine Ray.
 - `ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator`: start the
-  coordinator early, and have an elastic run's see the nodes that just joined.
+  coordinator early, and have an elastic run's see the nodes that just joined (coordinator.py).
+- `ray.train.v2._internal.state` (the state actor's runs, `is_actor_alive`) and Train's request
+  name `train-<run id>`: an elastic start cancels the requests of runs whose driver died.
 - `ray.train.torch.config`: `_set_torch_distributed_env_vars`, `_setup_torch_process_group`,
   `_shutdown_torch`, `TorchConfigContextManager`: Ray's own process-group setup, reused by the
   node-bound backend; `ray.train.v2._internal.util.TrainingFramework` and

@@ -27,10 +27,12 @@ CONSOLE_FILE = "console.log"  # what the driver's console showed, beside the run
 CONSOLE_MAX_BYTES = 10 * 2**20  # then console.log.1, .2, .3: the newest 40 MiB of a long run's story
 CONSOLE_BACKUPS = 3
 
-# Where a block of noise begins: a worker's or the controller's traceback, and what introduces one.
+# Where a block of noise begins: a worker's or the controller's traceback, and what introduces one;
+# a warning of Ray's about its own code (and the source line Python shows under it), which the
+# controller of a tracked run prints once (`raylm.launch.coordinator`).
 _BLOCK_START = re.compile(r"^(Error in training function:|Traceback \(most recent call last\):|"
                           r"Error in control loop iteration|Graceful shutdown of backend failed|"
-                          r"Raylet is terminated)")
+                          r"Raylet is terminated|\S+\.py:\d+: RayDeprecationWarning: )")
 # What a block goes on with: indented frames and carets, chained-exception notes, an exception's
 # own line and the tab-indented details Ray adds to it.
 _BLOCK_BODY = re.compile(r"^(\s|$|The above exception|During handling|The actor died|[\w.]+(Error|Exception)\b)")

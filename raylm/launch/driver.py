@@ -22,6 +22,7 @@ from raylm.data.order import chunking_warning
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
+from raylm.launch.coordinator import TRAIN_STATE_TRACKING, start_autoscaling_coordinator
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
@@ -227,6 +228,10 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
                         threads, dashboard=cfg.run.dashboard)
     if not own_ray and (warning := no_node_fits_a_worker(parallel)):
         print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
+    if not own_ray:
+        # Ray Train's record of the cluster's runs and their controllers, which an elastic start
+        # reads to free what runs whose driver died still hold (raylm.launch.coordinator).
+        os.environ.setdefault(TRAIN_STATE_TRACKING, "1")
     # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.launch.scaling).
     fixed_on_own_ray = own_ray and not parallel.min_workers
     if not fixed_on_own_ray:
@@ -421,27 +426,3 @@ def last_metrics(uri: str, cfg: Config) -> dict:
             pass  # out of reach now: the local mirror's rows, if rank 0 wrote them here
     rows = rows or read_jsonl(os.path.join(local_run_dir(cfg), METRICS_FILE))
     return rows[-1] if rows else {}
-
-
-def start_autoscaling_coordinator(elastic: bool) -> None:
-    """Start Ray's autoscaling coordinator, or find it running, before Ray Train's controller.
-
-    The controller asks this detached actor for the workers' resources before it starts them and
-    waits for the answer: started here, the actor's process comes up beside the controller's
-    instead of after it (1.5 s of a local start on 2 cores). An `elastic` run also has it re-read
-    the cluster's nodes: the run starts with as many workers as the coordinator says fit, and it
-    re-reads them only every 20 s, so a run started just after a node (re)joined began smaller
-    than the cluster and restarted to grow a minute later. The actor and its `recompute` are Ray
-    internals: on a Ray without them the run still starts, as Ray Train would start it."""
-    import ray
-
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-
-        coordinator = get_or_create_autoscaling_coordinator()
-        if elastic:
-            ray.get(coordinator.get_reserved_resources.remote("raylm-launch", recompute=True), timeout=10)
-    except Exception as e:  # noqa: BLE001 - Ray Train starts the coordinator itself, with its older view
-        print(f"raylm: could not prepare Ray's autoscaling coordinator ({e!r}); "
-              f"{'the run may start smaller and grow' if elastic else 'Ray Train starts it'}", flush=True)

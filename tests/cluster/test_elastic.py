@@ -24,6 +24,7 @@ launch (test_chaos.py's lost-node test starts so).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,38 @@ def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset, tmp_path
     assert [s for s in steps if s > restart["from_step"]], "no step after the restart"
     assert survivor in cluster.alive_nodes()
 
+
+
+# Ray Train renews a run's request to the autoscaling coordinator every 20 s, and the coordinator
+# keeps it 180 s after the last renewal: a run killed with its driver holds its workers' resources
+# for at least 160 s after the kill unless it is released.
+DEAD_RUN_HOLDS_S = 180 - 20
+
+
+def test_the_command_of_a_killed_elastic_run_resumes_it_without_waiting_for_the_dead_runs_reservation(
+        cluster, tiny_dataset, tmp_path):
+    """A driver SIGKILLed (its head-node process lost) while its two workers fill the cluster, then
+    the same command: the dead run's request to Ray's autoscaling coordinator left the new run no
+    resources until it expired, and the elastic run waited ~3 minutes with 0 workers."""
+    for node in (1, 2):
+        if not cluster.processes(node):
+            cluster.start_node(node)
+    args = demo_args(tiny_dataset, tmp_path, "run", "parallel.cpus_per_worker=2")  # both nodes whole
+    killed = TrainDriver(cluster, tmp_path / "run", args)
+    try:
+        killed.wait_for("the first checkpoint", lambda: killed.last_step() > CHECKPOINT_EVERY, timeout_s=300)
+    finally:
+        killed.stop()
+    killed_at = time.time()
+    again = TrainDriver(cluster, tmp_path / "run", args)
+    try:
+        again.finish(timeout_s=300)
+    finally:
+        again.stop()
+    (resumed,) = again.events("resumed")
+    assert resumed["from_step"] >= CHECKPOINT_EVERY and resumed["world_size"] == 2
+    # After the resume: the killed driver's workers may have written a row or two as they died.
+    first_step = min(row["time"] for row in again.metrics() if row["time"] > resumed["time"])
+    assert first_step - killed_at < DEAD_RUN_HOLDS_S, \
+        f"the run waited {first_step - killed_at:.0f} s after the kill for the dead run's reservation"
+    assert sorted({row["step"] for row in again.metrics()}) == list(range(1, STEPS + 1))

@@ -64,3 +64,8 @@ def test_noise_outside_a_block_and_unknown_lines_are_told_apart():
     assert not noise.keep("w", "RuntimeError: boom")
     assert noise.keep("w", "the next line of the user's own")  # the block ended
     assert noise.keep("raylet", "(raylet) Task was killed due to the node running low on memory")
+    # Ray's deprecation of its own option, by Train's controller of a tracked run.
+    assert not noise.keep("c", "/x/ray/data/_internal/execution/interfaces/execution_options.py:436: "
+                               "RayDeprecationWarning: `ExecutionOptions.exclude_resources` is deprecated")
+    assert not noise.keep("c", "  self.exclude_resources = exclude_resources")
+    assert noise.keep("c", "a warning of the user's own: UserWarning: x")
