@@ -230,12 +230,20 @@ def _ray_job_id() -> Optional[str]:
         return None
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command's name (Linux; [] where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _start_time(pid: int) -> Optional[int]:
     """The process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(_stat(pid)[19])
+    except (ValueError, IndexError):
         return None
 
 
@@ -249,4 +257,8 @@ def process_alive(pid: object, started: object = None) -> bool:
         return False
     except PermissionError:  # another user's process: alive
         return True
+    # A killed process its parent has not reaped (an orphan under a container's PID 1 that reaps
+    # late or never) still answers signal 0, but never writes again.
+    if _stat(pid)[:1] in (["Z"], ["X"]):
+        return False
     return started is None or _start_time(pid) in (None, started)

@@ -82,13 +82,27 @@ def test_a_stale_lease_is_taken_over_with_an_event(run_dir, tmp_path):
     assert age and 300 <= int(age.group(1)) <= 330, event["why"]
 
 
-def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(run_dir, tmp_path):
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "killed_not_yet_reaped"])
+def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(run_dir, tmp_path, reaped):
+    """Not yet reaped: a `kill -9` of a driver whose parent had gone, under a container's PID 1
+    that reaps orphans late (the same command, run at once, was refused naming the dead pid)."""
     uri, storage_cfg = run_dir
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    _write_lease(uri, storage_cfg, host=socket.gethostname(), pid=gone.pid)
-    with RunLease(uri, storage_cfg, timeout_s=600, events_dir=str(tmp_path)):
-        pass
+    gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    gone.kill()
+    if reaped:
+        gone.wait()
+    else:  # a zombie: still answers signal 0
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{gone.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(gone.pid, 0)
+    try:
+        _write_lease(uri, storage_cfg, host=socket.gethostname(), pid=gone.pid)
+        with RunLease(uri, storage_cfg, timeout_s=600, events_dir=str(tmp_path)):
+            pass
+    finally:
+        gone.wait()
     (event,) = read_jsonl(str(tmp_path / "events.jsonl"))
     assert f"its process {gone.pid} on this machine no longer runs" in event["why"]
 
