@@ -105,8 +105,8 @@ DEAD_RUN_HOLDS_S = 180 - 20
 def test_the_command_of_a_killed_elastic_run_resumes_it_without_waiting_for_the_dead_runs_reservation(
         cluster, tiny_dataset, tmp_path):
     """A driver SIGKILLed (its head-node process lost) while its two workers fill the cluster, then
-    the same command: the dead run's request to Ray's autoscaling coordinator left the new run no
-    resources until it expired, and the elastic run waited ~3 minutes with 0 workers."""
+    the same command: the dead run's request to Ray's autoscaling coordinator, which reserves the
+    whole cluster until it expires, is released, and the run resumes on both nodes at once."""
     for node in (1, 2):
         if not cluster.processes(node):
             cluster.start_node(node)

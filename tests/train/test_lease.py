@@ -85,7 +85,7 @@ def test_a_stale_lease_is_taken_over_with_an_event(run_dir, tmp_path):
 @pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "killed_not_yet_reaped"])
 def test_a_lease_of_a_dead_process_on_this_machine_is_taken_over_at_once(run_dir, tmp_path, reaped):
     """Not yet reaped: a `kill -9` of a driver whose parent had gone, under a container's PID 1
-    that reaps orphans late (the same command, run at once, was refused naming the dead pid)."""
+    that reaps orphans late; the same command, run at once, takes the lease over."""
     uri, storage_cfg = run_dir
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     gone.kill()
