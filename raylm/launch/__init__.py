@@ -27,7 +27,7 @@ internal is missing, except where noted):
 - `ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator`: start the
   coordinator early, and have an elastic run's see the nodes that just joined (coordinator.py).
 - `ray.train.v2._internal.state` (the state actor's runs, `is_actor_alive`) and Train's request
-  name `train-<run id>`: an elastic start cancels the requests of runs whose driver died.
+  name `train-<run id>`: an elastic start cancels the requests of runs no longer running.
 - `ray.train.torch.config`: `_set_torch_distributed_env_vars`, `_setup_torch_process_group`,
   `_shutdown_torch`, `TorchConfigContextManager`: Ray's own process-group setup, reused by the
   node-bound backend; `ray.train.v2._internal.util.TrainingFramework` and

@@ -24,7 +24,7 @@ def start_autoscaling_coordinator(elastic: bool) -> None:
     The controller asks this detached actor for the workers' resources before it starts them and
     waits for the answer: started here, the actor's process comes up beside the controller's
     instead of after it (1.5 s of a local start on 2 cores). For an `elastic` run it also gives
-    up what it still reserves for runs whose driver died (`release_dead_runs`), then re-reads the
+    up what it still reserves for runs no longer running (`release_dead_runs`), then re-reads the
     cluster's nodes: it re-reads them only every 20 s, so a run started just after a node
     (re)joined began smaller than the cluster and restarted to grow a minute later."""
     import ray
@@ -38,7 +38,7 @@ def start_autoscaling_coordinator(elastic: bool) -> None:
             try:
                 release_dead_runs(coordinator)
             except Exception as e:  # noqa: BLE001 - then Ray's own expiry releases them
-                print(f"raylm: could not release what Ray reserves for runs whose driver died ({e!r}); "
+                print(f"raylm: could not release what Ray reserves for runs no longer running ({e!r}); "
                       "the run may wait up to 3 minutes for its workers", flush=True)
             ray.get(coordinator.get_reserved_resources.remote("raylm-launch", recompute=True), timeout=10)
     except Exception as e:  # noqa: BLE001 - Ray Train starts the coordinator itself, with its older view
@@ -46,9 +46,8 @@ def start_autoscaling_coordinator(elastic: bool) -> None:
               f"{'the run may start smaller and grow' if elastic else 'Ray Train starts it'}", flush=True)
 
 
-def release_dead_runs(coordinator) -> list[str]:
-    """Cancel the coordinator's requests of Ray Train runs that ended or whose controller is dead;
-    returns their run ids.
+def release_dead_runs(coordinator) -> None:
+    """Cancel the coordinator's requests of Ray Train runs that ended or whose controller is dead.
 
     A run's controller cancels its request when it ends, but one killed with its driver (a
     SIGKILL, a lost head-node process) cannot: the coordinator goes on reserving the run's
@@ -68,7 +67,7 @@ def release_dead_runs(coordinator) -> list[str]:
 
     state = get_state_actor()
     if state is None:  # no Train run on this cluster yet
-        return []
+        return
     ended_after_ns = time.time_ns() - int(expiry_s * 1e9)
     dead = []
     for run in ray.get(state.get_train_runs.remote(), timeout=10).values():
@@ -79,4 +78,3 @@ def release_dead_runs(coordinator) -> list[str]:
             dead.append(run.id)
     # The request's name: Ray Train's policies ask as "train-<run id>" (`after_controller_start`).
     ray.get([coordinator.cancel_request.remote(f"train-{run_id}") for run_id in dead], timeout=10)
-    return dead

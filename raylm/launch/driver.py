@@ -230,7 +230,7 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
         print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
     if not own_ray:
         # Ray Train's record of the cluster's runs and their controllers, which an elastic start
-        # reads to free what runs whose driver died still hold (raylm.launch.coordinator).
+        # reads to free what runs no longer running still reserve (raylm.launch.coordinator).
         os.environ.setdefault(TRAIN_STATE_TRACKING, "1")
     # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.launch.scaling).
     fixed_on_own_ray = own_ray and not parallel.min_workers

@@ -2,10 +2,10 @@
 (`raylm.train.loop.train`) in-process on one worker, the issue's allowance for tiny CPU trials.
 
 Its run directory is `<sweep>/trials/<trial id>` (`search.trial_name`): metrics.jsonl and a
-checkpoint at every evaluation. A restarted trial (Tune's FailureConfig, or a sweep resumed after
-its driver died) resumes from its newest checkpoint there; a trial that had finished reports its
-final result again from `final.json` instead of training twice. A trial whose loss turns non-finite (its learning rate too high; the stability guard is
-off in trials) ends as diverged, not retried.
+checkpoint at every evaluation. A restarted trial (Tune's FailureConfig, or a resumed sweep's)
+resumes from its newest checkpoint there; a trial that had finished reports its final result again
+from `final.json` instead of training twice. A trial whose loss turns non-finite (its learning
+rate too high; the stability guard is off in trials) ends as diverged, not retried.
 """
 
 from __future__ import annotations

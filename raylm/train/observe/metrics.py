@@ -47,7 +47,8 @@ def peak_flops(device: torch.device, override_tflops: Optional[float] = None) ->
 
 
 class MetricsLogger(Hook):
-    """The always-on hook, run after every hook that adds to the metrics: writes each step's metrics out on rank 0."""
+    """The always-on hook, run after every hook that adds to the metrics: writes each step's
+    metrics out on rank 0."""
 
     def __init__(self, cfg: Config, run_dir: str, world: World):
         self.cfg, self.world = cfg, world
