@@ -22,7 +22,7 @@ from raylm.data.order import chunking_warning
 from raylm.errors import RunFailedError, RunInterrupted
 from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
-from raylm.launch.coordinator import TRAIN_STATE_TRACKING, start_autoscaling_coordinator
+from raylm.launch.coordinator import start_autoscaling_coordinator, train_state_tracking
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
 from raylm.ray_runtime import joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c, start_ray
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
@@ -228,10 +228,6 @@ def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
                         threads, dashboard=cfg.run.dashboard)
     if not own_ray and (warning := no_node_fits_a_worker(parallel)):
         print(f"raylm: warning: {warning}", file=sys.stderr, flush=True)
-    if not own_ray:
-        # Ray Train's record of the cluster's runs and their controllers, which an elastic start
-        # reads to free what runs no longer running still reserve (raylm.launch.coordinator).
-        os.environ.setdefault(TRAIN_STATE_TRACKING, "1")
     # A fixed-size run on a Ray of its own has no autoscaler to ask for nodes (raylm.launch.scaling).
     fixed_on_own_ray = own_ray and not parallel.min_workers
     if not fixed_on_own_ray:
@@ -339,8 +335,11 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
 
     class RaylmTrainer(DataParallelTrainer):
         def _create_default_callbacks(self):
-            return [callback for callback in super()._create_default_callbacks()
-                    if not isinstance(callback, unused)]
+            # On a cluster it joins, Ray Train's record of the runs and their controllers, which an
+            # elastic start reads to free what runs no longer running still reserve.
+            with train_state_tracking(not own_ray):
+                callbacks = super()._create_default_callbacks()
+            return [callback for callback in callbacks if not isinstance(callback, unused)]
 
         def _register_sigint_handler(self, controller) -> None:
             _abort_on_sigint(controller)

@@ -210,3 +210,28 @@ def test_a_run_whose_final_save_failed_ends_with_an_error_not_done(tiny_dataset,
     assert (f"raylm: error: step 4: the run trained to its end, but no checkpoint has been written to "
             f"{storage / 'unsaved'} since step 2 (") in outcome.stderr
     assert "the final one included: all its steps (it has no checkpoint) are lost" in outcome.stderr
+
+
+@pytest.mark.parametrize("own_ray, user_setting, tracked", [
+    (False, None, True), (True, None, False), (False, "0", False)])
+def test_runs_are_tracked_on_a_joined_cluster_and_the_setting_stays_with_the_trainer(
+        monkeypatch, own_ray, user_setting, tracked):
+    """On a cluster it joins, a run is in Ray Train's record of runs (what an elastic start reads to
+    free a dead run's reservation) unless the user turned the record off; the process's environment
+    is as it was after, so that a later run of the same process on a Ray of its own starts no state
+    actor."""
+    import ray.train
+    from ray.train.v2._internal.callbacks.state_manager import StateManagerCallback
+
+    from raylm.launch.coordinator import TRAIN_STATE_TRACKING
+    from raylm.launch.driver import _trainer_class
+
+    if user_setting is None:
+        monkeypatch.delenv(TRAIN_STATE_TRACKING, raising=False)
+    else:
+        monkeypatch.setenv(TRAIN_STATE_TRACKING, user_setting)
+    trainer = _trainer_class(own_ray, dashboard=False, fixed_on_own_ray=own_ray)(
+        lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1))
+    callbacks = trainer._create_default_callbacks()
+    assert any(isinstance(c, StateManagerCallback) for c in callbacks) == tracked
+    assert os.environ.get(TRAIN_STATE_TRACKING) == user_setting
