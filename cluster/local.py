@@ -36,6 +36,7 @@ The nodes run with this Python's bin/ first on PATH, so a job's `python` is this
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -75,6 +76,8 @@ _PORT_FLAGS = ("node-manager-port", "object-manager-port", "dashboard-agent-list
 # would otherwise collide with any other Ray head on this machine.
 _HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")  # set in _command
 _HEAD_PORT_ENV = ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT")
+# Tries of a node's start that failed; one whose raylet died waiting for its agents (Ray's fixed
+# 15 s for their port files, missed on a loaded machine) is tried again until the start's deadline.
 _START_ATTEMPTS = 3
 
 
@@ -414,12 +417,13 @@ class LocalCluster:
         a deadline that grows with the machine's load (`_deadline`). `ray start` gives a raylet a
         fixed 30 s to register and exits with an error when it is late; on a loaded machine its
         raylet then registers a little later all the same, so a failed `ray start` whose raylet
-        runs is waited for, not killed; one whose raylet died is cleaned up and tried again."""
+        runs is waited for, not killed; one whose raylet died is cleaned up and tried again, until
+        the deadline when its agents missed Ray's fixed wait for them (the load), else 3 times."""
         previous = self.node_ids() if self.gcs_port is not None else {}
         budget = self._deadline()
         deadline = time.monotonic() + budget
         pending, logs = list(nodes), {}
-        for attempt in range(1, _START_ATTEMPTS + 1):
+        for attempt in itertools.count(1):
             started = [(node, *self._spawn(node)) for node in pending]
             pending = []
             for node, proc, log_path in started:
@@ -433,11 +437,13 @@ class LocalCluster:
                 if code == 0 or self._raylet_running(node):
                     continue
                 kill_process_trees(self._roots(node))
-                if attempt == _START_ATTEMPTS or time.monotonic() > deadline:
+                last_words = _raylet_last_words(node)
+                starved = "Timed out waiting for file" in last_words
+                if time.monotonic() > deadline or (attempt >= _START_ATTEMPTS and not starved):
                     raise LocalClusterError(f"`ray start` of node {node.index} ({node.ip}) "
                                             f"{'timed out' if code is None else f'exited with {code}'} and its "
                                             f"raylet is not running (attempt {attempt}):\n{_tail(log_path)}"
-                                            f"{_raylet_last_words(node)}")
+                                            f"{last_words}")
                 pending.append(node)
             if not pending:
                 break
