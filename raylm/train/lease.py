@@ -66,6 +66,9 @@ class RunLease:
         self._existing: Optional[str] = None
         self._made_lock = False
         self.lost: Optional[str] = None
+        # Whether the lease may be in storage: set as its first write starts, which an interrupt can
+        # cut short after the write landed. Before it there is nothing of this run's to remove.
+        self._written = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -101,6 +104,7 @@ class RunLease:
             directory = os.path.dirname(os.path.abspath(self.uri))
             self._existing = storage.nearest_existing(directory)
             self._made_lock = not os.path.exists(os.path.join(directory, LOCK_FILE))
+        self._written = True
         try:
             self.tag = storage.write_if(self.uri, self._record(), tag, self.storage_cfg)
         except ConditionFailedError:
@@ -119,17 +123,18 @@ class RunLease:
         if self._thread is not None:
             self._thread.join()
         if self.lost is None:
-            try:
-                # By the token, not the version: `acquire` may have been interrupted before it
-                # learned the version it wrote.
-                data, _ = storage.read_tagged(self.uri, self.storage_cfg)
-                if _parse(data).get("token") == self.token:
-                    storage.delete_file(self.uri, self.storage_cfg)
-            except StorageNotFoundError:
-                pass
-            except OSError as e:  # storage out of reach: the run's own outcome is what the user must see
-                print(f"raylm: warning: the lease {self.uri} could not be removed ({e}); the next run of "
-                      "this directory takes it over as stale", file=sys.stderr, flush=True)
+            if self._written:
+                try:
+                    # By the token, not the version: `acquire` may have been interrupted before it
+                    # learned the version it wrote.
+                    data, _ = storage.read_tagged(self.uri, self.storage_cfg)
+                    if _parse(data).get("token") == self.token:
+                        storage.delete_file(self.uri, self.storage_cfg)
+                except StorageNotFoundError:
+                    pass
+                except OSError as e:  # storage out of reach: the run's own outcome is what the user must see
+                    print(f"raylm: warning: the lease {self.uri} could not be removed ({e}); the next run of "
+                          "this directory takes it over as stale", file=sys.stderr, flush=True)
             self._tidy()
         self.tag = None
 

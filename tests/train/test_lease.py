@@ -156,3 +156,18 @@ def test_a_lease_that_storage_cannot_remove_at_the_end_leaves_the_runs_outcome_a
     said = capsys.readouterr().err
     assert "raylm: warning: the lease s3://lease-outage/run/run.lease could not be removed" in said, said
     assert "takes it over as stale" in said
+
+
+def test_storage_out_of_reach_at_the_start_is_the_one_error_said(tmp_path, capsys):
+    """Nothing listens at the endpoint: taking the lease fails naming it, and no warning about a
+    lease that was never written comes before that error."""
+    from raylm.config import StorageConfig
+    from raylm.ports import free_ports
+
+    closed = free_ports(1)[0]
+    with pytest.raises(storage.StorageError, match=f"127.0.0.1:{closed}"):
+        with RunLease("s3://nowhere/run", StorageConfig(endpoint_url=f"http://127.0.0.1:{closed}"), timeout_s=60,
+                      events_dir=str(tmp_path)):
+            pass
+    said = capsys.readouterr().err
+    assert "could not be removed" not in said, said
