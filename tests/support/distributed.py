@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from raylm.ports import free_ports
 
 COLLECTIVE_TIMEOUT_S = 120  # a rank stuck in a collective fails instead of hanging the suite
-PRELOAD = ["torch", "torch.distributed", "raylm.train.loop"]
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "pyarrow.dataset", "raylm.train.loop"]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple,
