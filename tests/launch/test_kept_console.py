@@ -48,9 +48,11 @@ def test_lines_are_held_until_the_run_trains_then_kept_and_rotated(tmp_path, mon
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp_path, request, where):
-    storage_path, storage_cfg, extra = run_storage(request, where, tmp_path)
+def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp_path, request):
+    # A run on S3 shows both halves: the console kept in the run's local directory, as a local
+    # run keeps it, and copied to S3 beside the run's records. `raylm status` of a local run:
+    # tests/test_status.py.
+    storage_path, storage_cfg, extra = run_storage(request, "s3", tmp_path)
     args = [f"data.path={tiny_dataset}", f"run.storage_path={storage_path}", *RUN, *extra]
     done = subprocess.run([sys.executable, "-m", "raylm.cli", "train", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
@@ -65,9 +67,8 @@ def test_raylm_train_leaves_its_console_beside_its_checkpoints(tiny_dataset, tmp
     assert kept.endswith(done.stdout.splitlines()[-1] + "\n") and kept.splitlines()[-1].startswith("done: step 4, ")
     assert kept == open(os.path.join(local_run_dir(load_config(None, args)), CONSOLE_FILE)).read()
     # And `raylm status` of the run, where it lies, without Ray.
-    endpoint = ["--endpoint-url", request.getfixturevalue("s3_server").endpoint_url] if where == "s3" else []
-    shown = subprocess.run([sys.executable, "-m", "raylm.cli", "status", run, *endpoint], capture_output=True,
-                           text=True, timeout=120, env={**os.environ, **(request.getfixturevalue("s3_server").env
-                                                                         if where == "s3" else {})})
+    server = request.getfixturevalue("s3_server")
+    shown = subprocess.run([sys.executable, "-m", "raylm.cli", "status", run, "--endpoint-url", server.endpoint_url],
+                           capture_output=True, text=True, timeout=120, env={**os.environ, **server.env})
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"{run}: finished (its checkpoint at step 4 is the last of train.steps=4)\nstep 4/4")
