@@ -24,7 +24,7 @@ from cluster.chaos import TrainDriver, train_worker
 from raylm.train.observe.records import read_jsonl
 from cluster.local import LocalCluster, kill_process_trees
 from tests.support.clusters import module_on_shared_cluster
-from tests.support.fixtures import write_corpus
+from tests.support.fixtures import prepare_apart, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -43,16 +43,12 @@ CROSS_WORLD_RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def chaos_dataset(ray_session, tmp_path_factory) -> str:
+def chaos_dataset(tmp_path_factory) -> str:
     """A small corpus (1248 training rows: 78 global batches an epoch), prepared before the
-    cluster starts (it uses the session's Ray)."""
-    from raylm.data.prepare import prepare_dataset
-
+    cluster starts, on a Ray of its own."""
     root = tmp_path_factory.mktemp("chaos")
-    out = str(root / "prepared")
-    prepare_dataset([write_corpus(root / "text", documents=205, seed=5)], out, tokenizer="byte",
-                    seq_len=SEQ_LEN, val_fraction=0.1, shard_rows=300)
-    return out
+    return prepare_apart([write_corpus(root / "text", documents=205, seed=5)], str(root / "prepared"),
+                         tokenizer="byte", seq_len=SEQ_LEN, val_fraction=0.1, shard_rows=300)
 
 
 @pytest.fixture(scope="module")

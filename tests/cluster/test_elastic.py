@@ -40,7 +40,7 @@ STEPS, CHECKPOINT_EVERY = 60, 10
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dataset, request, shared_cluster) -> LocalCluster:
+def cluster(tiny_dataset_without_ray, request, shared_cluster) -> LocalCluster:
     # The session's cluster of the README's shape (tests/support/clusters.py), whole.
     yield from module_on_shared_cluster(request, shared_cluster)
 
@@ -59,11 +59,11 @@ def workers_per_node(cluster: LocalCluster) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("placement", ["both_on_lost_node", "both_on_surviving_node"])
-def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset, tmp_path, placement):
+def test_a_lost_node_leaves_the_run_making_steps(cluster, tiny_dataset_without_ray, tmp_path, placement):
     for node in (1, 2):  # the previous case lost a node: bring it back
         if not cluster.processes(node):
             cluster.start_node(node)
-    driver = TrainDriver(cluster, tmp_path / "run", demo_args(tiny_dataset, tmp_path, "run"))
+    driver = TrainDriver(cluster, tmp_path / "run", demo_args(tiny_dataset_without_ray, tmp_path, "run"))
     try:
         driver.wait_for("the first checkpoint", lambda: driver.last_step() > CHECKPOINT_EVERY, timeout_s=300)
         placed = workers_per_node(cluster)
@@ -103,14 +103,14 @@ DEAD_RUN_HOLDS_S = 180 - 20
 
 
 def test_the_command_of_a_killed_elastic_run_resumes_it_without_waiting_for_the_dead_runs_reservation(
-        cluster, tiny_dataset, tmp_path):
+        cluster, tiny_dataset_without_ray, tmp_path):
     """A driver SIGKILLed (its head-node process lost) while its two workers fill the cluster, then
     the same command: the dead run's request to Ray's autoscaling coordinator, which reserves the
     whole cluster until it expires, is released, and the run resumes on both nodes at once."""
     for node in (1, 2):
         if not cluster.processes(node):
             cluster.start_node(node)
-    args = demo_args(tiny_dataset, tmp_path, "run", "parallel.cpus_per_worker=2")  # both nodes whole
+    args = demo_args(tiny_dataset_without_ray, tmp_path, "run", "parallel.cpus_per_worker=2")  # both nodes whole
     killed = TrainDriver(cluster, tmp_path / "run", args)
     try:
         killed.wait_for("the first checkpoint", lambda: killed.last_step() > CHECKPOINT_EVERY, timeout_s=300)

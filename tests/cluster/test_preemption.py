@@ -30,17 +30,17 @@ DEADLINE_S = 30
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dataset, request, shared_cluster) -> LocalCluster:
+def cluster(tiny_dataset_without_ray, request, shared_cluster) -> LocalCluster:
     # The session's cluster of the README's shape (tests/support/clusters.py), whole: the node
     # this module's test drains and kills is started again for whoever uses the cluster next.
     yield from module_on_shared_cluster(request, shared_cluster)
 
 
-def test_a_preempted_node_costs_no_step(cluster, tiny_dataset, tmp_path, monkeypatch):
+def test_a_preempted_node_costs_no_step(cluster, tiny_dataset_without_ray, tmp_path, monkeypatch):
     # The watcher asks the GCS for drained nodes every 5 s by default: seconds of a short test.
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
-    args = [str(REPO / "configs/demo-cpu.yaml"), f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
-            "run.name=run", "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+    args = [str(REPO / "configs/demo-cpu.yaml"), f"data.path={tiny_dataset_without_ray}",
+            f"run.storage_path={tmp_path}", "run.name=run", "data.chunk_rows=8", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
             "model.max_seq_len=32", f"train.steps={STEPS}", "train.eval_every=0", "train.tensorboard=false",
             # Only the preemption's save and the last: the restart can resume from nothing else.
             f"checkpoint.every_steps={STEPS}", "schedule.warmup_steps=2", "run.max_failures=0",

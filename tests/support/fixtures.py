@@ -4,8 +4,11 @@ local multi-node cluster for the cluster modules, and small corpora prepared by 
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -78,13 +81,30 @@ def shared_cluster(request) -> Iterator[SharedCluster]:
     SHARED.release()
 
 
-@pytest.fixture(scope="session")
-def tiny_dataset(ray_session, tmp_path_factory) -> str:
-    """~120 documents, byte tokenizer, seq_len 32, small shards so chunks cross shard borders."""
-    from raylm.data.prepare import prepare_dataset
+def prepare_apart(inputs: list[str], output: str, **options) -> str:
+    """`prepare_dataset(inputs, output, **options)` in a process of its own, on a Ray that lives
+    as long as it: data for the cluster modules without the session's Ray (`ray_session`), which
+    would idle beside the local cluster through all of them (5.5% of a core, its workers
+    included), as the first units of their xdist worker."""
+    code = ("import json, sys\nfrom raylm.data.prepare import prepare_dataset\n"
+            "prepare_dataset(*json.loads(sys.argv[1]), **json.loads(sys.argv[2]))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([inputs, output]), json.dumps(options)],
+                          env={**os.environ, "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return output
 
+
+@pytest.fixture(scope="session")
+def tiny_dataset_without_ray(tmp_path_factory) -> str:
+    """~120 documents, byte tokenizer, seq_len 32, small shards so chunks cross shard borders;
+    prepared apart, for runs of their own (the cluster modules' drivers)."""
     root = tmp_path_factory.mktemp("tiny")
-    corpus = write_corpus(root / "text")
-    out = str(root / "prepared")
-    prepare_dataset([corpus], out, tokenizer="byte", seq_len=32, val_fraction=0.1, shard_rows=300)
-    return out
+    return prepare_apart([write_corpus(root / "text")], str(root / "prepared"), tokenizer="byte", seq_len=32,
+                         val_fraction=0.1, shard_rows=300)
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(ray_session, tiny_dataset_without_ray) -> str:
+    """The same dataset, with the session's Ray up for what the test runs in this process."""
+    return tiny_dataset_without_ray
