@@ -30,8 +30,10 @@ internal is missing, except where noted):
   name `train-<run id>`: an elastic start cancels the requests of runs no longer running.
 - `ray.train.torch.config`: `_set_torch_distributed_env_vars`, `_setup_torch_process_group`,
   `_shutdown_torch`, `TorchConfigContextManager`: Ray's own process-group setup, reused by the
-  node-bound backend; `ray.train.v2._internal.util.TrainingFramework` and
-  `ray.train.constants`' shutdown timeout names (required: the backend does not load without them).
+  node-bound backend; `ray.train.constants`' shutdown timeout names (required: the backend does
+  not load without them). The backend names no framework (`BackendConfig.framework` None): Train's
+  run tracking then asks the workers for no torch version, whose unpickling imported torch into
+  the controller.
 - `ray.train.v2._internal.execution.context.get_train_context()`'s training thread runner and
   its exception queue, with `ray.train.v2._internal.exceptions.UserExceptionWithTraceback`: how
   the watchdog fails a worker whose training thread is stuck.

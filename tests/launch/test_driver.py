@@ -50,8 +50,16 @@ def events(run_dir):
 def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset, tmp_path, monkeypatch):
     # Relative paths, as a user types them: workers run in other directories.
     monkeypatch.chdir(tmp_path)
+    # A Ray the run joined (the session's), whose record of runs Train keeps: its controller
+    # imported torch (for rank 0's torch version) at every start of the workers.
+    probe = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "tests.support.run_probe.RunProbe")
+    monkeypatch.setenv("RAYLM_RUN_PROBE", str(probe))
     launch(ray_config(os.path.relpath(tiny_dataset), "runs", "run.name=falls", "train.steps=20",
                       "train.eval_every=10", "checkpoint.every_steps=10"))
+    records = [json.loads(line) for line in probe.read_text().splitlines()]
+    assert [r["where"] for r in records] == ["driver", "controller, workers started", "controller, run finished"]
+    assert [r for r in records if r["torch"]] == []
     tmp_path = tmp_path / "runs"
     run_dir = tmp_path / "falls"
     rows = metrics(run_dir)
