@@ -18,8 +18,9 @@ internal is missing, except where noted):
   its module's torch import (the driver and the controller never need torch).
 - `DataParallelTrainer._create_default_callbacks`: leave out `DatasetsCallback`
   (`ray.train.v2._internal.callbacks.datasets`; raylm hands the trainer no Ray Datasets) and,
-  on a Ray raylm started without a dashboard, `PlacementGroupCleanerCallback`
-  (`..._internal.callbacks.placement_group_callback`): processes a run has no use for.
+  on a Ray without a dashboard (one it joined: `ray._private.worker.get_dashboard_url`),
+  `PlacementGroupCleanerCallback` (`..._internal.callbacks.placement_group_callback`): processes
+  a run has no use for.
 - `DataParallelTrainer._initialize_and_run_controller(scaling_policy=...)` and
   `ray.train.v2._internal.execution.scaling_policy.FixedScalingPolicy` (its
   `after_controller_start`, `_maybe_send_resource_request`, `_send_resource_request`): a

@@ -330,7 +330,7 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
     # Not ray.train.torch.TorchTrainer: its module imports torch, which the driver never needs.
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    unused = _unused_callbacks(own_ray, dashboard)
+    unused = _unused_callbacks(dashboard if own_ray else _joined_ray_has_dashboard())
     policy = _scaling_policy(fixed_on_own_ray)
 
     class RaylmTrainer(DataParallelTrainer):
@@ -354,24 +354,36 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
     return RaylmTrainer
 
 
-def _unused_callbacks(own_ray: bool, dashboard: bool) -> tuple[type, ...]:
+def _joined_ray_has_dashboard() -> bool:
+    """Whether the Ray this process joined serves a dashboard, and with it the State API; True
+    where that cannot be told (not connected, Ray's internals moved), as Ray Train assumes."""
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        return bool(get_dashboard_url())
+    except Exception:  # noqa: BLE001 - any failure to tell keeps Ray Train's default
+        return True
+
+
+def _unused_callbacks(dashboard: bool) -> tuple[type, ...]:
     """Ray Train's callbacks that a raylm run has no use for:
 
     - the datasets callback, which starts a DatasetManager actor to hand the Ray Datasets given
       to the trainer to its workers. raylm gives none (each worker reads its own shards,
       `raylm.data.stream`), and the actor is a process importing Ray Data at start (1.4 s of
       CPU while the workers start) and waking 100 times a second all run.
-    - on a Ray that this process started (`own_ray`) without a `dashboard`: the placement-group
-      cleaner, an actor that asks the State API (the dashboard) every second whether the
-      controller lives, to remove the run's placement group should it die while Ray goes on; this
-      Ray ends with this process and takes the placement group with it, and without the State API
-      the cleaner would only warn each second."""
+    - on a Ray without a `dashboard`: the placement-group cleaner, an actor that asks the State
+      API (the dashboard) every second whether the controller lives, to remove the run's
+      placement group should it die while Ray goes on. Without the State API it can only warn,
+      each second: on a Ray raylm started without one (which takes the placement group with it
+      when it ends with this process), or one a test session or a notebook started with
+      `ray.init(include_dashboard=False)` and the run joined."""
     unused: list[type] = []
     try:
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
         unused.append(DatasetsCallback)
-        if own_ray and not dashboard:
+        if not dashboard:
             from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
             unused.append(PlacementGroupCleanerCallback)

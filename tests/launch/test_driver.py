@@ -220,6 +220,25 @@ def test_a_run_whose_final_save_failed_ends_with_an_error_not_done(tiny_dataset,
     assert "the final one included: all its steps (it has no checkpoint) are lost" in outcome.stderr
 
 
+def test_a_run_on_a_ray_without_a_dashboard_starts_no_placement_group_cleaner(ray_session, monkeypatch):
+    """Train's cleaner asks the State API (the dashboard) each second whether the controller
+    lives; on a Ray without one (the session's, a notebook's `ray.init(include_dashboard=False)`)
+    it could only warn, and it held the run's end for seconds. With a dashboard it stays."""
+    import ray.train
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from raylm.launch.driver import _trainer_class
+
+    def cleaner() -> bool:
+        trainer = _trainer_class(own_ray=False, dashboard=False, fixed_on_own_ray=False)(
+            lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1))
+        return any(isinstance(c, PlacementGroupCleanerCallback) for c in trainer._create_default_callbacks())
+
+    assert not cleaner()
+    monkeypatch.setenv("RAY_OVERRIDE_DASHBOARD_URL", "http://127.0.0.1:8265")  # Ray's own override of the URL
+    assert cleaner()
+
+
 @pytest.mark.parametrize("own_ray, user_setting, tracked", [
     (False, None, True), (True, None, False), (False, "0", False)])
 def test_runs_are_tracked_on_a_joined_cluster_and_the_setting_stays_with_the_trainer(
