@@ -245,6 +245,23 @@ def sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def callers_sigint_kept() -> Iterator[None]:
+    """The caller's SIGINT handler back when the block ends. Ray Train's trainer and Tune's tuner
+    set theirs for a run's Ctrl-C and leave them for good: in a process that goes on after the run
+    (a notebook, a script, a test session), a later Ctrl-C asked a dead controller to abort and
+    exited with status 0, or met Tune's "ending Ray Tune run" warning and nothing else, where the
+    caller's handler would have raised KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    callers = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if callers is None else callers)
+
+
+@contextlib.contextmanager
 def _signals_held_while_starting() -> Iterator[None]:
     """Hold a SIGTERM, or a first Ctrl-C, that comes while `ray.init` starts or joins a Ray until it
     is done, then deliver it: a SIGTERM to the caller's handler (`sigterm_as_ctrl_c`), or, when the

@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from raylm.errors import ConfigError, RunInterrupted
+from raylm.ray_runtime import callers_sigint_kept
 from raylm.sweep import ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
 from raylm.sweep.plan import Plan
@@ -74,7 +75,8 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures)))
     logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once
-    return tuner.fit()
+    with callers_sigint_kept():
+        return tuner.fit()
 
 
 def _trial_config(result) -> Optional[dict]:

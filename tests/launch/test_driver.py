@@ -55,8 +55,11 @@ def test_two_workers_loss_falls_and_generate_prints_a_continuation(tiny_dataset,
     probe = tmp_path / "probe.jsonl"
     monkeypatch.setenv("RAY_TRAIN_CALLBACKS", "tests.support.run_probe.RunProbe")
     monkeypatch.setenv("RAYLM_RUN_PROBE", str(probe))
+    callers_sigint = signal.getsignal(signal.SIGINT)
     launch(ray_config(os.path.relpath(tiny_dataset), "runs", "run.name=falls", "train.steps=20",
                       "train.eval_every=10", "checkpoint.every_steps=10"))
+    # Ray Train's abort-on-Ctrl-C went with the run: after it, a Ctrl-C exited 0 via the dead controller.
+    assert signal.getsignal(signal.SIGINT) == callers_sigint
     records = [json.loads(line) for line in probe.read_text().splitlines()]
     assert [r["where"] for r in records] == ["driver", "controller, workers started", "controller, run finished"]
     assert [r for r in records[1:] if r["torch"]] == []  # the driver is this test process: torch is in

@@ -283,7 +283,10 @@ def test_trials_that_share_a_worker_process_train_as_each_would_alone(ray_sessio
     common = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "sweep.check=false",
               "sweep.target.flops=null", "sweep.ladder.tokens_per_param=[2]", "sweep.fit.bootstrap=0",
               "sweep.early_stopping.asha=false", "sweep.trial.cpus=4"]  # the session's 4 CPUs: one at a time
+    callers_sigint = signal.getsignal(signal.SIGINT)
     run_sweep(TINY_SWEEP, [*common, "run.name=shared", "sweep.ladder.d_model=[16,24]", "sweep.lr.grid=[1e-2,3e-3]"])
+    # Tune's Ctrl-C handler went with the sweep: after it, a Ctrl-C met only Tune's warning.
+    assert signal.getsignal(signal.SIGINT) == callers_sigint
     trials = {os.path.basename(d): d for d in glob.glob(str(tmp_path / "shared" / "trials" / "*"))}
     assert len(trials) == 4
     assert len({open(os.path.join(d, "worker.pid")).read() for d in trials.values()}) == 1, "no process was reused"
@@ -347,7 +350,8 @@ def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(
 
     directory = stdlib_record(tmp_path)
     before = (directory / "fit.json").read_bytes()
-    # A fresh raylm process's SIGINT handling: an earlier test's in-process Tune run leaves its own handler.
+    # A raylm process's SIGINT handling on a terminal: this test process ignores SIGINT when it was
+    # started in the background.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # a terminal's Ctrl-C, mid-fit
     ctrl_c.start()
