@@ -245,6 +245,21 @@ def sigterm_as_ctrl_c(received: threading.Event) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def setting_while(name: str, value: str) -> Iterator[None]:
+    """The environment variable `name` at `value` while the block runs: a Ray setting read only
+    there, in this process, which must not outlast it (the process may go on to other runs). A
+    value the user set is theirs and is kept."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+@contextlib.contextmanager
 def callers_sigint_kept() -> Iterator[None]:
     """The caller's SIGINT handler back when the block ends. Ray Train's trainer and Tune's tuner
     set theirs for a run's Ctrl-C and leave them for good: in a process that goes on after the run

@@ -9,9 +9,10 @@ it the run still starts, as Ray Train would start it.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from typing import Iterator
+from typing import ContextManager
+
+from raylm.ray_runtime import setting_while
 
 # With it set, Ray Train records each run and its controller in its state actor (Ray's dashboard
 # shows them): the record `release_dead_runs` reads.
@@ -21,20 +22,12 @@ TRAIN_STATE_TRACKING = "RAY_TRAIN_ENABLE_STATE_TRACKING"
 DEFAULT_REQUEST_EXPIRY_S = 180.0
 
 
-@contextlib.contextmanager
-def train_state_tracking(enabled: bool) -> Iterator[None]:
+def train_state_tracking(enabled: bool) -> ContextManager[None]:
     """Ray Train's run tracking on while a trainer makes its callbacks (it reads the setting there,
     in the driver, and nowhere else), unless the user set it. Only for that while: the process may
     go on to a run on a Ray of its own (tests and sweeps do), whose controller then started Train's
     state actor, and imported torch, for a record no one reads."""
-    if not enabled or TRAIN_STATE_TRACKING in os.environ:
-        yield
-        return
-    os.environ[TRAIN_STATE_TRACKING] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop(TRAIN_STATE_TRACKING, None)
+    return setting_while(TRAIN_STATE_TRACKING, "1") if enabled else contextlib.nullcontext()
 
 
 def start_autoscaling_coordinator(elastic: bool) -> None:

@@ -12,9 +12,8 @@ from typing import Optional
 from raylm.sweep import analysis, ladder
 from raylm.sweep.analysis import COMPLETED
 from raylm.sweep.checks import predict_check
-from raylm.sweep.plan import Plan
+from raylm.sweep.plan import Plan, TrialPlan
 from raylm.sweep.results import CHECK_PLAN_FILE
-from raylm.sweep.trial import TrialPlan
 from raylm.sweep.tuner import cluster_share, repeats, threads
 
 NOISE_SEEDS = 2  # the largest fitted rung's extra seeds

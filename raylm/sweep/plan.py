@@ -20,6 +20,27 @@ from raylm.sweep.summary import say
 from raylm.train.spec import absolute, resolve_run
 
 
+FINAL_FILE = "final.json"  # a finished trial's result, in its directory
+
+
+def trial_dir(trials_dir: str, trial_id: str) -> str:
+    return os.path.join(trials_dir, trial_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialPlan:
+    """What every trial of a phase shares (handed over once, through the object store). Here, not
+    beside the trial's function (`raylm.sweep.trial`), which imports torch: the driver, which only
+    plans and fits, never does."""
+
+    sweep: SweepConfig
+    spec: dict  # RunSpec.to_dict() of the base run, resolved against its data on the driver
+    rungs: dict[str, ladder.Rung]
+    trials_dir: str
+    threads: int  # torch threads: the trial's whole CPUs
+    use_gpu: bool
+
+
 @dataclasses.dataclass
 class Plan:
     """The sweep resolved on the driver, before any trial: every rule checked."""

@@ -26,11 +26,10 @@ from raylm.sweep.analysis import COMPLETED
 from raylm.sweep.checks import measure_check, noise_floor, noise_rung, predict_check
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.phases import check_phase, seeds_phase
-from raylm.sweep.plan import Plan, check_same_sweep, resolve
+from raylm.sweep.plan import Plan, TrialPlan, check_same_sweep, resolve
 from raylm.sweep.results import (CHECK_PLAN_FILE, FIT_FILE, RECOMMENDED_FILE, SWEEP_FILE, TRIALS_FILE,
                                  asha_savings, fitted_with, read_trials, recommended_yaml, write_fit, write_trials)
 from raylm.sweep.summary import say
-from raylm.sweep.trial import TrialPlan
 from raylm.sweep.transfer import mup_ladder, mup_search
 from raylm.sweep.tuner import cluster_share, search, threads
 from raylm.train.lease import RunLease

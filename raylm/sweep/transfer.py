@@ -20,9 +20,8 @@ import numpy as np
 
 from raylm.sweep import analysis
 from raylm.sweep.analysis import COMPLETED, LR_SEARCH
-from raylm.sweep.plan import Plan
+from raylm.sweep.plan import Plan, TrialPlan
 from raylm.sweep.results import asha_savings
-from raylm.sweep.trial import TrialPlan
 from raylm.sweep.tuner import repeats, search
 
 

@@ -15,13 +15,12 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 from ray import tune
 
-from raylm.sweep.config import SweepConfig
-from raylm.sweep.ladder import Rung, trial_config
+from raylm.sweep.ladder import trial_config
+from raylm.sweep.plan import FINAL_FILE, TrialPlan, trial_dir
 from raylm.sweep.search import PROGRESS
 from raylm.train.env import LocalEnv
 from raylm.train.hooks import Hook
@@ -30,21 +29,8 @@ from raylm.train.observe.records import METRICS_FILE, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec
 
-FINAL_FILE = "final.json"
 PID_FILE = "worker.pid"  # the process training this trial now (chaos tests kill it)
 STARTED_FILE = "started"
-
-
-@dataclass(frozen=True)
-class TrialPlan:
-    """What every trial of a phase shares (handed over once, through the object store)."""
-
-    sweep: SweepConfig
-    spec: dict  # RunSpec.to_dict() of the base run, resolved against its data on the driver
-    rungs: dict[str, Rung]
-    trials_dir: str
-    threads: int  # torch threads: the trial's whole CPUs
-    use_gpu: bool
 
 
 class TuneReporter(Hook):
@@ -59,10 +45,6 @@ class TuneReporter(Hook):
         if "val_loss" in metrics:
             tune.report({"val_loss": metrics["val_loss"], "loss": metrics["loss"], "step": metrics["step"],
                          "tokens": metrics["tokens"], PROGRESS: metrics["step"] / self.steps})
-
-
-def trial_dir(trials_dir: str, trial_id: str) -> str:
-    return os.path.join(trials_dir, trial_id)
 
 
 def _metrics(run_dir: str) -> list[dict]:

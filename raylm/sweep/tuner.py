@@ -10,12 +10,11 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from raylm.errors import ConfigError, RunInterrupted
-from raylm.ray_runtime import callers_sigint_kept
+from raylm.ray_runtime import callers_sigint_kept, setting_while
 from raylm.sweep import ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
-from raylm.sweep.plan import Plan
+from raylm.sweep.plan import FINAL_FILE, Plan, TrialPlan, trial_dir
 from raylm.sweep.results import ASHA_STATE_FILE
-from raylm.sweep.trial import FINAL_FILE, TrialPlan, trial_dir
 
 if TYPE_CHECKING:
     from ray.tune import ResultGrid
@@ -51,13 +50,21 @@ class _NoTunerRestoreHint(logging.Filter):
 _NO_TUNER_RESTORE_HINT = _NoTunerRestoreHint()
 
 
+def run_trial(config: dict, plan: TrialPlan) -> None:
+    """The trainable Tune runs in each trial's process (its name names Tune's trials). It imports
+    the training there: the driver, which hands Tune only this function, never loads torch."""
+    from raylm.sweep import trial
+
+    trial.run_trial(config, plan)
+
+
 def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict, searcher, *, scheduler=None,
               num_samples: int = 1, concurrency: int = 1) -> ResultGrid:
     """One Tune experiment in the sweep directory, restored if an earlier run of the command left it."""
     from ray import tune
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     from raylm.sweep.search import METRIC, MODE
-    from raylm.sweep.trial import run_trial
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trainable_plan), resources)
     experiment = os.path.join(plan.directory, name)
@@ -73,9 +80,12 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
                                         # more than a small rung's training on 2 cores
                                         reuse_actors=True),
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
-                                      failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures)))
+                                      failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures),
+                                      callbacks=[CSVLoggerCallback(), JsonLoggerCallback()]))
     logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once
-    with callers_sigint_kept():
+    # Tune's own loggers less its TensorBoard one: tensorboardX imports torch (3 s and 200 MB in the
+    # driver, at each start) for events files of the trials' reports, which raylm does not read.
+    with callers_sigint_kept(), setting_while("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"):
         return tuner.fit()
 
 
