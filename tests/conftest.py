@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,6 +15,13 @@ from raylm.data.storage import ensure_bucket
 from cluster.seaweedfs import SeaweedFS, find_weed
 
 from tests.support.fixtures import *  # noqa: F401,F403 - the Ray and corpus fixtures
+
+# Ctrl-C reaches the tests' raylm commands as it reaches a user's, from a shell's foreground job:
+# a pytest started in the background (`make test &`, some CI runners) ignores SIGINT, every child
+# inherits that, and Python then installs no KeyboardInterrupt in them (`raylm status --watch`
+# redrew for ever after the test's Ctrl-C; a `raylm train` Ctrl-C'd while Ray started trained on).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # =============================================================================================
 # The suite's time against its budget (issue 57): `make test` on 2 cores must stay under 30

@@ -31,12 +31,8 @@ def run_on_terminal(*args: str, timeout_s: float = 300, columns: int = 100,
     once the output so far satisfies it."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    # SIGINT at its default, as a shell's foreground job has it: a test process started in the
-    # background (`pytest ... &`, nohup, some CI runners) ignores it, every child inherits that, and
-    # Python then installs no KeyboardInterrupt for the Ctrl-C below.
     process = subprocess.Popen([sys.executable, "-m", "raylm.cli", *args], stdin=follower, stdout=follower,
-                               stderr=follower, close_fds=True, env={**os.environ, "COLUMNS": str(columns), **(env or {})},
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               stderr=follower, close_fds=True, env={**os.environ, "COLUMNS": str(columns), **(env or {})})
     os.close(follower)
     chunks, interrupted, deadline = [], False, time.monotonic() + timeout_s
     try:

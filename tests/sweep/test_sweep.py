@@ -354,8 +354,7 @@ def test_a_ctrl_c_during_a_refit_ends_with_status_130_and_leaves_fit_json_whole(
 
     directory = stdlib_record(tmp_path)
     before = (directory / "fit.json").read_bytes()
-    # A raylm process's SIGINT handling on a terminal: this test process ignores SIGINT when it was
-    # started in the background.
+    # A raylm process's SIGINT handling on a terminal, whatever handler this test process holds.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # a terminal's Ctrl-C, mid-fit
     ctrl_c.start()
