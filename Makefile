@@ -35,5 +35,9 @@ demo: $(VENV)/.installed
 	@echo "Its report:      $(DEMO_RUN)/report/report.html"
 	@echo "Its checkpoints: $$(ls -d $(DEMO_RUN)/checkpoint_* | tr '\n' ' ')"
 
+# The checkout's bytecode first: with PYTHONDONTWRITEBYTECODE set (CI images and sandboxes set it)
+# Python never caches what it compiles, and each of the suite's hundreds of processes (Ray workers,
+# drivers, gloo ranks) compiled raylm again: 0.4 s of CPU each for a Ray Train worker's imports.
 test: $(VENV)/.installed
+	$(PY) -m compileall -q raylm cluster jobs tests benchmarks >/dev/null
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -ra --durations=40 -n 2 --dist loadscope
