@@ -24,7 +24,8 @@ from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
 from raylm.launch.coordinator import start_autoscaling_coordinator, train_state_tracking
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
-from raylm.ray_runtime import callers_sigint_kept, joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c, start_ray
+from raylm.ray_runtime import (callers_sigint_kept, joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c,
+                                start_ray)
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, merged_lines, read_jsonl
