@@ -35,7 +35,7 @@ demo: $(VENV)/.installed
 	@echo "Its report:      $(DEMO_RUN)/report/report.html"
 	@echo "Its checkpoints: $$(ls -d $(DEMO_RUN)/checkpoint_* | tr '\n' ' ')"
 
-# The checkout's bytecode first: with PYTHONDONTWRITEBYTECODE set (CI images and sandboxes set it)
+# The checkout's bytecode first: with PYTHONDONTWRITEBYTECODE set (this machine's environment has it)
 # Python never caches what it compiles, and each of the suite's hundreds of processes (Ray workers,
 # drivers, gloo ranks) compiled raylm again: 0.4 s of CPU each for a Ray Train worker's imports.
 test: $(VENV)/.installed

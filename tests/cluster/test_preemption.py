@@ -41,7 +41,8 @@ def test_a_preempted_node_costs_no_step(cluster, tiny_dataset_without_ray, tmp_p
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "1")
     args = [str(REPO / "configs/demo-cpu.yaml"), f"data.path={tiny_dataset_without_ray}",
             f"run.storage_path={tmp_path}", "run.name=run", "data.chunk_rows=8", "model.d_model=64",
-            "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32", f"train.steps={STEPS}", "train.eval_every=0", "train.tensorboard=false",
+            "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=32", f"train.steps={STEPS}", "train.eval_every=0",
+            "train.tensorboard=false",
             # Only the preemption's save and the last: the restart can resume from nothing else.
             f"checkpoint.every_steps={STEPS}", "schedule.warmup_steps=2", "run.max_failures=0",
             "run.health_check=false"]
