@@ -259,21 +259,27 @@ def setting_while(name: str, value: str) -> Iterator[None]:
         os.environ.pop(name, None)
 
 
+# The signals whose handlers Ray Train's trainer and Tune's tuner set for a run and leave behind.
+RUN_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGUSR1") if hasattr(signal, name))
+
+
 @contextlib.contextmanager
-def callers_sigint_kept() -> Iterator[None]:
-    """The caller's SIGINT handler back when the block ends. Ray Train's trainer and Tune's tuner
-    set theirs for a run's Ctrl-C and leave them for good: in a process that goes on after the run
-    (a notebook, a script, a test session), a later Ctrl-C asked a dead controller to abort and
-    exited with status 0, or met Tune's "ending Ray Tune run" warning and nothing else, where the
-    caller's handler would have raised KeyboardInterrupt."""
+def callers_handlers_kept() -> Iterator[None]:
+    """The caller's SIGINT (and SIGUSR1) handlers back when the block ends. Ray Train's trainer and
+    Tune's tuner set theirs for a run's Ctrl-C (Tune's SIGUSR1 too) and leave them for good: in a
+    process that goes on after the run (a notebook, a script, a test session), a later Ctrl-C asked
+    a dead controller to abort and exited with status 0, or met Tune's "ending Ray Tune run"
+    warning and nothing else, where the caller's handler would have raised KeyboardInterrupt; a
+    SIGUSR1 set the dead run's event where the caller's handler, or the default exit, should act."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    callers = signal.getsignal(signal.SIGINT)
+    callers = {signum: signal.getsignal(signum) for signum in RUN_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if callers is None else callers)
+        for signum, handler in callers.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from raylm.launch.backend import NodeBoundTorchConfig
 from raylm.launch.console import ConsoleUpload, kept_console, quiet_ray_console
 from raylm.launch.coordinator import start_autoscaling_coordinator, train_state_tracking
 from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic_failures, preemption
-from raylm.ray_runtime import (callers_sigint_kept, joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c,
+from raylm.ray_runtime import (callers_handlers_kept, joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c,
                                 start_ray)
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
 from raylm.train.lease import RunLease
@@ -350,7 +350,7 @@ def _trainer_class(own_ray: bool, dashboard: bool, fixed_on_own_ray: bool) -> ty
                 controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
             if RaylmFailurePolicy is not None:
                 controller_init_kwargs["failure_policy"] = RaylmFailurePolicy(self.run_config.failure_config)
-            with callers_sigint_kept():
+            with callers_handlers_kept():
                 return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     return RaylmTrainer

@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING, Optional
 
 from raylm.errors import ConfigError, RunInterrupted
-from raylm.ray_runtime import callers_sigint_kept, setting_while
+from raylm.ray_runtime import callers_handlers_kept, setting_while
 from raylm.sweep import ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
 from raylm.sweep.plan import FINAL_FILE, Plan, TrialPlan, trial_dir
@@ -85,7 +85,7 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
     logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once
     # Tune's own loggers less its TensorBoard one: tensorboardX imports torch (3 s and 200 MB in the
     # driver, at each start) for events files of the trials' reports, which raylm does not read.
-    with callers_sigint_kept(), setting_while("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"):
+    with callers_handlers_kept(), setting_while("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"):
         return tuner.fit()
 
 

@@ -287,10 +287,11 @@ def test_trials_that_share_a_worker_process_train_as_each_would_alone(ray_sessio
     common = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "sweep.check=false",
               "sweep.target.flops=null", "sweep.ladder.tokens_per_param=[2]", "sweep.fit.bootstrap=0",
               "sweep.early_stopping.asha=false", "sweep.trial.cpus=4"]  # the session's 4 CPUs: one at a time
-    callers_sigint = signal.getsignal(signal.SIGINT)
+    callers = [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1)]
     run_sweep(TINY_SWEEP, [*common, "run.name=shared", "sweep.ladder.d_model=[16,24]", "sweep.lr.grid=[1e-2,3e-3]"])
-    # Tune's Ctrl-C handler went with the sweep: after it, a Ctrl-C met only Tune's warning.
-    assert signal.getsignal(signal.SIGINT) == callers_sigint
+    # Tune's Ctrl-C and SIGUSR1 handlers went with the sweep: after it, a Ctrl-C met only Tune's
+    # warning, and a SIGUSR1 set the dead run's event instead of ending the process.
+    assert [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1)] == callers
     trials = {os.path.basename(d): d for d in glob.glob(str(tmp_path / "shared" / "trials" / "*"))}
     assert len(trials) == 4
     assert len({open(os.path.join(d, "worker.pid")).read() for d in trials.values()}) == 1, "no process was reused"
