@@ -302,6 +302,9 @@ def _signals_held_while_starting() -> Iterator[None]:
     held: list[int] = []
     sigterm_after, sigint_after = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     callers_own = callable(sigterm_after)
+    # A process that ignores Ctrl-C (a script's `cmd &`, a supervisor's child) goes on ignoring it:
+    # held, a second one ended the start.
+    held_signals = (signal.SIGTERM,) if sigint_after == signal.SIG_IGN else (signal.SIGTERM, signal.SIGINT)
 
     def hold(signum: int, frame: object) -> None:
         if signum == signal.SIGINT and signum in held:
@@ -314,8 +317,8 @@ def _signals_held_while_starting() -> Iterator[None]:
             sigterm_after = handler
 
     ray_utils.set_sigterm_handler = set_after
-    signal.signal(signal.SIGTERM, hold)
-    signal.signal(signal.SIGINT, hold)
+    for signum in held_signals:
+        signal.signal(signum, hold)
     try:
         yield
     finally:

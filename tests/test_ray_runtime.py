@@ -64,6 +64,50 @@ def test_joins_the_cluster_rays_conventions_name(monkeypatch):
     assert joins_cluster(None) and not joins_cluster("local")
 
 
+IGNORING_CTRL_C_START = """
+import os, signal, sys, threading, time
+from raylm.ray_runtime import start_ray
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `nohup` or a shell's `&` starts a command
+me, sent = os.getpid(), []
+
+
+def gcs_runs() -> bool:
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+        except OSError:  # gone meanwhile
+            continue
+        if name == "gcs_server" and rest.split()[1] == str(me):
+            return True
+    return False
+
+
+def ctrl_c_twice_once_the_gcs_runs() -> None:
+    while not gcs_runs():
+        time.sleep(0.01)
+    for _ in range(2):  # apart: Python runs a handler once for signals that come before it runs
+        os.kill(me, signal.SIGINT)
+        sent.append(time.monotonic())
+        time.sleep(0.2)
+
+
+threading.Thread(target=ctrl_c_twice_once_the_gcs_runs, daemon=True).start()
+assert start_ray("local", 1)
+print("started", sent and max(sent) < time.monotonic(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+"""
+
+
+def test_a_process_that_ignores_ctrl_c_starts_its_ray_through_two(tmp_path):
+    """Two Ctrl-Cs while the local Ray starts, to a process that ignores SIGINT: the second, held
+    as a Ctrl-C that insists, ended the start with KeyboardInterrupt."""
+    done = subprocess.run([sys.executable, "-c", IGNORING_CTRL_C_START], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "started True True" in done.stdout, done.stdout  # both sent during the start; still ignored after it
+
+
 def test_a_local_rays_workers_run_at_normal_priority(ray_session):
     # Ray's default niceness 15 made a local run's training workers yield to every other
     # process on the machine (a plain PyTorch loop does not).
