@@ -31,7 +31,7 @@ from raylm.sweep.results import (CHECK_PLAN_FILE, FIT_FILE, RECOMMENDED_FILE, SW
                                  asha_savings, fitted_with, read_trials, recommended_yaml, write_fit, write_trials)
 from raylm.sweep.summary import say
 from raylm.sweep.transfer import mup_ladder, mup_search
-from raylm.sweep.tuner import cluster_share, search, threads
+from raylm.sweep.tuner import SweepInterrupted, cluster_share, search, threads
 from raylm.train.lease import RunLease
 
 
@@ -42,7 +42,11 @@ def run_sweep(path: str, overrides: list[str]) -> dict:
     plan = resolve(path, overrides)
     os.makedirs(plan.directory, exist_ok=True)
     with RunLease(plan.directory, None, plan.base.run.lease_timeout_s, owner="raylm sweep"):
-        return _sweep(plan, path, started)
+        try:
+            return _sweep(plan, path, started)
+        except KeyboardInterrupt as stop:  # Tune takes a Ctrl-C in its experiments; this came outside them
+            raise SweepInterrupted("the sweep was interrupted; run the same command again to resume it (finished "
+                                   "trials are kept)") from stop
 
 
 def _sweep(plan: Plan, path: str, started: float) -> dict:

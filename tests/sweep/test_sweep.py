@@ -28,6 +28,7 @@ from raylm.sweep.results import fitted_with
 from raylm.sweep.results import read_trials as sweep_trials
 from raylm.sweep.run import refit, run_sweep
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from tests.support.processes import session_processes, signal_when
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
 RAYLM = [sys.executable, "-m", "raylm.cli"]
@@ -207,6 +208,20 @@ def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_outpu
                            env=ENV, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
     assert "done: step 3" in train.stdout
+
+
+def test_a_ctrl_c_outside_tunes_experiments_says_the_same_command_resumes_the_sweep(tiny_dataset, tmp_path):
+    """Tune takes a Ctrl-C during its experiments; one that lands outside them (here while the
+    sweep's local Ray starts, as during the fits between two phases) ended the sweep with a bare
+    "raylm: interrupted", which did not say that the same command goes on from what it kept."""
+    command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+               "run.ray_num_cpus=2"]
+    status, out, err, left = signal_when(
+        command, lambda pid: any(name == "raylet" for _, name, _ in session_processes(pid)), signal.SIGINT,
+        env={**ENV, "RAY_ADDRESS": ""})
+    assert status == 130, out[-2000:] + err[-3000:]
+    assert "raylm: the sweep was interrupted" in err and "run the same command again to resume it" in err, err[-3000:]
+    assert not left, left
 
 
 def test_held_out_trials_larger_than_the_cluster_are_refused_before_the_ladder(ray_session, tiny_dataset, tmp_path):
