@@ -65,10 +65,10 @@ def test_joins_the_cluster_rays_conventions_name(monkeypatch):
 
 
 IGNORING_CTRL_C_START = """
-import os, signal, sys, threading, time
+import os, signal, threading, time
 from raylm.ray_runtime import start_ray
 
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `nohup` or a shell's `&` starts a command
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's `cmd &` starts a command
 me, sent = os.getpid(), []
 
 
