@@ -8,11 +8,10 @@ from typing import Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from raylm.config import StorageConfig
 from raylm.data.manifest import (MANIFEST_FILE, TOKENS_COLUMN, VERIFIED_FILE, DatasetError, Manifest, ShardInfo,
-                                 load_dataset_tokenizer, load_manifest)
+                                 load_dataset_tokenizer, load_manifest, shard_table)
 from raylm.data.storage import StorageError, StorageNotFoundError, file_versions, join, read_bytes, write_bytes
 from raylm.progress import Progress
 
@@ -22,7 +21,7 @@ _SAMPLE_CHARS = 600
 
 
 def _read_rows(uri: str, storage: Optional[StorageConfig]) -> np.ndarray:
-    table = pq.read_table(pa.BufferReader(read_bytes(uri, storage)), columns=[TOKENS_COLUMN])
+    table = shard_table(read_bytes(uri, storage), columns=[TOKENS_COLUMN])
     column = table[TOKENS_COLUMN].combine_chunks()
     return column.flatten().to_numpy().reshape(len(column), column.type.list_size)  # (rows, row_tokens)
 
@@ -90,7 +89,7 @@ def _shard_problems(uri: str, shard: ShardInfo, manifest: Manifest,
         # The content cannot be trusted: further checks would only restate this.
         return [f"{uri}: sha256 {sha256} differs from the manifest's {shard.sha256}"]
     try:
-        column = pq.read_table(pa.BufferReader(data))[TOKENS_COLUMN]
+        column = shard_table(data)[TOKENS_COLUMN]
     except (pa.ArrowException, OSError, KeyError) as e:  # pyarrow raises OSError for a corrupt page or footer
         return [f"{uri}: not a readable shard with a {TOKENS_COLUMN!r} column ({e})"]
     expected_type = pa.list_(pa.int32(), manifest.row_tokens)

@@ -35,7 +35,6 @@ from typing import Iterator, Optional, Union
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
 from raylm.config import ConfigError, StorageConfig
@@ -44,7 +43,7 @@ from raylm.data.corpus import (BUILTIN_CORPUS, InputError, Source, builtin_sourc
                                iter_documents)
 from raylm.data.manifest import (MANIFEST_FILE, SPLITS, TOKENS_COLUMN, VERIFIED_FILE, DataCheck, DatasetError,
                                  Manifest, QualityFilterInfo, RowStatistic, ShardInfo,
-                                 SplitInfo, TokenizerInfo, shard_bytes)
+                                 SplitInfo, TokenizerInfo, shard_bytes, shard_table)
 from raylm.data.quality import DropCounts, check_quality_filter, dropped_column, judge
 from raylm.data.storage import claim_output, join, read_bytes, write_bytes, writing_over
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, tokenizer_from_json
@@ -377,7 +376,7 @@ def _data_check(output: str, train: SplitInfo, vocab_size: int, seq_len: int,
 
 def _shard_targets(output: str, name: str, storage: Optional[StorageConfig]) -> np.ndarray:
     """(rows, seq_len) the targets of a shard's rows."""
-    column = pq.read_table(pa.BufferReader(read_bytes(join(output, name), storage))).column(TOKENS_COLUMN)
+    column = shard_table(read_bytes(join(output, name), storage)).column(TOKENS_COLUMN)
     tokens = column.combine_chunks()
     return tokens.flatten().to_numpy().reshape(len(tokens), tokens.type.list_size)[:, 1:].astype(np.int64)
 
