@@ -17,7 +17,7 @@ from raylm.config.describe import describe_fields
 from raylm.data.storage import StorageError
 from raylm.errors import DeterministicError, RunInterrupted
 from raylm.launch.submit import SubmitError, check_job_config
-from raylm.ray_runtime import RayStartError, in_ray_job, sigterm_as_ctrl_c
+from raylm.ray_runtime import RayJoinError, RayStartError, in_ray_job, sigterm_as_ctrl_c
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -477,7 +477,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             message, code = f"raylm: error: {error}", error.exit_code
         elif isinstance(error, (StorageError, FileNotFoundError, FileExistsError, SubmitError)):
             message, code = f"raylm: error: {error}", 2
-        elif isinstance(error, RayStartError):  # the machine's state, not the user's input
+        elif isinstance(error, (RayStartError, RayJoinError)):  # the machine's or the cluster's state
             message, code = f"raylm: error: {error}", 1
         elif isinstance(error, RunInterrupted) and sigterm and error.exit_code == 130:  # a sweep's, by Tune
             message, code = f"raylm: stopped by SIGTERM: {error}", 128 + signal.SIGTERM

@@ -20,9 +20,11 @@ import math
 import os
 import secrets
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -111,17 +113,57 @@ def use_loopback() -> None:
     advertises a routable address; the environment covers the processes Ray spawns, and the
     module constant this process, where Ray is usually imported already.
     """
+    ensure_auth_token()
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    _keep_loopback_addresses()
+
+
+def _keep_loopback_addresses() -> None:
+    """Keep 127.0.0.1 as it is in the addresses Ray advertises and dials from this process."""
     import ray._private.ray_constants as ray_constants
 
-    ensure_auth_token()
-    for key, value in {**LOCAL_RAY_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
-        os.environ.setdefault(key, value)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] not in ("0", "false", "False")
 
 
 def in_ray_job() -> bool:
     """Whether this process is a Ray job's entrypoint (the job supervisor gives it its job config)."""
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+class RayJoinError(RuntimeError):
+    """Nothing answers at the address of the Ray a command was told to join. Ray's own join
+    would retry for about 13 minutes, printing only its connection warnings, with the SIGTERM
+    that could stop it held until the join ends (`_signals_held_while_starting`)."""
+
+
+JOIN_PROBE_S = 5.0
+
+
+def _check_answers(address: Optional[str]) -> None:
+    """Refuse, naming where the address came from, a `host:port` join address at which nothing
+    accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster that is down). At
+    127.0.0.1 or localhost (a single-node Ray started on loopback, as raylm's and FIELD-NOTES'
+    are), keep the address as it is: Ray would dial the machine's external address instead,
+    where that Ray does not listen, and retry for minutes. "auto", ray:// and the like are Ray's."""
+    given, source = (address, "run.ray_address") if address is not None else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    host, _, port = (given or "").rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    if not host or not port.isdigit() or "/" in host:
+        return
+    if host in ("127.0.0.1", "localhost", "::1"):
+        _keep_loopback_addresses()
+    deadline = time.monotonic() + JOIN_PROBE_S
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RayJoinError(f"no Ray answers at {source}={given} ({e.strerror or e}): start the cluster "
+                                   "first, or correct the address (run.ray_address=local starts a Ray here)") from None
+            time.sleep(0.5)
 
 
 class RayStartError(RuntimeError):
@@ -158,6 +200,7 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         return False
     ensure_auth_token()
     if joins_cluster(address):
+        _check_answers(address)
         with _signals_held_while_starting():
             ray.init(address=address)  # None: Ray reads RAY_ADDRESS
         return False

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from raylm.ports import free_ports
 from raylm.ray_runtime import ensure_auth_token, joins_cluster
 from tests.support.processes import session_processes
 
@@ -126,3 +127,38 @@ def test_a_local_ray_that_misses_its_start_up_deadline_is_one_line_and_leaves_no
     assert err.startswith("raylm: error: the local Ray did not start (Timed out waiting for file "), err[-3000:]
     assert "Traceback" not in err and "run the command again once the load drops" in err
     assert not left and not output.exists()
+
+
+TINY_RUN = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "train.steps=4",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "schedule.warmup_steps=1",
+            "parallel.num_workers=1", "train.tensorboard=false")
+
+
+def test_a_join_where_no_ray_answers_is_refused_at_once_naming_the_address(tiny_dataset, tmp_path):
+    """Ray's own join retried for about 13 minutes, printing only its connection warnings, and the
+    SIGTERM that could have stopped it was held until the join ended."""
+    (port,) = free_ports(1)
+    train = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+             "run.name=nowhere", *TINY_RUN]
+    for extra, env, named in (([f"run.ray_address=127.0.0.2:{port}"], {}, f"run.ray_address=127.0.0.2:{port}"),
+                              ([], {"RAY_ADDRESS": f"127.0.0.1:{port}"}, f"RAY_ADDRESS=127.0.0.1:{port}")):
+        started = time.monotonic()
+        done = subprocess.run([*train, *extra], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert f"raylm: error: no Ray answers at {named} (Connection refused)" in done.stderr, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr and time.monotonic() - started < 60
+
+
+def test_a_ray_on_127_0_0_1_is_joined_without_rays_loopback_variable(ray_session, tiny_dataset, tmp_path):
+    """A single-node Ray on loopback (raylm's own, or `ray start --head` as FIELD-NOTES start one),
+    joined from a shell that lacks RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray rewrote 127.0.0.1 to
+    the machine's external address, where nothing listens, and the run hung in its join."""
+    address = ray_session.get_runtime_context().gcs_address
+    assert address.startswith("127.0.0.1:")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    done = subprocess.run([sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}",
+                           f"run.storage_path={tmp_path}", "run.name=joined", *TINY_RUN],
+                          capture_output=True, text=True, timeout=180, env={**env, "RAY_ADDRESS": address})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "(on a joined cluster)" in done.stdout and "done: step 4" in done.stdout, done.stdout[-3000:]
