@@ -179,18 +179,21 @@ def test_lost_node_shrinks_the_run_and_its_return_grows_it_back(cluster, chaos_d
     assert driver.events("failure"), "the node loss was not recorded as a failure"
     rows = rows_by_step(driver.run_dir)
     assert max(rows) >= grow["from_step"] + 10
-    # The exact check: a run without failures that ran on 1 worker from the uninterrupted run's
-    # checkpoint at the shrink, then on 2 from the grow-back on (stopped and resumed with another
-    # num_workers), repeats the elastic run's arithmetic; 10 steps after the grow-back show
-    # that it resharded the state whole.
-    storage, shrink_ckpt = tmp_path / "same-worlds", f"checkpoint_{shrink['from_step']:08d}"
-    shutil.copytree(uninterrupted.run_dir / shrink_ckpt, storage / "ref" / shrink_ckpt)
-    for segment in (("parallel.num_workers=1", f"train.stop_at_step={grow['from_step']}"),
-                    ("parallel.num_workers=2", f"train.stop_at_step={grow['from_step'] + 10}")):
-        TrainDriver(cluster, storage / "ref", overrides(chaos_dataset, storage, "ref", *segment)).finish()
-    same_worlds = rows_by_step(storage / "ref")
-    assert sorted(same_worlds) == list(range(shrink["from_step"] + 1, grow["from_step"] + 11))
-    assert_losses_match(rows, same_worlds, SAME_WORLD_RTOL, steps=same_worlds)
+    # The exact check: an elastic resize does to the bit what a stop and a resume with the other
+    # num_workers does. One worker resumed from the uninterrupted run's checkpoint at the shrink,
+    # and two from the elastic run's own at the grow-back (it keeps every checkpoint), each
+    # repeat the elastic run's steps up to 10 after their resize.
+    storage = tmp_path / "same-worlds"
+    for name, origin, resized, until, workers in (
+            ("shrunk", uninterrupted.run_dir, shrink["from_step"], min(shrink["from_step"] + 10, grow["from_step"]), 1),
+            ("grown", driver.run_dir, grow["from_step"], grow["from_step"] + 10, 2)):
+        checkpoint = f"checkpoint_{resized:08d}"
+        shutil.copytree(origin / checkpoint, storage / name / checkpoint)
+        TrainDriver(cluster, storage / name, overrides(chaos_dataset, storage, name, f"parallel.num_workers={workers}",
+                                                       f"train.stop_at_step={until}")).finish()
+        same_world = rows_by_step(storage / name)
+        assert sorted(same_world) == list(range(resized + 1, until + 1)), name
+        assert_losses_match(rows, same_world, SAME_WORLD_RTOL, steps=same_world)
     # Against the uninterrupted run: the same arithmetic up to the shrink; after it, one worker
     # sums the same gradients in another order, which matches to rounding (the state resharded
     # 2 -> 1 whole). Training amplifies that rounding chaotically (measured: 1e-5 at step 64,
