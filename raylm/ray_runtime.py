@@ -133,20 +133,29 @@ def in_ray_job() -> bool:
 
 
 class RayJoinError(RuntimeError):
-    """Nothing answers at the address of the Ray a command was told to join. Ray's own join
+    """No Ray answers at the address of the Ray a command was told to join. Ray's own join
     would retry for about 13 minutes, printing only its connection warnings, with the SIGTERM
     that could stop it held until the join ends (`_signals_held_while_starting`)."""
 
 
 JOIN_PROBE_S = 5.0
+# A GCS under load still answers the handshake from its I/O thread within milliseconds; the wait
+# is for a head whose machine is swapping, not for a GCS that is busy.
+HANDSHAKE_S = 10.0
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS)
+# answers with a SETTINGS frame of its own (frame type 4, the fourth byte of its 9-byte header).
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
 
 
 def _check_answers(address: Optional[str]) -> None:
-    """Refuse, naming where the address came from, a `host:port` join address at which nothing
-    accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster that is down). At
-    127.0.0.1 or localhost (a single-node Ray started on loopback, as raylm's and FIELD-NOTES'
-    are), keep the address as it is: Ray would dial the machine's external address instead,
-    where that Ray does not listen, and retry for minutes. "auto", ray:// and the like are Ray's."""
+    """Refuse, naming where the address came from, a `host:port` join address where no Ray GCS
+    answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster that is
+    down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (the dashboard's
+    port, a hung head). At 127.0.0.1 or localhost (a single-node Ray started on loopback, as
+    raylm's and FIELD-NOTES' are), keep the address as it is: Ray would dial the machine's
+    external address instead, where that Ray does not listen, and retry for minutes. "auto",
+    ray:// and the like are Ray's."""
     given, source = (address, "run.ray_address") if address is not None else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
     host, _, port = (given or "").rpartition(":")
     host = host.strip("[]")  # [::1]:6379
@@ -154,16 +163,36 @@ def _check_answers(address: Optional[str]) -> None:
         return
     if host in ("127.0.0.1", "localhost", "::1"):
         _keep_loopback_addresses()
+    where = f"no Ray answers at {source}={given}"
     deadline = time.monotonic() + JOIN_PROBE_S
     while True:
         try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return
+            connection = socket.create_connection((host, int(port)), timeout=1.0)
+            break
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise RayJoinError(f"no Ray answers at {source}={given} ({e.strerror or e}): start the cluster "
-                                   "first, or correct the address (run.ray_address=local starts a Ray here)") from None
+                raise RayJoinError(f"{where} ({e.strerror or e}): start the cluster first, or correct the address "
+                                   "(run.ray_address=local starts a Ray here)") from None
             time.sleep(0.5)
+    with connection:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return  # the GCS speaks TLS first: Ray's own join checks it
+        answer = b""
+        try:
+            connection.settimeout(HANDSHAKE_S)
+            connection.sendall(_H2_PREFACE)
+            while len(answer) < 9 and (chunk := connection.recv(64)):
+                answer += chunk
+        except socket.timeout:
+            raise RayJoinError(f"{where}: the connection was accepted, but nothing answered within {HANDSHAKE_S:.0f} "
+                               "s (a Ray head that hangs, or a port that is not a Ray GCS's)") from None
+        except OSError as e:  # reset: what listens there took the handshake for garbage
+            answer = f"<{e.strerror or e}>".encode()
+    if len(answer) < 9 or answer[3] != _H2_SETTINGS:
+        shown = answer.strip().split(b"\n")[0].strip()[:40].decode("ascii", "replace") if answer else "<closed at once>"
+        raise RayJoinError(f"{where}: what listens there is not a Ray GCS (it answered {shown!r}, not gRPC's "
+                           "handshake): give the head's GCS address, port 6379 unless `ray start --port` chose another "
+                           "(8265 is the dashboard's, for `ray job submit --address http://HEAD:8265`)")
 
 
 class RayStartError(RuntimeError):

@@ -4,17 +4,21 @@ cluster's tests refuse a client without the token; every Ray of the suite runs w
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from raylm.ports import free_ports
-from raylm.ray_runtime import ensure_auth_token, joins_cluster
+from raylm import ray_runtime
+from raylm.ray_runtime import RayJoinError, ensure_auth_token, joins_cluster
 from tests.support.processes import session_processes
 
 
@@ -148,6 +152,32 @@ def test_a_join_where_no_ray_answers_is_refused_at_once_naming_the_address(tiny_
         assert done.returncode == 1, done.stderr[-3000:]
         assert f"raylm: error: no Ray answers at {named} (Connection refused)" in done.stderr, done.stderr[-3000:]
         assert "Traceback" not in done.stderr and time.monotonic() - started < 60
+
+
+def test_a_join_where_something_else_listens_or_nothing_answers_is_refused_naming_what_it_met(monkeypatch):
+    """Ray's GCS speaks gRPC: a port where something else listens (the dashboard's 8265, which
+    `ray job submit` takes, given as the cluster's address) or where the connection is accepted
+    and nothing answers (a hung head) had Ray retry for about 13 minutes, the SIGTERM held."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.2", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    mute = socket.create_server(("127.0.0.2", 0))  # listens, so the kernel accepts; never reads nor answers
+    monkeypatch.setattr(ray_runtime, "HANDSHAKE_S", 1.0)
+    try:
+        web = f"127.0.0.2:{server.server_address[1]}"
+        with pytest.raises(RayJoinError, match=rf"^no Ray answers at run.ray_address={web}: what listens there is not a "
+                                               r"Ray GCS \(it answered '<!DOCTYPE HTML>', not gRPC's handshake\).*\(8265 is the "
+                                               r"dashboard's, for `ray job submit"):
+            ray_runtime._check_answers(web)
+        hung = f"127.0.0.2:{mute.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", hung)
+        started = time.monotonic()
+        with pytest.raises(RayJoinError, match=rf"^no Ray answers at RAY_ADDRESS={hung}: the connection was accepted, "
+                                               r"but nothing answered within 1 s \(a Ray head that hangs"):
+            ray_runtime._check_answers(None)
+        assert time.monotonic() - started < 10
+    finally:
+        server.shutdown()
+        mute.close()
 
 
 def test_a_ray_on_127_0_0_1_is_joined_without_rays_loopback_variable(ray_session, tiny_dataset, tmp_path):
