@@ -149,15 +149,21 @@ _H2_SETTINGS = 4
 
 
 def _check_answers(address: Optional[str]) -> None:
-    """Refuse, naming where the address came from, a `host:port` join address where no Ray GCS
-    answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster that is
-    down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (the dashboard's
-    port, a hung head). At 127.0.0.1 or localhost (a single-node Ray started on loopback, as
-    raylm's and FIELD-NOTES' are), keep the address as it is: Ray would dial the machine's
-    external address instead, where that Ray does not listen, and retry for minutes. "auto",
-    ray:// and the like are Ray's."""
+    """`check_answers` for the Ray a command joins: `address` (run.ray_address), else RAY_ADDRESS."""
     given, source = (address, "run.ray_address") if address is not None else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
-    host, _, port = (given or "").rpartition(":")
+    if given:
+        check_answers(given, source)
+
+
+def check_answers(given: str, source: str, local_start_hint: bool = True) -> None:
+    """Refuse, naming where the address came from (`source`), a `host:port` Ray address where no
+    Ray GCS answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster
+    that is down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (the
+    dashboard's port, a hung head). At 127.0.0.1 or localhost (a single-node Ray started on
+    loopback, as raylm's and FIELD-NOTES' are), keep the address as it is: Ray would dial the
+    machine's external address instead, where that Ray does not listen, and retry for minutes.
+    "auto", ray:// and the like are Ray's."""
+    host, _, port = given.rpartition(":")
     host = host.strip("[]")  # [::1]:6379
     if not host or not port.isdigit() or "/" in host:
         return
@@ -171,8 +177,9 @@ def _check_answers(address: Optional[str]) -> None:
             break
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise RayJoinError(f"{where} ({e.strerror or e}): start the cluster first, or correct the address "
-                                   "(run.ray_address=local starts a Ray here)") from None
+                hint = " (run.ray_address=local starts a Ray here)" if local_start_hint else ""
+                raise RayJoinError(f"{where} ({e.strerror or e}): start the cluster first, or correct the "
+                                   f"address{hint}") from None
             time.sleep(0.5)
     with connection:
         if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):

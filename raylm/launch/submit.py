@@ -20,10 +20,13 @@ job's status is polled as the truth: following the logs can end before the job d
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import re
 import shlex
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -92,20 +95,53 @@ def load_runtime_env(root: Path, env: Optional[dict[str, str]] = None) -> dict:
     return runtime_env
 
 
+def _job_server_answers(address: str, source: str) -> None:
+    """Ray's job client waits for the job server's first answer without a timeout: a port that
+    accepts and never answers (a hung head, a forward whose far end is gone) held `raylm submit`
+    silent for good. Any HTTP answer will do (401 without this user's token); a refused
+    connection is left to Ray's client, which says so within seconds."""
+    from raylm.ray_runtime import HANDSHAKE_S
+
+    try:
+        urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=HANDSHAKE_S).close()
+        return
+    except urllib.error.HTTPError:
+        return
+    except urllib.error.URLError as e:
+        if not isinstance(e.reason, TimeoutError):
+            return
+    except TimeoutError:
+        pass
+    except (OSError, http.client.HTTPException):  # not HTTP there: Ray's client names what it met
+        return
+    raise SubmitError(f"cannot reach the Ray job server at {source}={address}: nothing answered within "
+                      f"{HANDSHAKE_S:.0f} s (a head that hangs, or a forwarded port whose far end is gone)")
+
+
 def _client(address: Optional[str]):
     from ray.job_submission import JobSubmissionClient
 
-    from raylm.ray_runtime import ensure_auth_token
+    from raylm.ray_runtime import RayJoinError, check_answers, ensure_auth_token
 
+    source = "--address"
     if address:
         # Ray's client prefers these variables over the address it is given; an explicit
         # --address wins here.
         os.environ.pop("RAY_API_SERVER_ADDRESS", None)
         os.environ.pop("RAY_ADDRESS", None)
-    address = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    else:
+        source = "RAY_API_SERVER_ADDRESS" if os.environ.get("RAY_API_SERVER_ADDRESS") else "RAY_ADDRESS"
+        address = os.environ.get(source)
     if not address:
         raise SubmitError("no job server address: pass --address http://HOST:8265 (the head's dashboard, e.g. "
                           "through `ray dashboard cluster/aws-a100.yaml` or `kubectl port-forward`)")
+    if address.startswith(("http://", "https://")):
+        _job_server_answers(address, source)
+    else:  # a GCS address: Ray's client asks the GCS where the job server is
+        try:
+            check_answers(address, source, local_start_hint=False)
+        except RayJoinError as e:
+            raise SubmitError(str(e)) from None
     ensure_auth_token()  # the client sends this user's token (a cluster's must be copied here)
     try:
         return JobSubmissionClient(address), address
