@@ -148,13 +148,6 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 _H2_SETTINGS = 4
 
 
-def _check_answers(address: Optional[str]) -> None:
-    """`check_answers` for the Ray a command joins: `address` (run.ray_address), else RAY_ADDRESS."""
-    given, source = (address, "run.ray_address") if address is not None else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
-    if given:
-        check_answers(given, source)
-
-
 def check_answers(given: str, source: str, local_start_hint: bool = True) -> None:
     """Refuse, naming where the address came from (`source`), a `host:port` Ray address where no
     Ray GCS answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster
@@ -236,9 +229,14 @@ def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, wor
         return False
     ensure_auth_token()
     if joins_cluster(address):
-        _check_answers(address)
-        with _signals_held_while_starting():
-            ray.init(address=address)  # None: Ray reads RAY_ADDRESS
+        given, source = (address, "run.ray_address") if address is not None else (os.environ["RAY_ADDRESS"],
+                                                                                   "RAY_ADDRESS")
+        check_answers(given, source)
+        try:
+            with _signals_held_while_starting():
+                ray.init(address=address)  # None: Ray reads RAY_ADDRESS
+        except (ConnectionError, ValueError) as e:  # "auto" with no Ray here, ray:// unreachable, an http:// URL
+            raise RayJoinError(f"cannot join the Ray at {source}={given}: {' '.join(str(e).split())[:400]}") from None
         return False
     use_loopback()
     env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(worker_threads))}

@@ -167,17 +167,35 @@ def test_a_join_where_something_else_listens_or_nothing_answers_is_refused_namin
         with pytest.raises(RayJoinError, match=rf"^no Ray answers at run.ray_address={web}: what listens there is not a "
                                                r"Ray GCS \(it answered '<!DOCTYPE HTML>', not gRPC's handshake\).*\(8265 is the "
                                                r"dashboard's, for `ray job submit"):
-            ray_runtime._check_answers(web)
+            ray_runtime.check_answers(web, "run.ray_address")
         hung = f"127.0.0.2:{mute.getsockname()[1]}"
-        monkeypatch.setenv("RAY_ADDRESS", hung)
         started = time.monotonic()
         with pytest.raises(RayJoinError, match=rf"^no Ray answers at RAY_ADDRESS={hung}: the connection was accepted, "
                                                r"but nothing answered within 1 s \(a Ray head that hangs"):
-            ray_runtime._check_answers(None)
+            ray_runtime.check_answers(hung, "RAY_ADDRESS")
         assert time.monotonic() - started < 10
     finally:
         server.shutdown()
         mute.close()
+
+
+def test_a_job_servers_url_as_the_ray_to_join_is_refused_naming_it(tiny_dataset, tmp_path):
+    """The dashboard's URL (`ray job submit`'s) given as the Ray to join: in the config, a config
+    error before anything starts; in RAY_ADDRESS, Ray's own explanation, without the traceback
+    that printed it before (as for "auto" with no Ray on the machine, or an unreachable ray://)."""
+    train = [sys.executable, "-m", "raylm.cli", "train", f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
+             "run.name=web", *TINY_RUN]
+    configured = subprocess.run([*train, "run.ray_address=http://127.0.0.2:8265"], capture_output=True, text=True,
+                                timeout=120)
+    assert configured.returncode == 2, configured.stderr[-3000:]
+    assert configured.stderr.startswith("raylm: error: run.ray_address=http://127.0.0.2:8265 is a job server's "
+                                        "address (the dashboard's, for `raylm submit --address`"), configured.stderr
+    exported = subprocess.run(train, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RAY_ADDRESS": "http://127.0.0.2:8265"})
+    assert exported.returncode == 1, exported.stderr[-3000:]
+    assert ("raylm: error: cannot join the Ray at RAY_ADDRESS=http://127.0.0.2:8265: Invalid Ray address: "
+            "'http://127.0.0.2:8265'. It looks like you set RAY_ADDRESS to an HTTP address") in exported.stderr
+    assert "Traceback" not in configured.stderr + exported.stderr
 
 
 def test_a_ray_on_127_0_0_1_is_joined_without_rays_loopback_variable(ray_session, tiny_dataset, tmp_path):

@@ -33,6 +33,10 @@ def validate(cfg: Config) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     check_run_name(cfg.run.name)
+    if (cfg.run.ray_address or "").startswith(("http://", "https://")):
+        raise ConfigError(f"run.ray_address={cfg.run.ray_address} is a job server's address (the dashboard's, for "
+                          "`raylm submit --address` and `ray job submit`): give the cluster's GCS address, "
+                          "HOST:6379 unless `ray start --port` chose another, or auto")
     if cfg.run.lease_timeout_s < 10:
         raise ConfigError(f"run.lease_timeout_s must be at least 10 (seconds), got {cfg.run.lease_timeout_s:g}")
     if t.seq_len is not None and t.seq_len > m.max_seq_len:

@@ -397,7 +397,8 @@ class RunConfig:
     storage_path: str = "runs"
     """Where run directories live: a local directory or s3:// URI."""
     ray_address: Optional[str] = None
-    """None or "local" starts a local Ray; "auto" or host:port joins a running cluster."""
+    """"local" starts a local Ray; "auto" or host:port (the GCS's) joins a running cluster; None
+    joins the one RAY_ADDRESS names, else starts a local Ray."""
     ray_num_cpus: Optional[int] = None
     """Logical CPUs of a local Ray started by raylm (None: enough for the workers and data)."""
     dashboard: bool = False
