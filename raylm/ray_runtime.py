@@ -148,14 +148,15 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 
 _H2_SETTINGS = 4
 
 
-def check_answers(given: str, source: str, local_start_hint: bool = True) -> None:
+def check_answers(given: str, source: str, local_start: Optional[str] = "run.ray_address") -> None:
     """Refuse, naming where the address came from (`source`), a `host:port` Ray address where no
     Ray GCS answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster
     that is down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (the
     dashboard's port, a hung head). At 127.0.0.1 or localhost (a single-node Ray started on
     loopback, as raylm's and FIELD-NOTES' are), keep the address as it is: Ray would dial the
     machine's external address instead, where that Ray does not listen, and retry for minutes.
-    "auto", ray:// and the like are Ray's."""
+    "auto", ray:// and the like are Ray's. `local_start`: the setting that would start a Ray here
+    instead, named in the error (None: the command has none)."""
     host, _, port = given.rpartition(":")
     host = host.strip("[]")  # [::1]:6379
     if not host or not port.isdigit() or "/" in host:
@@ -170,7 +171,7 @@ def check_answers(given: str, source: str, local_start_hint: bool = True) -> Non
             break
         except OSError as e:
             if time.monotonic() >= deadline:
-                hint = " (run.ray_address=local starts a Ray here)" if local_start_hint else ""
+                hint = f" ({local_start}=local starts a Ray here)" if local_start else ""
                 raise RayJoinError(f"{where} ({e.strerror or e}): start the cluster first, or correct the "
                                    f"address{hint}") from None
             time.sleep(0.5)
@@ -216,22 +217,23 @@ def joins_cluster(address: Optional[str] = None) -> bool:
 
 
 def start_ray(address: Optional[str] = None, num_cpus: Optional[int] = None, worker_threads: int = 1,
-              dashboard: bool = False) -> bool:
+              dashboard: bool = False, address_name: str = "run.ray_address") -> bool:
     """Join the Ray at `address` (None: RAY_ADDRESS when set, as inside a Ray job), or start a
     local one (loopback only) with `num_cpus` logical CPUs whose workers run `worker_threads`
     OpenMP threads, and Ray's dashboard only if `dashboard`; "local" always starts one. A joined
     cluster's size and dashboard are its own: the other arguments apply only to a Ray started here
     (why the dashboard is off by default: `run.dashboard`). Returns whether it started a Ray, one
-    that lives only as long as this process."""
+    that lives only as long as this process. `address_name` is what an error calls `address`
+    (the config's field, or a command's --ray-address)."""
     import ray
 
     if ray.is_initialized():
         return False
     ensure_auth_token()
     if joins_cluster(address):
-        given, source = (address, "run.ray_address") if address is not None else (os.environ["RAY_ADDRESS"],
+        given, source = (address, address_name) if address is not None else (os.environ["RAY_ADDRESS"],
                                                                                    "RAY_ADDRESS")
-        check_answers(given, source)
+        check_answers(given, source, address_name)
         try:
             with _signals_held_while_starting():
                 ray.init(address=address)  # None: Ray reads RAY_ADDRESS

@@ -127,7 +127,7 @@ def _prepare(sources: list[Source], source_names: list[str], tok: Tokenizer, out
     """Tokenize, pack and write the dataset into `output`, the manifest last."""
     started_ray = not ray.is_initialized()
     if started_ray:
-        start_ray(ray_address)
+        start_ray(ray_address, address_name="--ray-address")
     try:
         splits, split_rule, quality = _write_shards(sources, tok, output, seq_len, val_fraction,
                                                     storage, max_documents, shard_rows, quality_filter)

@@ -238,7 +238,7 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     pending = [part for part in parts if sums[part] is None]
     log(f"raylm eval: {len(parts)} part(s) of {split}, {len(parts) - len(pending)} already done")
     if pending:
-        start_ray(ray_address)
+        start_ray(ray_address, address_name="--ray-address")
         workers = min(worker_count(workers, cpus_per_worker, gpus_per_worker, log), len(pending))
         token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
         actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)

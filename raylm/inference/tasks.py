@@ -117,7 +117,7 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
            "checkpoint_files": json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg))}
     saved = SavedChunks(_parts_dir(output), key, storage_cfg)
 
-    start_ray(ray_address)
+    start_ray(ray_address, address_name="--ray-address")
     workers = worker_count(workers, cpus_per_worker, gpus_per_worker, log)
     actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
     pool = ActorPool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)])

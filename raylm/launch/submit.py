@@ -139,7 +139,7 @@ def _client(address: Optional[str]):
         _job_server_answers(address, source)
     else:  # a GCS address: Ray's client asks the GCS where the job server is
         try:
-            check_answers(address, source, local_start_hint=False)
+            check_answers(address, source, local_start=None)
         except RayJoinError as e:
             raise SubmitError(str(e)) from None
     ensure_auth_token()  # the client sends this user's token (a cluster's must be copied here)
