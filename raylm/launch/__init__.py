@@ -39,6 +39,9 @@ internal is missing, except where noted):
   its exception queue, with `ray.train.v2._internal.exceptions.UserExceptionWithTraceback`: how
   the watchdog fails a worker whose training thread is stuck.
 - `ray.train.v2._internal.execution.context`'s module logger: silenced per report unless verbose.
+- `ray._private.state.actors()` and Train's worker actor class name `RayTrainWorker`: a run
+  stopped by Ctrl-C or SIGTERM names its last checkpoint once its workers are dead (Train's abort
+  kills them without waiting); without it, the driver names the newest it finds at once.
 - `ray.train.v2._internal.execution.worker_group.worker_group.WorkerGroup.replace_replica_group`,
   its `get_latest_poll_status` and `_replica_groups` (replicas.py): every failing replica group
   shut down before the first is replaced, so that a node holding several does not fail the run

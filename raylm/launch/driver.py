@@ -27,7 +27,7 @@ from raylm.launch.recovery import RaylmFailurePolicy, RecoveryLog, deterministic
 from raylm.ray_runtime import (callers_handlers_kept, joins_cluster, local_num_cpus, placeable, sigterm_as_ctrl_c,
                                 start_ray)
 from raylm.train.checkpoint.format import latest_complete, step_of, verify
-from raylm.train.lease import RunLease
+from raylm.train.lease import RunLease, process_alive
 from raylm.train.observe.records import EVENTS_FILE, METRICS_FILE, append_event, merged_lines, read_jsonl
 from raylm.train.preflight import preflight
 from raylm.train.spec import RunSpec, local_run_dir, resolve_run, run_uri, storage_root
@@ -202,6 +202,8 @@ def _upload_console(uri: str, cfg: Config) -> None:
 def _interruption(uri: str, cfg: Config, sigterm: bool, training: bool) -> RunInterrupted:
     """What a run stopped by Ctrl-C or a SIGTERM says: when it stopped, its last checkpoint, how to
     go on. Once training started, an `interrupted` event records it."""
+    if training:
+        _wait_for_workers_gone()
     last = latest_complete(uri, cfg.storage)
     if training:
         append_event(os.path.join(local_run_dir(cfg), EVENTS_FILE), {
@@ -213,6 +215,30 @@ def _interruption(uri: str, cfg: Config, sigterm: bool, training: bool) -> RunIn
     else:
         where = (f" before a checkpoint of {uri}:" if training else ":") + " the same command starts it again"
     return RunInterrupted(stopped + where, 128 + signal.SIGTERM if sigterm else 130)
+
+
+def _wait_for_workers_gone(timeout_s: float = 15.0) -> None:
+    """Ray Train's abort asks the workers to stop, gives them up to 5 s, then kills them without
+    waiting: their training goes on meanwhile, and a checkpoint finished after the driver looked
+    made the one it named stale (seen: step 32's published 10 ms after "the last checkpoint is
+    ...28"). Wait until this job's Train workers are dead in the GCS and, on the driver's node,
+    their processes gone (the GCS marks an actor dead some milliseconds before its process ends)."""
+    import ray
+
+    try:
+        from ray._private import state
+
+        job, here = ray.get_runtime_context().get_job_id(), ray.get_runtime_context().get_node_id()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            workers = [a for a in state.actors().values()
+                       if a.get("JobID") == job and a.get("ActorClassName") == "RayTrainWorker"]
+            if all(a.get("State") == "DEAD" and not (a.get("Address", {}).get("NodeID") == here
+                                                     and process_alive(a.get("Pid"))) for a in workers):
+                return
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - Ray already gone (so are its workers), or its internals moved
+        return
 
 
 def _trainer(spec: RunSpec, uri: str) -> "DataParallelTrainer":
