@@ -151,10 +151,10 @@ _H2_SETTINGS = 4
 def check_answers(given: str, source: str, local_start: Optional[str] = "run.ray_address") -> None:
     """Refuse, naming where the address came from (`source`), a `host:port` Ray address where no
     Ray GCS answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster
-    that is down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (the
-    dashboard's port, a hung head). At 127.0.0.1 or localhost (a single-node Ray started on
-    loopback, as raylm's and FIELD-NOTES' are), keep the address as it is: Ray would dial the
-    machine's external address instead, where that Ray does not listen, and retry for minutes.
+    that is down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (another
+    server's port, such as the dashboard's, or a head that hangs). Keep 127.0.0.1 and localhost as
+    they are: Ray would dial the machine's external address instead, where a single-node Ray on
+    loopback (raylm's, FIELD-NOTES') does not listen.
     "auto", ray:// and the like are Ray's. `local_start`: the setting that would start a Ray here
     instead, named in the error (None: the command has none)."""
     host, _, port = given.rpartition(":")

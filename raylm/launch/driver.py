@@ -218,11 +218,10 @@ def _interruption(uri: str, cfg: Config, sigterm: bool, training: bool) -> RunIn
 
 
 def _wait_for_workers_gone(timeout_s: float = 15.0) -> None:
-    """Ray Train's abort asks the workers to stop, gives them up to 5 s, then kills them without
-    waiting: their training goes on meanwhile, and a checkpoint finished after the driver looked
-    made the one it named stale (seen: step 32's published 10 ms after "the last checkpoint is
-    ...28"). Wait until this job's Train workers are dead in the GCS and, on the driver's node,
-    their processes gone (the GCS marks an actor dead some milliseconds before its process ends)."""
+    """Wait until this job's Train workers are dead in the GCS and, on the driver's node, their
+    processes gone (the GCS marks an actor dead some milliseconds before its process ends). Ray
+    Train's abort gives the workers up to 5 s, then kills them without waiting, and they train on
+    meanwhile: a checkpoint they publish then is newer than one named before they are gone."""
     import ray
 
     try:

@@ -96,26 +96,25 @@ def load_runtime_env(root: Path, env: Optional[dict[str, str]] = None) -> dict:
 
 
 def _job_server_answers(address: str, source: str) -> None:
-    """Ray's job client waits for the job server's first answer without a timeout: a port that
-    accepts and never answers (a hung head, a forward whose far end is gone) held `raylm submit`
-    silent for good. Any HTTP answer will do (401 without this user's token); a refused
-    connection is left to Ray's client, which says so within seconds."""
+    """Refuse a job server that does not answer within HANDSHAKE_S: Ray's job client asks its first
+    question without a timeout, so a port that accepts and never answers (a hung head, a forward
+    whose far end is gone) would hold the command for good. Any HTTP answer will do (401 without
+    this user's token); a refused connection, or something that is not HTTP, is left to Ray's
+    client, which names it within seconds."""
     from raylm.ray_runtime import HANDSHAKE_S
 
     try:
         urllib.request.urlopen(f"{address.rstrip('/')}/api/version", timeout=HANDSHAKE_S).close()
         return
-    except urllib.error.HTTPError:
-        return
-    except urllib.error.URLError as e:
-        if not isinstance(e.reason, TimeoutError):
-            return
+    except urllib.error.URLError as e:  # HTTPError too, whose reason is its status line
+        timed_out = isinstance(e.reason, TimeoutError)
     except TimeoutError:
-        pass
-    except (OSError, http.client.HTTPException):  # not HTTP there: Ray's client names what it met
-        return
-    raise SubmitError(f"cannot reach the Ray job server at {source}={address}: nothing answered within "
-                      f"{HANDSHAKE_S:.0f} s (a head that hangs, or a forwarded port whose far end is gone)")
+        timed_out = True
+    except (OSError, http.client.HTTPException):
+        timed_out = False
+    if timed_out:
+        raise SubmitError(f"cannot reach the Ray job server at {source}={address}: nothing answered within "
+                          f"{HANDSHAKE_S:.0f} s (a head that hangs, or a forwarded port whose far end is gone)")
 
 
 def _client(address: Optional[str]):
