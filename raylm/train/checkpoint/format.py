@@ -14,14 +14,14 @@ Reading never runs code from storage, and a rank reads only what it loads: in `l
 reads the manifest, the train state and DCP's metadata for every rank, and each rank its RNG
 file, each checked whole against the manifest, then the blocks of the shards its load plan needs,
 each checked before anything in it is deserialized (`raylm.train.checkpoint.blocks`). DCP's
-metadata and state and the RNG file go through `raylm.train.checkpoint.safe_load` (a restricted
-unpickler, `torch.load(weights_only=True)`). Discovery (`scan`, `latest_complete`) is cheap:
-every file's size, checksums of the small files it parses; choosing the checkpoint to resume
-from is `raylm.train.checkpoint.resume`'s. Generation and export read whole checkpoints and
-check every file first (`check_sound`).
+metadata goes through a restricted unpickler (`raylm.train.checkpoint.metadata`), its state and
+the RNG file through `torch.load(weights_only=True)` (`raylm.train.checkpoint.safe_load`).
+Discovery (`scan`, `latest_complete`) is cheap: every file's size, checksums of the small files it
+parses; choosing the checkpoint to resume from is `raylm.train.checkpoint.resume`'s. Generation
+and export read whole checkpoints and check every file first (`check_sound`).
 
-torch is imported by the functions that read or write state, not by this module: the driver
-looks for checkpoints before any of its processes needs torch, and a new run has none to read.
+torch is imported by the functions that read or write state, not by this module nor by
+discovery: the driver, `raylm status` and `raylm checkpoint verify` look for checkpoints without it.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from raylm.data import storage
 from raylm.train.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from raylm.train.checkpoint.integrity import (MANIFEST, FileEntry, checked_bytes, file_entry, file_problem,
                                               parse_manifest, read_file, read_manifest)
+from raylm.train.checkpoint.metadata import METADATA_FILE, shard_files
 
 if TYPE_CHECKING:
     import torch
@@ -206,8 +207,6 @@ class _Shared:
 
 def _read_shared(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[Optional[bytes], bytes, bytes]:
     """The manifest (None without one), train state and DCP metadata, as checked bytes."""
-    from raylm.train.checkpoint.safe_load import METADATA_FILE
-
     raw_manifest = None
     with contextlib.suppress(storage.StorageNotFoundError):
         raw_manifest = read_file(storage.join(uri, MANIFEST), storage_cfg)
@@ -220,7 +219,7 @@ def _parse_shared(uri: str, raw: tuple[Optional[bytes], bytes, bytes], world_siz
                   storage_cfg: Optional[StorageConfig]) -> _Shared:
     """`_read_shared`'s files parsed, and every file they name there (the shards; each rank's RNG
     file, in the same world size)."""
-    from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
+    from raylm.train.checkpoint.safe_load import read_metadata
 
     raw_manifest, raw_state, raw_metadata = raw
     manifest = parse_manifest(raw_manifest) if raw_manifest is not None else None
@@ -377,8 +376,6 @@ def _problem(uri: str, storage_cfg: Optional[StorageConfig], checksums: bool, re
     files parsed here always). Then, with or without one: the train state and DCP's metadata
     parse, and every file they need exists (and is listed).
     """
-    from raylm.train.checkpoint.safe_load import METADATA_FILE, read_metadata
-
     try:
         if manifest is None and require_manifest:
             manifest = read_manifest(uri, storage_cfg)
@@ -393,12 +390,11 @@ def _problem(uri: str, storage_cfg: Optional[StorageConfig], checksums: bool, re
                 return f"no {name}" + (" in the manifest" if manifest is not None else " (the save did not finish)")
         world_size = _parse_train_state(read_file(storage.join(uri, TRAIN_STATE), storage_cfg))["world_size"]
         try:
-            metadata = read_metadata(read_file(storage.join(uri, METADATA_FILE), storage_cfg))
+            needed = shard_files(read_file(storage.join(uri, METADATA_FILE), storage_cfg))
         except pickle.UnpicklingError as e:
             return f"{METADATA_FILE} is not valid DCP metadata: {e}"
     except CheckpointError as e:
         return str(e)
-    needed = {info.relative_path for info in (metadata.storage_data or {}).values()}
     needed |= {_rng_name(r) for r in range(world_size)}
     missing = sorted(needed - present)
     return f"missing {', '.join(missing[:5])}" if missing else None

@@ -16,6 +16,7 @@ from typing import Any, Optional
 from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.train.checkpoint.errors import CheckpointError
+from raylm.train.checkpoint.metadata import is_inside
 
 MANIFEST = "checkpoint_manifest.json"
 _HASH_BLOCK = 8 << 20  # bytes read at a time: shards are hashed as streams, never whole in memory
@@ -131,8 +132,6 @@ def checked_bytes(uri: str, name: str, manifest: Optional[dict[str, FileEntry]],
 
 def parse_manifest(raw: bytes) -> dict[str, FileEntry]:
     """The files a manifest's bytes list; CheckpointError when they are no manifest."""
-    from raylm.train.checkpoint.safe_load import is_inside
-
     try:
         listed = json.loads(raw)["files"]
         entries = {name: _parse_entry(e) for name, e in listed.items()}

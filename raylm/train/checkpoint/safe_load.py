@@ -8,11 +8,8 @@ reader torch ships, `HuggingFaceStorageReader`, reads a different format (safete
 tensors only, no optimizer hyperparameters) and would change what a checkpoint is. So raylm
 keeps DCP's format and reads it through two small subclasses:
 
-- `SafeReader`: `.metadata` through `MetadataUnpickler`, a `pickle.Unpickler` whose
-  `find_class` admits only the classes DCP's own metadata is made of (the dataclasses of
-  `torch.distributed.checkpoint.metadata`, `filesystem._StorageInfo`, `torch.Size`, dtypes and
-  layouts, `pathlib` paths); any other global, such as `os.system`, is refused before it is
-  looked up. Shard paths must stay inside the checkpoint directory.
+- `SafeReader`: `.metadata` through `raylm.train.checkpoint.metadata`'s restricted unpickler
+  (only the classes DCP's own metadata is made of; shard paths inside the checkpoint).
 - `SafeLoadPlanner`: non-tensor entries through `torch.load(weights_only=True)`. Tensor
   shards are already read with `weights_only=True` by DCP.
 
@@ -22,9 +19,8 @@ too: numpy's and Python's generator states become int64 tensors rather than pick
 
 from __future__ import annotations
 
+import importlib
 import io
-import pickle
-import posixpath
 import random
 from typing import Any
 
@@ -35,60 +31,18 @@ from torch.distributed.checkpoint._traverse import set_element  # what DefaultLo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-METADATA_FILE = ".metadata"
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS = {
-    *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-                                          "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                                          "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory it was saved to
-    ("pathlib", "PurePosixPath"),
-}
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The checkpoint's metadata names something DCP's metadata never holds: refused unread."""
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata and nothing else (see the module docstring)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"refusing to load {module}.{name}: not a class of DCP's metadata")
+from raylm.train.checkpoint.metadata import parse
 
 
 def read_metadata(data: bytes) -> Metadata:
-    """DCP metadata from the bytes of a `.metadata` file; raises `pickle.UnpicklingError` (or
-    `UnsafeCheckpointError`) when they are not DCP metadata or name a file outside the checkpoint."""
-    try:
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError:
-        raise
-    except Exception as e:  # truncated or garbled: EOFError, ValueError, TypeError, ...
-        raise pickle.UnpicklingError(f"not a DCP metadata file ({type(e).__name__}: {e})") from e
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"not a DCP metadata file (holds a {type(metadata).__name__})")
-    for info in (metadata.storage_data or {}).values():
-        path = getattr(info, "relative_path", None)
-        if not isinstance(path, str) or not is_inside(path):
-            raise UnsafeCheckpointError(f"refusing shard path {path!r}: it must name a file inside the checkpoint")
-    return metadata
+    """DCP metadata from the bytes of a `.metadata` file, as DCP's own classes; raises
+    `pickle.UnpicklingError` (or `UnsafeCheckpointError`) when they are not DCP metadata or name a
+    file outside the checkpoint."""
+    return parse(data, lambda module, name: getattr(importlib.import_module(module), name), _is_dtype)
 
 
-def is_inside(relative_path: str) -> bool:
-    """A path that names a file inside its directory: relative, no `..`, no backslashes."""
-    if not relative_path or "\\" in relative_path or posixpath.isabs(relative_path):
-        return False
-    normal = posixpath.normpath(relative_path)
-    return normal == relative_path and normal != "." and not normal.startswith("../") and normal != ".."
+def _is_dtype(name: str) -> bool:
+    return isinstance(getattr(torch, name, None), torch.dtype)
 
 
 class SafeReader(FileSystemReader):

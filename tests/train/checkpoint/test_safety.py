@@ -7,6 +7,8 @@ readers' own checks are what stops it: the marker file a payload would create mu
 import json
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.errors import CheckpointError, UnusableCheckpointsError
+from raylm.train.checkpoint.metadata import KNOWN_DTYPES, METADATA_FILE, shard_files
+from raylm.train.checkpoint.safe_load import read_metadata
 from raylm.train.env import LocalEnv
 from raylm.train.checkpoint.resume import latest_usable
 from tests.support.checkpoints import (TOKENIZER_SHA, build, flip_byte, forge_manifest, make_run, run_cli,
@@ -71,6 +75,31 @@ def test_malicious_metadata_is_refused_unexecuted_by_discovery_load_and_cli(run,
     # Control: the same bytes through plain pickle do run the payload.
     pickle.loads((ckpt / ".metadata").read_bytes())
     assert marker.exists()
+
+
+def test_discovery_reads_the_index_without_torch_and_names_the_files_dcp_does(run, tmp_path):
+    """The driver, `raylm status` and `raylm checkpoint verify` find checkpoints without torch
+    (2-3 s at each start); what they read of DCP's index is what the ranks' reader reads."""
+    found = subprocess.run([sys.executable, "-c", (
+        "import sys\nfrom raylm.train.checkpoint import format as checkpoint\nfrom raylm.status import run_status\n"
+        f"print(checkpoint.latest_complete({str(run)!r}), run_status({str(run)!r}).checkpoint, 'torch' in sys.modules)")],
+        capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == [str(run / "checkpoint_00000004")] * 2 + ["False"]
+    # Tensors of another dtype, and an entry that is no tensor, saved by DCP itself.
+    other = tmp_path / "bf16"
+    dcp.save({"w": torch.ones(3, 2, dtype=torch.bfloat16), "n": torch.arange(4), "lr": 0.5}, checkpoint_id=str(other))
+    for directory in (run / "checkpoint_00000004", other):
+        data = (directory / METADATA_FILE).read_bytes()
+        assert shard_files(data) == {i.relative_path for i in read_metadata(data).storage_data.values()}
+        assert shard_files(data) and all((directory / name).is_file() for name in shard_files(data))
+    # Its dtype names are dtypes of this torch: no other `torch.<name>` is let through unread.
+    assert sorted(n for n in KNOWN_DTYPES if not isinstance(getattr(torch, n, None), torch.dtype)) == []
+    # A name it does not know is torch's to judge: refused as DCP's reader refuses it.
+    forged = b"\x80\x04\x8c\x05torch\x8c\x04load\x93."  # the global torch.load, as a dtype pickles
+    for read in (shard_files, read_metadata):
+        with pytest.raises(pickle.UnpicklingError, match="refusing to load torch.load"):
+            read(forged)
 
 
 def test_malicious_optimizer_entry_and_rng_file_are_refused_unexecuted(run, tmp_path):
