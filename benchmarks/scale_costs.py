@@ -211,8 +211,7 @@ def checkpoint_sizes(run_dir: str) -> dict[str, int]:
 
 def metadata_entries(run_dir: str) -> int:
     """The chunks DCP's metadata indexes: it grows with ranks x tensors, and every rank needs it."""
-    from raylm.train.checkpoint.metadata import METADATA_FILE
-    from raylm.train.checkpoint.safe_load import read_metadata
+    from raylm.train.checkpoint.metadata import METADATA_FILE, read_metadata
 
     with open(os.path.join(run_dir, "checkpoint_00000001", METADATA_FILE), "rb") as f:
         return len(read_metadata(f.read()).storage_data)

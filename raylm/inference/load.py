@@ -20,8 +20,7 @@ from raylm.model.transformer import Transformer
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_from_json
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.resume import read_saved_config
-from raylm.train.checkpoint.metadata import METADATA_FILE
-from raylm.train.checkpoint.safe_load import read_metadata
+from raylm.train.checkpoint.metadata import METADATA_FILE, read_metadata
 
 
 def resolve_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None, announce: bool = True,

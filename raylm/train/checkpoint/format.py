@@ -42,7 +42,7 @@ from raylm.data import storage
 from raylm.train.checkpoint.errors import CheckpointError, CheckpointWriteError, CorruptCheckpointError
 from raylm.train.checkpoint.integrity import (MANIFEST, FileEntry, checked_bytes, file_entry, file_problem,
                                               parse_manifest, read_file, read_manifest)
-from raylm.train.checkpoint.metadata import METADATA_FILE, shard_files
+from raylm.train.checkpoint.metadata import METADATA_FILE, read_metadata, shard_files
 
 if TYPE_CHECKING:
     import torch
@@ -219,8 +219,6 @@ def _parse_shared(uri: str, raw: tuple[Optional[bytes], bytes, bytes], world_siz
                   storage_cfg: Optional[StorageConfig]) -> _Shared:
     """`_read_shared`'s files parsed, and every file they name there (the shards; each rank's RNG
     file, in the same world size)."""
-    from raylm.train.checkpoint.safe_load import read_metadata
-
     raw_manifest, raw_state, raw_metadata = raw
     manifest = parse_manifest(raw_manifest) if raw_manifest is not None else None
     state = _parse_train_state(raw_state)

@@ -8,19 +8,23 @@ dataclasses of `torch.distributed.checkpoint.metadata`, `filesystem._StorageInfo
 dtypes and layouts, `pathlib` paths); any other global, such as `os.system`, is refused before it
 is looked up, and shard paths must stay inside the checkpoint directory.
 
-What an admitted global stands for is the caller's: the real classes when the metadata is handed
-to DCP (`raylm.train.checkpoint.safe_load.read_metadata`, on the ranks, which have torch), or inert
-stand-ins that only keep their fields when a command looks for checkpoints (`shard_files`): the
-driver, `raylm status` and `raylm checkpoint verify` need the shard files' names, and importing
-torch for them cost 2-3 s at every start of a command that found a checkpoint.
+An admitted global stands for DCP's real class when the metadata is handed to DCP
+(`read_metadata`, on the ranks, which have torch), or for an inert stand-in that only keeps its
+fields when a command looks for checkpoints (`shard_files`): the driver, `raylm status` and `raylm
+checkpoint verify` need the shard files' names, and importing torch for them cost 2-3 s at every
+start of a command that found a checkpoint.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 import posixpath
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_FILE = ".metadata"
 
@@ -68,7 +72,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"refusing to load {module}.{name}: not a class of DCP's metadata")
 
 
-def parse(data: bytes, resolve: Callable[[str, str], Any], is_dtype: Callable[[str], bool]) -> Any:
+def _parse(data: bytes, resolve: Callable[[str, str], Any], is_dtype: Callable[[str], bool]) -> Any:
     """DCP metadata from the bytes of a `.metadata` file, its globals resolved by `resolve`;
     raises `pickle.UnpicklingError` (or `UnsafeCheckpointError`) when they are not DCP metadata or
     name a file outside the checkpoint."""
@@ -115,14 +119,25 @@ def _known_dtype(name: str) -> bool:
     raise _UnknownDtype(name)
 
 
+def read_metadata(data: bytes) -> "Metadata":
+    """DCP metadata from the bytes of a `.metadata` file, as DCP's own classes; raises
+    `pickle.UnpicklingError` (or `UnsafeCheckpointError`) when they are not DCP metadata or name a
+    file outside the checkpoint."""
+    return _parse(data, lambda module, name: getattr(importlib.import_module(module), name), _torch_dtype)
+
+
+def _torch_dtype(name: str) -> bool:
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
 def shard_files(data: bytes) -> set[str]:
     """The files (relative paths) the `.metadata` bytes index, read by the rules above; raises
-    `pickle.UnpicklingError` as `safe_load.read_metadata` would."""
+    `pickle.UnpicklingError` as `read_metadata` would."""
     try:
-        metadata = parse(data, _stand_in, _known_dtype)
+        metadata = _parse(data, _stand_in, _known_dtype)
     except _UnknownDtype:
-        from raylm.train.checkpoint.safe_load import read_metadata
-
         metadata = read_metadata(data)
     return {info.relative_path for info in (getattr(metadata, "storage_data", None) or {}).values()}
 

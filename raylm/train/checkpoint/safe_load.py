@@ -8,8 +8,9 @@ reader torch ships, `HuggingFaceStorageReader`, reads a different format (safete
 tensors only, no optimizer hyperparameters) and would change what a checkpoint is. So raylm
 keeps DCP's format and reads it through two small subclasses:
 
-- `SafeReader`: `.metadata` through `raylm.train.checkpoint.metadata`'s restricted unpickler
-  (only the classes DCP's own metadata is made of; shard paths inside the checkpoint).
+- `SafeReader`: `.metadata` through `raylm.train.checkpoint.metadata.read_metadata`, a
+  restricted unpickler (only the classes DCP's own metadata is made of; shard paths inside the
+  checkpoint).
 - `SafeLoadPlanner`: non-tensor entries through `torch.load(weights_only=True)`. Tensor
   shards are already read with `weights_only=True` by DCP.
 
@@ -19,7 +20,6 @@ too: numpy's and Python's generator states become int64 tensors rather than pick
 
 from __future__ import annotations
 
-import importlib
 import io
 import random
 from typing import Any
@@ -31,18 +31,7 @@ from torch.distributed.checkpoint._traverse import set_element  # what DefaultLo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from raylm.train.checkpoint.metadata import parse
-
-
-def read_metadata(data: bytes) -> Metadata:
-    """DCP metadata from the bytes of a `.metadata` file, as DCP's own classes; raises
-    `pickle.UnpicklingError` (or `UnsafeCheckpointError`) when they are not DCP metadata or name a
-    file outside the checkpoint."""
-    return parse(data, lambda module, name: getattr(importlib.import_module(module), name), _is_dtype)
-
-
-def _is_dtype(name: str) -> bool:
-    return isinstance(getattr(torch, name, None), torch.dtype)
+from raylm.train.checkpoint.metadata import read_metadata
 
 
 class SafeReader(FileSystemReader):

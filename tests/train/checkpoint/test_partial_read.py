@@ -18,8 +18,7 @@ from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint import integrity
 from raylm.train.checkpoint.resume import load_latest
-from raylm.train.checkpoint.metadata import METADATA_FILE
-from raylm.train.checkpoint.safe_load import read_metadata
+from raylm.train.checkpoint.metadata import METADATA_FILE, read_metadata
 from raylm.train.loop import train_local
 from raylm.train.observe.records import read_jsonl
 from tests.support.checkpoints import TOKENIZER_SHA, build, flip_byte, make_run, tiny_config

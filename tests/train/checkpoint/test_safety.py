@@ -18,8 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from raylm.parallel.world import World
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.checkpoint.errors import CheckpointError, UnusableCheckpointsError
-from raylm.train.checkpoint.metadata import KNOWN_DTYPES, METADATA_FILE, shard_files
-from raylm.train.checkpoint.safe_load import read_metadata
+from raylm.train.checkpoint.metadata import KNOWN_DTYPES, METADATA_FILE, read_metadata, shard_files
 from raylm.train.env import LocalEnv
 from raylm.train.checkpoint.resume import latest_usable
 from tests.support.checkpoints import (TOKENIZER_SHA, build, flip_byte, forge_manifest, make_run, run_cli,
