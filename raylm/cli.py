@@ -382,7 +382,7 @@ def _planning_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="a run's state from its directory: running or not, step, losses, tokens/s, "
                        "ETA, newest checkpoint, last failures and guard events (no Ray)")
     p.add_argument("run", help="run directory (local or s3://)")
-    p.add_argument("--watch", action="store_true", help="show it again every --every seconds, until Ctrl-C")
+    p.add_argument("--watch", action="store_true", help="show it again every --every seconds, until Ctrl-C or the run has finished")
     p.add_argument("--every", type=positive_float, default=5.0, help="seconds between refreshes (default: %(default)s)")
     add_storage_args(p)
     p.set_defaults(fn=cmd_status)

@@ -148,12 +148,15 @@ def render(status: RunStatus) -> str:
 
 
 def watch(uri: str, storage_cfg: Optional[StorageConfig], every_s: float) -> None:
-    """`render` again every `every_s` seconds until Ctrl-C; on a terminal in place of the last."""
+    """`render` again every `every_s` seconds, on a terminal in place of the last, until Ctrl-C or
+    the run has finished: nothing after that changes it (`raylm status RUN --watch && ...` waits for it)."""
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
     try:
         while True:
-            text = render(run_status(uri, storage_cfg))
-            print(f"{clear}{text}\n{'' if clear else '-' * 40}", flush=True)
+            status = run_status(uri, storage_cfg)
+            print(f"{clear}{render(status)}\n{'' if clear else '-' * 40}", flush=True)
+            if status.state == "finished":
+                return
             time.sleep(every_s)
     except KeyboardInterrupt:  # the way out of --watch: no error
         print(file=sys.stderr)

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -92,3 +94,12 @@ def test_watch_shows_it_again_until_ctrl_c(saved_run, tmp_path):
     assert outcome.status == 0, outcome.output
     assert outcome.output.count("\x1b[H\x1b[2J") >= 2  # each time in place of the last
     assert "Traceback" not in outcome.output
+
+
+def test_watch_ends_once_the_run_has_finished(saved_run, tmp_path):
+    # A finished run changes no more: `raylm status RUN --watch && next-step` waits for it.
+    run = _run_with_records(saved_run, tmp_path, steps=4, heartbeat_age_s=None)
+    shown = subprocess.run([sys.executable, "-m", "raylm.cli", "status", run, "--watch", "--every", "30"],
+                           capture_output=True, text=True, timeout=25)  # before a second refresh
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count(f"{run}: finished") == 1
