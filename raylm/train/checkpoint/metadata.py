@@ -110,7 +110,9 @@ _STAND_INS: dict[str, type] = {}
 
 
 def _stand_in(module: str, name: str) -> type:
-    return _STAND_INS.setdefault(name, type(name, (_Fields,), {}))
+    if name not in _STAND_INS:
+        _STAND_INS[name] = type(name, (_Fields,), {})
+    return _STAND_INS[name]
 
 
 def _known_dtype(name: str) -> bool:
