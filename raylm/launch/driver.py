@@ -227,11 +227,12 @@ def _wait_for_workers_gone(timeout_s: float = 15.0) -> None:
     try:
         from ray._private import state
 
-        job, here = ray.get_runtime_context().get_job_id(), ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        job, here = ray.JobID.from_hex(context.get_job_id()), context.get_node_id()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            workers = [a for a in state.actors().values()
-                       if a.get("JobID") == job and a.get("ActorClassName") == "RayTrainWorker"]
+            # The GCS filters by job: a poll does not list every actor of the cluster.
+            workers = [a for a in state.actors(job_id=job).values() if a.get("ActorClassName") == "RayTrainWorker"]
             if all(a.get("State") == "DEAD" and not (a.get("Address", {}).get("NodeID") == here
                                                      and process_alive(a.get("Pid"))) for a in workers):
                 return

@@ -96,11 +96,10 @@ def load_runtime_env(root: Path, env: Optional[dict[str, str]] = None) -> dict:
 
 
 def _job_server_answers(address: str, source: str) -> None:
-    """Refuse a job server that does not answer within HANDSHAKE_S: Ray's job client asks its first
-    question without a timeout, so a port that accepts and never answers (a hung head, a forward
-    whose far end is gone) would hold the command for good. Any HTTP answer will do (401 without
-    this user's token); a refused connection, or something that is not HTTP, is left to Ray's
-    client, which names it within seconds."""
+    """Refuse a job server that does not answer within HANDSHAKE_S, as Ray's job client sets no
+    timeout on its first request. Any HTTP answer will do (401 without this user's token); a
+    refused connection, or something that is not HTTP, is left to Ray's client, which names it
+    within seconds."""
     from raylm.ray_runtime import HANDSHAKE_S
 
     try:

@@ -36,7 +36,7 @@ ALLOWED_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory it was saved to
+    ("pathlib", "PosixPath"),  # the type of StorageMeta.checkpoint_id
     ("pathlib", "PurePosixPath"),
 })
 # torch 2.13's dtypes, as a dtype pickles: `torch.<name>`. A name outside it is judged by torch
@@ -93,8 +93,8 @@ def _parse(data: bytes, resolve: Callable[[str, str], Any], is_dtype: Callable[[
 
 
 class _Fields:
-    """An inert stand-in for a global of DCP's metadata: called or built, it keeps what it was
-    given and runs nothing."""
+    """An inert stand-in for a global of DCP's metadata: it holds the fields it is given and runs
+    no code."""
 
     def __init__(self, *args: Any) -> None:
         self.args = args
