@@ -56,7 +56,8 @@ def finished_trials(directory):
 def test_sweep_resumes_after_a_ctrl_c_and_a_killed_driver_and_writes_every_output(tiny_dataset, tmp_path):
     # A second shape of the held-out size: the check is repeated and averaged too (`ladder.seeds`
     # is the Bayesian search's test's, below, to keep this one's time).
-    # Two trials at a time on any machine: the ladder's trials are created as others finish.
+    # One trial at a time (the tiny sweep's `trial.max_concurrent`): the ladder's trials are
+    # created as others finish.
     command = [*RAYLM, "sweep", TINY_SWEEP, f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}",
                "run.ray_num_cpus=2", "sweep.check_shapes=[{d_model: 40, n_layers: 4, n_heads: 5}]"]
     directory = str(tmp_path / "sweep-tiny")
@@ -259,7 +260,8 @@ def test_a_sweep_refused_before_its_trials_leaves_nothing_that_stops_the_correct
 def test_a_killed_trial_worker_restarts_from_its_checkpoint(ray_session, tiny_dataset, tmp_path):
     overrides = [f"data.path={tiny_dataset}", f"run.storage_path={tmp_path}", "run.name=killed-worker",
                  "sweep.check=false", "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]",
-                 "sweep.ladder.tokens_per_param=[8]", "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0"]
+                 "sweep.ladder.tokens_per_param=[8]", "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0",
+                 "sweep.trial.max_concurrent=2"]  # both at once: one's worker is killed while the other trains
     directory = str(tmp_path / "killed-worker")
     killed = {}
 
