@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from raylm.sweep import analysis, fit
-from raylm.sweep.config import SweepConfig, LadderConfig, LRConfig, SearchConfig
+from raylm.sweep.config import FitConfig, SweepConfig, LadderConfig, LRConfig, SearchConfig
 from raylm.sweep.fit import Parametric
 from raylm.sweep.ladder import Rung, Size
 from raylm.sweep.search import RungSearcher, RungSlot, plan_slots, trial_name
 
 TRUE = Parametric(E=1.0, A=30.0, alpha=0.35, B=60.0, beta=0.3)
+# For tests that read no interval: the bootstrap's refits are most of an analysis's time.
+NO_INTERVALS = FitConfig(bootstrap=0)
 
 
 def best_lr_of(n):
@@ -65,7 +67,8 @@ def test_analysis_recovers_the_lr_law_and_the_loss_law_from_a_table():
 
 
 def test_a_ladder_whose_loss_steepens_with_size_is_flagged_and_a_chinchilla_one_is_not():
-    result, _ = analysis.analyze(synthetic_rows(), sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40])))
+    result, _ = analysis.analyze(synthetic_rows(), sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]),
+                                                                        fit=NO_INTERVALS))
     slopes = analysis.size_slopes(result["rungs"])
     assert sorted(slopes) == ["tokens_per_param=10", "tokens_per_param=20", "tokens_per_param=40"]
     assert all(len(s) == 4 and s == sorted(s, reverse=True) for s in slopes.values())  # the law only flattens
@@ -290,12 +293,12 @@ def test_seed_repeats_move_each_rungs_loss_by_their_mean_when_the_ladder_asks_fo
     repeats = [dict(b, phase="seeds", seed=seed, val_loss=b["val_loss"] + delta)
                for b in best.values() for seed, delta in ((1, 0.03), (2, -0.01))]
     repeats += [dict(next(iter(best.values())), phase="seeds", seed=3, lr=1.0, val_loss=9.0)]  # another rate: not a repeat
-    once, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40])))
-    ignored, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40])),
+    once, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]), fit=NO_INTERVALS))
+    ignored, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40]), fit=NO_INTERVALS),
                                   repeats)
     assert ignored["rungs"] == once["rungs"]  # ladder.seeds 1: the noise floor's repeats do not move the fits
     averaged, _ = analysis.analyze(rows, sizes(), SweepConfig(ladder=LadderConfig(tokens_per_param=[10, 20, 40],
-                                                                                  seeds=3)), repeats)
+                                                                                  seeds=3), fit=NO_INTERVALS), repeats)
     for before, after in zip(once["rungs"], averaged["rungs"]):
         b = best[before["rung"]]["val_loss"]
         assert after["seed_losses"] == [b, b + 0.03, b - 0.01]
