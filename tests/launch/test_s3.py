@@ -89,8 +89,9 @@ def test_the_drivers_records_reach_s3_when_rank_0_runs_on_another_node(s3_server
     last metrics) read its own empty mirror."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "driver-node"))  # the workers keep theirs
     runs = f"{s3_bucket}/runs-{tmp_path.name}"
+    # One worker: only rank 0's mirror is uploaded however many there are, and one starts in half the CPU.
     base = ("run.name=apart", "train.steps=8", "checkpoint.every_steps=1", "guard.enabled=false",
-            "schedule.name=constant", "schedule.warmup_steps=0")
+            "schedule.name=constant", "schedule.warmup_steps=0", "parallel.num_workers=1")
     assert launch(s3_config(s3_server, s3_dataset, runs, *base, "train.stop_at_step=2"))["step"] == 2
     assert not os.path.exists(os.path.join(local_run_dir(s3_config(s3_server, s3_dataset, runs, *base)),
                                            "metrics.jsonl"))  # rank 0's mirror is elsewhere indeed
