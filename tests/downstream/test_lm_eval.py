@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 from pathlib import Path
@@ -100,11 +101,17 @@ def local_lm(run: str, batch_size: int = 4):
     return model, tokenizer, RaylmLM(tokenizer, cfg.model.max_seq_len, lambda method, r: getattr(scorer, method)(r))
 
 
+@pytest.fixture(scope="module")
+def eval_on_two_workers(ray_session, run, task_dir, tmp_path_factory) -> tuple:
+    """`raylm eval --tasks` on 2 workers: its outcome and its output, with the pieces it saved."""
+    output = tmp_path_factory.mktemp("two-workers") / "results.json"
+    return run_main("eval", run, "--tasks", TASK, "--include-path", task_dir, "--output", str(output),
+                    "--workers", "2", "--batch-rows", "2"), output
+
+
 @pytest.mark.slow
-def test_eval_tasks_on_ray_actors_matches_a_hand_computation(ray_session, run, task_dir, tmp_path, capsys):
-    output = tmp_path / "results.json"
-    outcome = run_main("eval", run, "--tasks", TASK, "--include-path", task_dir, "--output", str(output),
-                       "--workers", "2", "--batch-rows", "2")
+def test_eval_tasks_on_ray_actors_matches_a_hand_computation(eval_on_two_workers, run, task_dir, tmp_path):
+    outcome, output = eval_on_two_workers
     assert outcome.status == 0, outcome.stderr
     results = json.loads(output.read_text())
     model, tokenizer, _ = load_for_inference(run)
@@ -116,6 +123,7 @@ def test_eval_tasks_on_ray_actors_matches_a_hand_computation(ray_session, run, t
     assert TASK in outcome.stdout and "acc" in outcome.stdout  # lm-eval's table
 
     # --limit and --num-fewshot mean what they mean to lm-eval.
+    output = tmp_path / "results.json"
     outcome = run_main("eval", run, "--tasks", TASK, "--include-path", task_dir, "--output", str(output),
                        "--limit", "3", "--num-fewshot", "1", "--workers", "1")
     assert outcome.status == 0, outcome.stderr
@@ -139,19 +147,20 @@ def test_eval_tasks_draws_its_chunks_as_a_bar_on_a_terminal(ray_session, run, ta
 
 
 @pytest.mark.slow
-def test_an_interrupted_eval_tasks_scores_only_what_is_missing(ray_session, run, task_dir, tmp_path):
-    """The pieces of the first run stand for the chunks an interrupted one had finished: the same
-    command again reads them back and scores the rest, to the same result."""
-    output = tmp_path / "results.json"
+def test_an_interrupted_eval_tasks_scores_only_what_is_missing(eval_on_two_workers, run, task_dir, tmp_path):
+    """The pieces of a finished run (the 2-worker one's, copied) stand for the chunks an interrupted
+    one had finished: the same command again reads them back and scores the rest, to the same
+    result. A piece's name is drawn from what it was computed with, not from the output's path."""
+    (outcome, finished), output = eval_on_two_workers, tmp_path / "results.json"
+    assert outcome.status == 0, outcome.stderr
     command = ("eval", run, "--tasks", TASK, "--include-path", task_dir, "--output", str(output),
                "--workers", "2", "--batch-rows", "2")
-    assert run_main(*command).status == 0
-    first = json.loads(output.read_text())
+    first = json.loads(finished.read_text())
+    shutil.copytree(finished.parent / "results.parts", tmp_path / "results.parts")
     pieces = sorted((tmp_path / "results.parts").iterdir())
     assert len(pieces) == first["raylm"]["chunks"] >= 4 and first["raylm"]["chunks_reused"] == 0
     for piece in pieces[::2]:
         piece.unlink()
-    output.unlink()
     again = run_main(*command)
     assert again.status == 0, again.stderr
     second = json.loads(output.read_text())
