@@ -247,8 +247,9 @@ def cases(args: argparse.Namespace) -> dict[str, tuple[Callable[[], Config], boo
     """name -> (its config, the data prepared when called; whether to run it with the guard off as well)."""
     work, quick = args.workdir, args.quick
     # Reduced: 300 steps, checks every 25 (as the 2000-step runs' default every 100 are, near enough,
-    # against their length: a stall at the unigram level lasts a fraction of either run).
-    steps = ["train.steps=300", "schedule.warmup_steps=30", "train.eval_every=100",
+    # against their length: a stall at the unigram level lasts a fraction of either run), and one
+    # evaluation, at the end: the verdicts judge the final val loss alone.
+    steps = ["train.steps=300", "schedule.warmup_steps=30", "train.eval_every=300",
              "guard.snapshot_every=25"] if quick else []
     text = args.input.read_text()
     docs = lambda: write_shakespeare_documents(text, work / "text" / "shakespeare")  # noqa: E731
