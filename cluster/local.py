@@ -149,8 +149,13 @@ def kill_process_trees(roots: Iterable[Proc], timeout_s: float = 10.0) -> set[Pr
     """SIGKILL `roots` and all their descendants; returns what was killed once all are gone.
 
     The trees are frozen first (SIGSTOP, repeated until no new descendant appears), so nothing
-    forks or is orphaned between the survey and the kill."""
-    roots, frozen = set(roots), set()
+    forks or is orphaned between the survey and the kill. The roots stop before the first survey:
+    on a loaded machine reading every process's stat takes a while, and a training worker went on
+    for steps meanwhile."""
+    roots = set(roots)
+    frozen = {proc for proc in roots if _alive(proc)}
+    for proc in frozen:
+        _signal(proc, signal.SIGSTOP)
     while True:
         new = _with_descendants(roots | frozen, _process_table()) - frozen
         if not new:

@@ -120,9 +120,13 @@ def test_killed_worker_restarts_from_the_checkpoint_with_the_uninterrupted_losse
         chaos_dataset, tmp_path, "killed-worker", "parallel.num_workers=2", "run.max_failures=2",
         f"train.stop_at_step={stop}"))
     try:
+        # The worker is found before the wait: a survey of the node's processes, under the suite's
+        # load, took as long as 4 steps, and carried the kill into checkpoint 15's save.
+        driver.wait_for("the first step", lambda: driver.last_step() >= 1)
+        worker = train_worker(cluster, 2)
         driver.wait_for("two checkpoints were written", lambda: driver.last_step() > 2 * CHECKPOINT_EVERY)
         killed_at = driver.last_step()
-        kill_process_trees([train_worker(cluster, 2)])
+        kill_process_trees([worker])
         driver.finish()
     finally:
         driver.stop()
