@@ -150,8 +150,8 @@ def kill_process_trees(roots: Iterable[Proc], timeout_s: float = 10.0) -> set[Pr
 
     The trees are frozen first (SIGSTOP, repeated until no new descendant appears), so nothing
     forks or is orphaned between the survey and the kill. The roots stop before the first survey:
-    on a loaded machine reading every process's stat takes a while, and a training worker went on
-    for steps meanwhile."""
+    on a loaded machine the surveys of a kill took about a second, in which a training worker went
+    on for steps."""
     roots = set(roots)
     frozen = {proc for proc in roots if _alive(proc)}
     for proc in frozen:
