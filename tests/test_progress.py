@@ -76,9 +76,7 @@ def test_data_verify_counts_shards_on_a_terminal_and_in_a_log(tiny_dataset):
 def test_sweep_refit_draws_its_bootstrap_as_a_bar_on_a_terminal(tmp_path):
     from tests.sweep.test_sweep import stdlib_record
 
-    directory = stdlib_record(tmp_path)
-    record = directory / "sweep.yaml"
-    record.write_text(record.read_text().replace("    bootstrap: 200\n", "    bootstrap: 12\n"))
+    directory = stdlib_record(tmp_path, bootstrap=12)
     shown = run_on_terminal("sweep", "--refit", str(directory))
     assert shown.status == 0, shown.output
     assert "raylm: fit: chinchilla: bootstrap refits: 100%|" in shown.output and "| 12/12 [" in shown.output

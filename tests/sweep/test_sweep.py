@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import yaml
@@ -357,11 +357,17 @@ def test_bayesian_search_runs_an_optuna_study_per_rung_and_seeds_repeat_each_bes
     assert glob.glob(str(tmp_path / "bayes" / "tune-ladder" / "searcher-state-*.pkl"))  # Tune saved the studies
 
 
-def stdlib_record(tmp_path: Path) -> Path:
-    """A scratch copy of the built-in corpus's sweep record (benchmarks/sweeps/), to refit."""
+def stdlib_record(tmp_path: Path, bootstrap: Optional[int] = None) -> Path:
+    """A scratch copy of the built-in corpus's sweep record (benchmarks/sweeps/), to refit; with
+    `bootstrap`, its refits bootstrap that many times instead of the recorded 200."""
     directory = tmp_path / "sweep"
     shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sweeps", "sweep-cpu-stdlib"),
                     directory)
+    if bootstrap is not None:
+        record = directory / "sweep.yaml"
+        text = record.read_text()
+        assert "    bootstrap: 200\n" in text
+        record.write_text(text.replace("    bootstrap: 200\n", f"    bootstrap: {bootstrap}\n"))
     return directory
 
 
@@ -391,10 +397,8 @@ def test_a_refit_on_other_libraries_than_the_sweeps_says_so(tmp_path):
     """On scipy 1.17.1 a record's underdetermined Chinchilla fit landed elsewhere than where the sweep
     had fitted it, and its chosen predictor changed (benchmarks/RESULTS.md): a refit says when it
     runs on other libraries than the sweep did, and only then."""
-    directory = stdlib_record(tmp_path)
     # The predictor is chosen by cross-validation; the bootstrap gives only the intervals.
-    record = directory / "sweep.yaml"
-    record.write_text(record.read_text().replace("    bootstrap: 200\n", "    bootstrap: 12\n"))
+    directory = stdlib_record(tmp_path, bootstrap=12)
     fit_path = directory / "fit.json"
     recorded = json.loads(fit_path.read_text())
     fit_path.write_text(json.dumps({**recorded, "fitted_with": {"scipy": "1.14.1", "numpy": "2.1.3"}}))
@@ -435,9 +439,7 @@ def test_a_refit_says_how_its_bootstrap_progresses(tmp_path, capsys):
     Chinchilla fit (200 L-BFGS refits): it says what it fits, and how many refits are done."""
     from raylm.cli import main
 
-    directory = stdlib_record(tmp_path)
-    record = directory / "sweep.yaml"
-    record.write_text(record.read_text().replace("    bootstrap: 200\n", "    bootstrap: 12\n"))
+    directory = stdlib_record(tmp_path, bootstrap=12)
     main(["sweep", "--refit", str(directory)])
     out = capsys.readouterr().out
     progress = [line for line in out.splitlines() if line.startswith("raylm: fit")]
