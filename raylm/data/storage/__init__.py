@@ -12,12 +12,12 @@ from raylm.data.storage.errors import (BucketNotFoundError, ConditionFailedError
 from raylm.data.storage.files import (copy_dir, delete_dir, delete_file, exists, file_size, file_versions, free_bytes,
                                       join, list_dir, list_files, nearest_existing, open_input, open_output,
                                       read_bytes, refuse_file, write_bytes)
-from raylm.data.storage.s3 import ensure_bucket, filesystem_for, is_s3
+from raylm.data.storage.s3 import ensure_bucket, filesystem_for, is_s3, is_unreachable
 from raylm.data.storage.staged import check_local_output, claim_output, replace_dir, staging_dir, writing_over
 
 __all__ = ["S3_LEAST_PART", "BucketNotFoundError", "ConditionFailedError", "StorageAccessError", "StorageError",
            "StorageNotFoundError", "StorageUnreachableError", "append_object", "check_local_output", "claim_output",
            "copy_dir", "delete_dir", "delete_file", "ensure_bucket", "exists", "file_size", "file_versions",
-           "filesystem_for", "free_bytes", "is_s3", "join", "list_dir", "list_files", "local_lock",
+           "filesystem_for", "free_bytes", "is_s3", "is_unreachable", "join", "list_dir", "list_files", "local_lock",
            "nearest_existing", "open_input", "open_output", "put_object", "read_bytes", "read_tagged", "redact",
            "refuse_file", "replace_dir", "staging_dir", "write_bytes", "write_if", "writing_over"]

@@ -171,6 +171,15 @@ def is_transient(e: BaseException) -> bool:
     return code in _TRANSIENT or (status is not None and status >= 500)
 
 
+def is_unreachable(e: BaseException) -> bool:
+    """Whether `e` says that storage did not answer (what `translate` makes a
+    StorageUnreachableError): one already translated, or pyarrow's own S3 error where none
+    translated it, as a read from a file opened before an outage raises."""
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    return isinstance(e, OSError) and (_UNREACHABLE.search(str(e)) is not None or is_transient(e))
+
+
 def _credentials_source() -> str:
     if os.environ.get("AWS_ACCESS_KEY_ID"):
         return "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"

@@ -104,7 +104,7 @@ def _unreachable(error: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, (ConnectionError, TimeoutError)):
+        if storage.is_unreachable(e):
             return True
         failures = getattr(e, "failures", None)
         if isinstance(failures, dict):

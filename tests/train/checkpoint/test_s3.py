@@ -73,3 +73,36 @@ def test_corrupted_checkpoint_on_s3_fails_cleanly(s3_server, s3_run):
         assert "bucket 'no-such-bucket-raylm' does not exist" in missing.stderr
     for result in (verified, generated, from_older, missing):
         assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
+
+
+def test_a_read_cut_off_by_an_outage_is_storage_out_of_reach_not_a_failed_write(s3_server, tmp_path):
+    """A save that reads from S3 through a file opened before the server went away gets pyarrow's
+    own error ("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7"), which no
+    translation names: the checkpointer took it for a refused write and ended the run for good
+    (the storage-outage test, on a machine loaded with a third pytest worker). It is storage out
+    of reach, which a restart outlasts, as is that error inside DCP's per-rank failures."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cluster.seaweedfs import SeaweedFS
+    from raylm.config import StorageConfig
+    from raylm.ports import free_ports
+    from raylm.train.checkpoint.policy import _unreachable
+
+    server = SeaweedFS(data_dir=str(tmp_path / "s3"), s3_port=free_ports(1)[0],
+                       access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
+    try:
+        cfg = StorageConfig(endpoint_url=server.endpoint_url)
+        storage.ensure_bucket("s3://outage", cfg)
+        storage.write_bytes("s3://outage/part.bin", b"x" * 1024, cfg)
+        with storage.open_input("s3://outage/part.bin", cfg) as f:
+            server._kill()
+            with pytest.raises(OSError) as cut:
+                f.read()
+    finally:
+        server.stop()
+    assert "curlCode: 7" in str(cut.value) and not isinstance(cut.value, storage.StorageError)
+    assert storage.is_unreachable(cut.value)
+    assert _unreachable(CheckpointException("save failed", {0: (cut.value, None)}))
+    # What a restart cannot cure stays a failed write: a full disk, a refused key.
+    assert not _unreachable(OSError(28, "No space left on device"))
+    assert not _unreachable(OSError("AWS Error ACCESS_DENIED during PutObject operation: Access Denied"))
