@@ -158,21 +158,26 @@ def test_a_storage_outage_mid_run_is_outlasted_by_a_restart(ray_session, s3_serv
     # port and directory, so that the restarted server is the same endpoint with the same objects.
     server = SeaweedFS(data_dir=str(tmp_path / "s3"), s3_port=free_ports(1)[0],
                        access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
+    # A run that fails during the outage must not leave the server to be started again after the
+    # test stopped it (a weed process outlived a failed run of this test).
+    test_over = threading.Event()
+
+    def outage() -> None:
+        deadline = time.monotonic() + 300
+        while not test_over.is_set() and time.monotonic() < deadline and \
+                checkpoint.latest_complete(run, storage_cfg) is None:
+            time.sleep(0.2)
+        if not test_over.is_set():
+            server._kill()
+            if not test_over.wait(10):
+                server.start()
+
+    stopper = threading.Thread(target=outage, daemon=True)
     try:
         endpoint = f"storage.endpoint_url={server.endpoint_url}"
         storage_cfg = StorageConfig(endpoint_url=server.endpoint_url)
         storage.ensure_bucket("s3://outage", storage_cfg)
         run, steps = f"s3://outage/runs/{tmp_path.name}", 150  # a name no other run's local mirror has
-
-        def outage() -> None:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and checkpoint.latest_complete(run, storage_cfg) is None:
-                time.sleep(0.2)
-            server._kill()
-            time.sleep(10)
-            server.start()
-
-        stopper = threading.Thread(target=outage, daemon=True)
         stopper.start()
         metrics = launch(load_config(None, [
             f"data.path={tiny_dataset}", "run.storage_path=s3://outage/runs", f"run.name={tmp_path.name}", endpoint,
@@ -190,4 +195,7 @@ def test_a_storage_outage_mid_run_is_outlasted_by_a_restart(ray_session, s3_serv
         assert 1 <= len(resumed) <= len(failures) and {e["world_size"] for e in resumed} == {1}
         assert [r["step"] for r in read_jsonl(f"{run}/metrics.jsonl", storage_cfg)] == list(range(1, steps + 1))
     finally:
+        test_over.set()
+        if stopper.is_alive():
+            stopper.join(timeout=60)
         server.stop()
