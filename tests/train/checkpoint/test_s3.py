@@ -75,7 +75,7 @@ def test_corrupted_checkpoint_on_s3_fails_cleanly(s3_server, s3_run):
         assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
 
 
-def test_a_read_cut_off_by_an_outage_is_storage_out_of_reach_not_a_failed_write(s3_server, tmp_path):
+def test_a_read_cut_off_by_an_outage_is_storage_out_of_reach_not_a_failed_write(s3_server):
     """A save that reads from S3 through a file opened before the server went away gets pyarrow's
     own error ("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7"), which no
     translation names: the checkpointer took it for a refused write and ended the run for good
@@ -85,11 +85,9 @@ def test_a_read_cut_off_by_an_outage_is_storage_out_of_reach_not_a_failed_write(
 
     from cluster.seaweedfs import SeaweedFS
     from raylm.config import StorageConfig
-    from raylm.ports import free_ports
     from raylm.train.checkpoint.policy import _unreachable
 
-    server = SeaweedFS(data_dir=str(tmp_path / "s3"), s3_port=free_ports(1)[0],
-                       access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
+    server = SeaweedFS(access_key=s3_server.server.access_key, secret_key=s3_server.server.secret_key).start()
     try:
         cfg = StorageConfig(endpoint_url=server.endpoint_url)
         storage.ensure_bucket("s3://outage", cfg)
