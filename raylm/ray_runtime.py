@@ -146,13 +146,20 @@ HANDSHAKE_S = 10.0
 # answers with a SETTINGS frame of its own (frame type 4, the fourth byte of its 9-byte header).
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _H2_SETTINGS = 4
+# Ray's join then asks the GCS for its cluster id, 30 s an attempt, 20 attempts: a head whose GCS
+# took the handshake and then hung held the command for 10 minutes, a SIGTERM held with it. One
+# such request here, with one of Ray's attempts' deadlines: a GCS that answers it in any way serves
+# requests (one that requires a token refuses this request, which carries none, at once).
+GCS_ANSWER_S = 30.0
+_CLUSTER_ID_RPC = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
 
 def check_answers(given: str, source: str, local_start: Optional[str] = "run.ray_address") -> None:
     """Refuse, naming where the address came from (`source`), a `host:port` Ray address where no
     Ray GCS answers: nothing accepts a connection within JOIN_PROBE_S (a mistyped port, a cluster
-    that is down), or what accepts it does not answer gRPC's handshake within HANDSHAKE_S (another
-    server's port, such as the dashboard's, or a head that hangs). Keep 127.0.0.1 and localhost as
+    that is down), what accepts it does not answer gRPC's handshake within HANDSHAKE_S (another
+    server's port, such as the dashboard's, or a head that hangs), or the GCS that answers it does
+    not answer a request within GCS_ANSWER_S (a head that hangs). Keep 127.0.0.1 and localhost as
     they are: Ray would dial the machine's external address instead, where a single-node Ray on
     loopback (raylm's, FIELD-NOTES') does not listen.
     "auto", ray:// and the like are Ray's. `local_start`: the setting that would start a Ray here
@@ -194,6 +201,23 @@ def check_answers(given: str, source: str, local_start: Optional[str] = "run.ray
         raise RayJoinError(f"{where}: what listens there is not a Ray GCS (it answered {shown!r}, not gRPC's "
                            "handshake): give the head's GCS address, port 6379 unless `ray start --port` chose another "
                            "(8265 is the dashboard's, for `ray job submit --address http://HEAD:8265`)")
+    if not _gcs_answers(f"[{host}]:{port}" if ":" in host else f"{host}:{port}", GCS_ANSWER_S):
+        raise RayJoinError(f"{where}: its GCS answered gRPC's handshake, but not a request within {GCS_ANSWER_S:.0f} s "
+                           "(a Ray head that hangs)")
+
+
+def _gcs_answers(target: str, timeout_s: float) -> bool:
+    """Whether the gRPC server at `target` answers Ray's cluster-id request within `timeout_s`."""
+    import grpc
+
+    # No proxy: a proxy from the environment would answer for a head it cannot reach.
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        request = channel.unary_unary(_CLUSTER_ID_RPC)
+        try:
+            request(b"", timeout=timeout_s)
+        except grpc.RpcError as e:
+            return e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+    return True
 
 
 class RayStartError(RuntimeError):

@@ -179,6 +179,39 @@ def test_a_join_where_something_else_listens_or_nothing_answers_is_refused_namin
         mute.close()
 
 
+def test_a_join_where_the_gcs_takes_the_handshake_but_answers_no_request_is_refused_naming_it(ray_session,
+                                                                                             monkeypatch):
+    """A head whose GCS takes gRPC's handshake and then hangs: Ray's join asked it for the cluster
+    id 20 times, 30 s each, with the SIGTERM held: `raylm train` said nothing for 10.5 minutes. A
+    real gRPC server whose handlers never return is that GCS; a real one answers the same request
+    at once (refused: the request carries no token, and the suite's Rays require one)."""
+    import grpc
+    from concurrent import futures
+
+    release = threading.Event()
+
+    class Hangs(grpc.GenericRpcHandler):
+        def service(self, details):
+            return grpc.unary_unary_rpc_method_handler(lambda request, context: release.wait(60) and b"")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[Hangs()])
+    hung = f"127.0.0.2:{server.add_insecure_port('127.0.0.2:0')}"
+    server.start()
+    monkeypatch.setattr(ray_runtime, "GCS_ANSWER_S", 1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RayJoinError, match=rf"^no Ray answers at run.ray_address={hung}: its GCS answered gRPC's "
+                                               r"handshake, but not a request within 1 s \(a Ray head that hangs\)$"):
+            ray_runtime.check_answers(hung, "run.ray_address")
+        assert time.monotonic() - started < 10
+    finally:
+        release.set()
+        server.stop(None)
+    started = time.monotonic()
+    ray_runtime.check_answers(ray_session.get_runtime_context().gcs_address, "RAY_ADDRESS")
+    assert time.monotonic() - started < 1
+
+
 def test_a_job_servers_url_as_the_ray_to_join_is_refused_naming_it(tiny_dataset, tmp_path):
     """The dashboard's URL (`ray job submit`'s) given as the Ray to join: in the config, a config
     error before anything starts; in RAY_ADDRESS, Ray's own explanation, without the traceback
