@@ -30,6 +30,9 @@ NOTABLE_EVENTS = ("failure", "resumed", "replica_lost", "replica_healed", "preem
                   "rollback", "batch_skipped", "noise_masking", "lr_cut", "hard_batch", "samples_quarantined", "guard_stopped")
 RECENT_ROWS = 20  # the rows that throughput and the ETA are taken over
 SHOWN_EVENTS = 5
+# A directory that is not a run: the entries looked into for runs (a stat each, on S3 a request),
+# and the runs named.
+LISTED_ENTRIES, SHOWN_RUNS = 100, 5
 
 
 @dataclass
@@ -99,6 +102,9 @@ def run_status(uri: str, storage_cfg: Optional[StorageConfig] = None) -> RunStat
         rates = [r["tokens_per_s"] for r in metrics[-RECENT_ROWS:] if isinstance(r.get("tokens_per_s"), (int, float))]
         status.tokens_per_s = sum(rates) / len(rates) if rates else None
     holder = read_holder(uri, storage_cfg)
+    stopped_by_guard = storage.exists(storage.join(uri, STOP_MARKER), storage_cfg)
+    if not (config or metrics or events or dropped or dropped_events or latest or holder or stopped_by_guard):
+        _refuse_if_not_a_run(uri, storage_cfg)
     stale = why_stale(holder, float(_setting(config, "run", "lease_timeout_s", 120.0))) if holder else None
     if holder and not stale:
         status.state, status.detail = "running", f"held by {describe_holder(holder)}"
@@ -107,13 +113,27 @@ def run_status(uri: str, storage_cfg: Optional[StorageConfig] = None) -> RunStat
             status.eta_s = seconds_per_step * max(0, end - status.step)
     elif saved_step is not None and isinstance(steps, int) and saved_step >= steps:
         status.state, status.detail = "finished", f"its checkpoint at step {saved_step} is the last of train.steps={steps}"
-    elif storage.exists(storage.join(uri, STOP_MARKER), storage_cfg):
+    elif stopped_by_guard:
         status.state, status.detail = "stopped by the guard", f"{STOP_MARKER}: a plain resume refuses to replay it"
     elif metrics or latest:
         status.state = "stopped"
         where = f"resumes from {latest}" if latest else "starts it again (no complete checkpoint)"
         status.detail = (f"a stale lease: {stale}; " if stale else "") + f"the same command {where}"
     return status
+
+
+def _refuse_if_not_a_run(uri: str, storage_cfg: Optional[StorageConfig]) -> None:
+    """A directory with none of a run's files is a run not started yet when it is empty (the lease is
+    a run's first file), and otherwise not a run: often the directory of runs (`raylm status runs`),
+    whose runs are named."""
+    entries = storage.list_dir(uri, storage_cfg)
+    if not entries:
+        return
+    runs = [storage.join(uri, name) for name in entries[:LISTED_ENTRIES]
+            if storage.exists(storage.join(uri, name, CONFIG_FILE), storage_cfg)]
+    shown = ", ".join(runs[:SHOWN_RUNS]) + (", ..." if len(runs) > SHOWN_RUNS else "")
+    raise FileNotFoundError(f"{uri} holds no run (no {CONFIG_FILE}, {METRICS_FILE}, lease or checkpoint)" +
+                            (f"; the runs in it: {shown}" if runs else ""))
 
 
 def _ago(t: object) -> str:

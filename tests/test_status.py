@@ -87,6 +87,24 @@ def test_a_run_directory_without_records_and_a_missing_one(tmp_path):
     assert missing.status == 2 and missing.stderr == f"raylm: error: {tmp_path / 'nope'} does not exist\n"
 
 
+def test_a_directory_that_is_not_a_run_is_refused_naming_the_runs_in_it(saved_run, tmp_path):
+    """`raylm status runs` for `raylm status runs/demo`: it said "not started", exit 0, of any
+    directory without a run's files (a dataset's, /tmp), and `--watch` said so for ever."""
+    runs = tmp_path / "runs"
+    (runs / "data").mkdir(parents=True)
+    (runs / "data" / "manifest.json").write_text("{}")
+    first = _run_with_records(saved_run, tmp_path)
+    shutil.move(first, runs / "demo")
+    for name in ("data", ""):
+        shown = run_main("status", str(runs / name))
+        assert shown.status == 2 and shown.stdout == "", shown.stdout
+        assert shown.stderr == (f"raylm: error: {runs / name} holds no run (no config.yaml, metrics.jsonl, lease or "
+                                "checkpoint)" + ("" if name else f"; the runs in it: {runs / 'demo'}") + "\n")
+    watched = run_main("status", str(runs), "--watch", "--every", "30")
+    assert watched.status == 2 and "holds no run" in watched.stderr
+    assert run_main("status", str(runs / "demo")).stdout.startswith(f"{runs / 'demo'}: running")
+
+
 def test_watch_shows_it_again_until_ctrl_c(saved_run, tmp_path):
     run = _run_with_records(saved_run, tmp_path)
     outcome = run_on_terminal("status", run, "--watch", "--every", "0.2", timeout_s=120,
