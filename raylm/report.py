@@ -412,17 +412,20 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
                  storage_cfg: Optional[StorageConfig] = None) -> dict:
     """Figures and report.html for the runs at `run_uris` into `output` (default: the first
     run's `report/`), local or s3://; returns the files written and the record lines left out
-    (`RunRecord.dropped`), for the caller to name. Everything is rendered before the first file
-    is written, so a failure leaves an earlier report as it was; each file is replaced whole, and
-    figures of an earlier report that this one has not are removed."""
+    (`RunRecord.dropped`), for the caller to name. `output` is new, empty or an earlier report's
+    (a directory holding anything else: FileExistsError). Everything is rendered before the first
+    file is written, so a failure leaves an earlier report as it was; each file is replaced whole,
+    and figures of an earlier report that this one has not are removed."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
-    if not storage.is_s3(output):
-        storage.check_local_output(output)
-    figs = figures(runs)
-    files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
+    # Only where a report stands, or nothing: `--output` at a directory of anything else (a dataset,
+    # a user's figures) wrote into it and replaced its files of a figure's name.
     earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),
                                                                       storage_cfg) else []
+    storage.claim_output(output, "a report", lambda name: name in earlier and (name == "report.html" or name.endswith(".png")),
+                         overwrite=True, storage=storage_cfg)
+    figs = figures(runs)
+    files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
     for name, data in files.items():
         storage.write_bytes(storage.join(output, name), data, storage_cfg)
     for name in earlier:

@@ -126,6 +126,19 @@ def test_report_cli_names_a_directory_without_metrics_and_an_output_it_cannot_wr
     outcome = run_main("report", str(tmp_path / "started"), "--output", str(tmp_path / "afile"))
     assert_clean_refusal(outcome, f"raylm: error: {tmp_path / 'afile'}: is a file, not a directory to write into")
     assert (tmp_path / "afile").read_text() == "mine\n"
+    # An --output that holds anything but a report (a dataset; a user's own loss.png): it wrote into it.
+    mine = tmp_path / "figures"
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"mine")
+    outcome = run_main("report", str(tmp_path / "started"), "--output", str(mine))
+    assert_clean_refusal(outcome, f"raylm: error: {mine} holds loss.png, which is not part of a report: choose a new "
+                                  "or empty directory (nothing there is written over)")
+    assert os.listdir(mine) == ["loss.png"] and (mine / "loss.png").read_bytes() == b"mine"
+    # Its own earlier report is written over, as often as it is asked for.
+    for _ in range(2):
+        outcome = run_main("report", str(tmp_path / "started"), "--output", str(tmp_path / "report"))
+        assert outcome.status == 0, outcome.stderr
+    assert "report.html" in os.listdir(tmp_path / "report")
 
 
 def test_report_names_the_record_lines_it_leaves_out_and_refuses_a_run_with_no_row(tmp_path):
