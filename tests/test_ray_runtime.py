@@ -154,6 +154,14 @@ def test_a_join_where_no_ray_answers_is_refused_at_once_naming_the_address(tiny_
         assert "Traceback" not in done.stderr and time.monotonic() - started < 60
 
 
+def refused_at_once(address: str, source: str, error: str) -> None:
+    """`check_answers` refuses `address` from `source` with an error matching `error`, within 10 s."""
+    started = time.monotonic()
+    with pytest.raises(RayJoinError, match=error):
+        ray_runtime.check_answers(address, source)
+    assert time.monotonic() - started < 10
+
+
 def test_a_join_where_something_else_listens_or_nothing_answers_is_refused_naming_what_it_met(monkeypatch):
     """Ray's GCS speaks gRPC: a port where something else listens (the dashboard's 8265, which
     `ray job submit` takes, given as the cluster's address) or where the connection is accepted
@@ -169,11 +177,8 @@ def test_a_join_where_something_else_listens_or_nothing_answers_is_refused_namin
                                                r"dashboard's, for `ray job submit"):
             ray_runtime.check_answers(web, "run.ray_address")
         hung = f"127.0.0.2:{mute.getsockname()[1]}"
-        started = time.monotonic()
-        with pytest.raises(RayJoinError, match=rf"^no Ray answers at RAY_ADDRESS={hung}: the connection was accepted, "
-                                               r"but nothing answered within 1 s \(a Ray head that hangs"):
-            ray_runtime.check_answers(hung, "RAY_ADDRESS")
-        assert time.monotonic() - started < 10
+        refused_at_once(hung, "RAY_ADDRESS", rf"^no Ray answers at RAY_ADDRESS={hung}: the connection was accepted, "
+                                             r"but nothing answered within 1 s \(a Ray head that hangs")
     finally:
         server.shutdown()
         mute.close()
@@ -199,11 +204,8 @@ def test_a_join_where_the_gcs_takes_the_handshake_but_answers_no_request_is_refu
     server.start()
     monkeypatch.setattr(ray_runtime, "GCS_ANSWER_S", 1.0)
     try:
-        started = time.monotonic()
-        with pytest.raises(RayJoinError, match=rf"^no Ray answers at run.ray_address={hung}: its GCS answered gRPC's "
-                                               r"handshake, but not a request within 1 s \(a Ray head that hangs\)$"):
-            ray_runtime.check_answers(hung, "run.ray_address")
-        assert time.monotonic() - started < 10
+        refused_at_once(hung, "run.ray_address", rf"^no Ray answers at run.ray_address={hung}: its GCS answered gRPC's "
+                                                 r"handshake, but not a request within 1 s \(a Ray head that hangs\)$")
     finally:
         release.set()
         server.stop(None)
