@@ -422,8 +422,8 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     # a user's figures) wrote into it and replaced its files of a figure's name.
     earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),
                                                                       storage_cfg) else []
-    storage.claim_output(output, "a report", lambda name: name in earlier and (name == "report.html" or name.endswith(".png")),
-                         overwrite=True, storage=storage_cfg)
+    own = lambda name: name in earlier and (name == "report.html" or name.endswith(".png"))  # noqa: E731
+    storage.claim_output(output, "a report", own, overwrite=True, storage=storage_cfg)
     figs = figures(runs)
     files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
     for name, data in files.items():
