@@ -146,10 +146,10 @@ HANDSHAKE_S = 10.0
 # answers with a SETTINGS frame of its own (frame type 4, the fourth byte of its 9-byte header).
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _H2_SETTINGS = 4
-# Ray's join then asks the GCS for its cluster id, 30 s an attempt, 20 attempts: a head whose GCS
-# took the handshake and then hung held the command for 10 minutes, a SIGTERM held with it. One
-# such request here, with one of Ray's attempts' deadlines: a GCS that answers it in any way serves
-# requests (one that requires a token refuses this request, which carries none, at once).
+# Ray's join then asks the GCS for its cluster id, 30 s an attempt, 20 attempts, a SIGTERM held
+# throughout: so the same request is made here once, with one attempt's deadline. A GCS that
+# answers it in any way serves requests (one that requires a token refuses this request, which
+# carries none, at once).
 GCS_ANSWER_S = 30.0
 _CLUSTER_ID_RPC = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 
