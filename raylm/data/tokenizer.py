@@ -15,14 +15,14 @@ import json
 import math
 import os
 from abc import ABC, abstractmethod
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import chain, islice
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow.fs as pafs
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from raylm.config import ConfigError, StorageConfig
 from raylm.data.corpus import Source, builtin_sources, check_sources, find_sources, iter_documents
@@ -148,15 +148,49 @@ class HFTokenizer(Tokenizer):
         return self._json
 
 
-def tokenizer_from_json(json_text: str, name: str = "tokenizer") -> Tokenizer:
-    """A tokenizer from the text that `Tokenizer.to_json` (or Hugging Face) wrote."""
+def _json_spec(json_text: str, name: str):
     try:
-        spec = json.loads(json_text)
+        return json.loads(json_text)
     except json.JSONDecodeError as e:
         raise TokenizerError(f"tokenizer {name}: not valid JSON ({e})") from None
+
+
+def tokenizer_from_json(json_text: str, name: str = "tokenizer") -> Tokenizer:
+    """A tokenizer from the text that `Tokenizer.to_json` (or Hugging Face) wrote."""
+    spec = _json_spec(json_text, name)
     if isinstance(spec, dict) and spec.get("format") == BYTE_FORMAT:
         return ByteTokenizer()
     return HFTokenizer(json_text, name=name)
+
+
+@lru_cache(maxsize=1)
+def _byte_vocab() -> dict[str, int]:
+    return {char: b for b, char in bytes_to_unicode().items()}
+
+
+def byte_tokenizer_json() -> str:
+    """The Hugging Face tokenizer.json equivalent of the byte tokenizer (what `raylm export` writes
+    for it): a byte-level BPE without merges whose vocabulary maps each byte's GPT-2 character to
+    the byte's value, so `AutoTokenizer` encodes any text to the same ids."""
+    hf = tokenizers.Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens([AddedToken(EOT_TOKEN, special=True)])  # id 256, after the 256 bytes
+    return hf.to_str()
+
+
+def named_tokenizer(json_text: str, name: str) -> Tokenizer:
+    """A tokenizer.json a user names (`--tokenizer`, a Hugging Face model's): the byte tokenizer
+    where it is that tokenizer's equivalent (`byte_tokenizer_json`), so that data prepared with an
+    exported byte model's tokenizer and the model imported from it carry the same fingerprint.
+    Files raylm wrote for itself (a dataset's, a checkpoint's) are read by `tokenizer_from_json`
+    as they were written: runs and manifests recorded their fingerprints."""
+    spec = _json_spec(json_text, name)
+    model = (spec.get("model") or {}) if isinstance(spec, dict) else {}
+    if (model.get("type") == "BPE" and not model.get("merges") and model.get("vocab") == _byte_vocab()
+            and [(t.get("id"), t.get("content")) for t in spec.get("added_tokens") or []] == [(256, EOT_TOKEN)]):
+        return ByteTokenizer()
+    return tokenizer_from_json(json_text, name=name)
 
 
 def load_tokenizer(spec: str, storage: Optional[StorageConfig] = None) -> Tokenizer:
@@ -171,7 +205,7 @@ def load_tokenizer(spec: str, storage: Optional[StorageConfig] = None) -> Tokeni
     except StorageError:
         raise StorageError(f"tokenizer {uri} not found; give 'byte' or the path/URI of a "
                            f"tokenizer.json") from None
-    return tokenizer_from_json(data.decode("utf-8"), name=uri)
+    return named_tokenizer(data.decode("utf-8"), name=uri)
 
 
 # Past the largest vocabularies in use (256k); the trainer allocates for the size asked before it

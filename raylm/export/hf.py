@@ -27,13 +27,13 @@ from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
 from raylm.config import Config, ConfigError, ModelConfig, StorageConfig, config_to_yaml, saved_config
 from raylm.data import storage
 from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
-from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, read_hf_tokenizer, write_tokenizer_files
+from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_files
 from raylm.export.reader import CheckpointTensors
 from raylm.export.safetensors_io import INDEX_FILE, HFTensors, Planned, write_sharded
 from raylm.inference.load import read_checkpoint_tokenizer, resolve_checkpoint, sound_checkpoint
 from raylm.model import mup
 from raylm.model.transformer import Transformer
-from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer
+from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, named_tokenizer
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.optim import build_optimizer
 from raylm.train.place import refuse_a_place_of_another
@@ -218,7 +218,7 @@ def _read_hf_tokenizer(hf_dir: str, vocab_size: int) -> Tokenizer:
         raise FileNotFoundError(f"{hf_dir}: no {TOKENIZER_FILE}; raylm needs the fast tokenizer file to tokenize "
                                 "data for continued pretraining")
     with open(tokenizer_path) as f:
-        tokenizer = read_hf_tokenizer(f.read(), name=tokenizer_path)
+        tokenizer = named_tokenizer(f.read(), name=tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{vocab_size}")

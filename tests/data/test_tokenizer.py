@@ -8,8 +8,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from raylm.data.storage import StorageError
-from raylm.data.tokenizer import (EOT_TOKEN, ByteTokenizer, HFTokenizer, load_tokenizer, tokenizer_from_json,
-                             train_bpe)
+from raylm.data.tokenizer import (EOT_TOKEN, ByteTokenizer, HFTokenizer, byte_tokenizer_json, load_tokenizer,
+                                  tokenizer_from_json, train_bpe)
 
 # Code points from ASCII, Latin, Greek, Cyrillic, Arabic, CJK, Hangul and emoji (no surrogates).
 _RANGES = [(0x20, 0x7E), (0x0A, 0x0A), (0x00, 0x1F), (0xC0, 0x24F), (0x370, 0x3FF), (0x400, 0x4FF),
@@ -63,6 +63,24 @@ def test_byte_tokenizer_travels_as_json(tmp_path):
     assert isinstance(loaded, ByteTokenizer)
     assert loaded.sha256 == tok.sha256 == ByteTokenizer().sha256
     assert load_tokenizer(str(tmp_path)).sha256 == tok.sha256  # a directory holding tokenizer.json
+
+
+def test_a_named_hugging_face_equivalent_of_the_byte_tokenizer_is_the_byte_tokenizer(tmp_path):
+    """`raylm export` writes a byte model's tokenizer as its Hugging Face equivalent; preparing data
+    with that file must fingerprint it as the byte tokenizer the model was trained (and imported)
+    with, and encode every text to the same ids."""
+    (tmp_path / "tokenizer.json").write_text(byte_tokenizer_json())
+    named = load_tokenizer(str(tmp_path))
+    assert isinstance(named, ByteTokenizer) and named.sha256 == ByteTokenizer().sha256
+    as_written = tokenizer_from_json(byte_tokenizer_json())  # a dataset's own file: read as recorded
+    assert isinstance(as_written, HFTokenizer) and as_written.sha256 != named.sha256
+    texts = random_texts(50, seed=3) + ["<|endoftext|> inside a document"]
+    assert as_written.encode_batch(texts) == named.encode_batch(texts)
+    one_merge = json.loads(byte_tokenizer_json())
+    one_merge["model"]["merges"] = [["a", "b"]]
+    one_merge["model"]["vocab"]["ab"] = 257
+    (tmp_path / "tokenizer.json").write_text(json.dumps(one_merge))
+    assert isinstance(load_tokenizer(str(tmp_path)), HFTokenizer)  # a real BPE stays one
 
 
 def test_train_bpe_round_trips_and_compresses(tmp_path):

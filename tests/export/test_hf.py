@@ -14,14 +14,15 @@ from raylm.cli import main
 from raylm.config import ConfigError, ModelConfig, load_config
 from raylm.export.adapters import adapter_for
 from raylm.export.hf import export_hf, import_hf
-from raylm.export.hf_tokenizer import byte_tokenizer_json
 from raylm.model.sampling import generate
 from raylm.inference.load import load_for_inference
-from raylm.data.tokenizer import ByteTokenizer
+from raylm.data.prepare import prepare_dataset
+from raylm.data.tokenizer import ByteTokenizer, byte_tokenizer_json
 from raylm.train.checkpoint import format as checkpoint
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from tests.support.cli import assert_clean_refusal, run_main
+from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -144,13 +145,16 @@ class CheckStart(Hook):
 
 
 @pytest.mark.slow
-def test_training_continues_from_an_imported_checkpoint(tiny_dataset, tmp_path):
-    source, run = str(tmp_path / "hf"), str(tmp_path / "run")
+def test_training_continues_from_an_imported_checkpoint(ray_session, tmp_path):
+    source, run, data = str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "data")
     _tiny_hf("llama", source)
-    import_hf(source, run, seq_len=32)  # the tiny dataset's
+    import_hf(source, run, seq_len=32)
+    # As the import tells a user to: the data prepared with the model directory's own tokenizer
+    # (the byte tokenizer's equivalent here), whose fingerprint must be the checkpoint's.
+    prepare_dataset([write_corpus(tmp_path / "text", documents=40)], data, tokenizer=source, seq_len=32)
     imported, _, _ = load_for_inference(run)
     cfg = load_config(os.path.join(run, "config.yaml"), [
-        f"data.path={tiny_dataset}", "data.loader=local", "train.steps=3",
+        f"data.path={data}", "data.loader=local", "train.steps=3",
         "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.tensorboard=false",
         "schedule.warmup_steps=1", "checkpoint.every_steps=3"])
     start = CheckStart()
