@@ -9,6 +9,7 @@ intervals behind the run's own console.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -115,11 +116,25 @@ def run_status(uri: str, storage_cfg: Optional[StorageConfig] = None) -> RunStat
         status.state, status.detail = "finished", f"its checkpoint at step {saved_step} is the last of train.steps={steps}"
     elif stopped_by_guard:
         status.state, status.detail = "stopped by the guard", f"{STOP_MARKER}: a plain resume refuses to replay it"
+    elif not metrics and saved_step == 0 and (source := _imported_from(latest, storage_cfg)):
+        # No command has run on it, so none can be run again: say which one trains it.
+        status.detail = (f"imported from {source}; raylm train {storage.join(uri, CONFIG_FILE)} "
+                         f"data.path=DATA trains it")
     elif metrics or latest:
         status.state = "stopped"
         where = f"resumes from {latest}" if latest else "starts it again (no complete checkpoint)"
         status.detail = (f"a stale lease: {stale}; " if stale else "") + f"the same command {where}"
     return status
+
+
+def _imported_from(checkpoint_uri: str, storage_cfg: Optional[StorageConfig]) -> Optional[str]:
+    """The model directory `raylm import` made this step-0 checkpoint from, if it did."""
+    try:
+        state = json.loads(storage.read_bytes(storage.join(checkpoint_uri, checkpoint.TRAIN_STATE), storage_cfg))
+    except (storage.StorageError, ValueError):  # absent or unreadable: the checkpoint check says so elsewhere
+        return None
+    source = state.get("imported_from") if isinstance(state, dict) else None
+    return source if isinstance(source, str) else None
 
 
 def _refuse_if_not_a_run(uri: str, storage_cfg: Optional[StorageConfig]) -> None:

@@ -152,6 +152,8 @@ def test_training_continues_from_an_imported_checkpoint(ray_session, tmp_path):
     # As the import tells a user to: the data prepared with the model directory's own tokenizer
     # (the byte tokenizer's equivalent here), whose fingerprint must be the checkpoint's.
     prepare_dataset([write_corpus(tmp_path / "text", documents=40)], data, tokenizer=source, seq_len=32)
+    told = run_main("status", run)  # no command ran on it: the one that trains it, not "the same command"
+    assert told.status == 0 and f"not started (imported from {source}; raylm train {run}/config.yaml" in told.stdout
     imported, _, _ = load_for_inference(run)
     cfg = load_config(os.path.join(run, "config.yaml"), [
         f"data.path={data}", "data.loader=local", "train.steps=3",
