@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raylm.config import CONFIG_FILE as RAYLM_CONFIG_FILE
 from raylm.config import Config, ConfigError, ModelConfig, StorageConfig, config_to_yaml, saved_config
@@ -258,7 +259,11 @@ def import_hf(hf_dir: str, output: str, seq_len: Optional[int] = None, storage_c
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: as meant
         staged = storage.join(target, checkpoint.dir_name(0))
         local = tmp if storage.is_s3(staged) else staged
-        entries = checkpoint.save(local, _WholeModel(model), optimizer, _OneProcess(), state, files).result()
+        try:
+            entries = checkpoint.save(local, _WholeModel(model), optimizer, _OneProcess(), state, files).result()
+        except (OSError, CheckpointException) as e:  # a full disk, a refused write: named, not a traceback
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+            raise storage.StorageError(f"{output}: the imported checkpoint cannot be written: {cause}") from e
         if storage.is_s3(staged):
             storage.copy_dir(local, staged, storage_cfg)
         checkpoint.finalize(staged, entries, storage_cfg)

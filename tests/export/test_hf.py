@@ -22,6 +22,7 @@ from raylm.train.checkpoint import format as checkpoint
 from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from tests.support.cli import assert_clean_refusal, run_main
+from tests.support.filesystems import tmpfs
 from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
 
@@ -308,6 +309,17 @@ def test_import_refuses_a_broken_model_by_file_and_never_writes_over_a_trained_r
         outcome = run_main("import", str(source), "--output", str(inside))
         assert_clean_refusal(outcome, f"the run directory {inside} (--output) {what}")
         assert outcome.status == 2 and not inside.exists()
+
+    # A full disk: a traceback of torch.distributed.checkpoint's, exit 1, before.
+    mounts = tmpfs(tmp_path, "64k")
+    disk = next(mounts)
+    try:
+        outcome = run_main("import", str(source), "--output", str(disk / "run"))
+        assert_clean_refusal(outcome, f"{disk / 'run'}: the imported checkpoint cannot be written: [Errno 28] No "
+                                      "space left on device")
+        assert outcome.status == 2 and os.listdir(disk) == []
+    finally:
+        next(mounts, None)  # unmount
 
     config = json.loads((source / "config.json").read_text())
     del config["hidden_size"]
