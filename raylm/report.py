@@ -413,9 +413,9 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     """Figures and report.html for the runs at `run_uris` into `output` (default: the first
     run's `report/`), local or s3://; returns the files written and the record lines left out
     (`RunRecord.dropped`), for the caller to name. `output` is new, empty or an earlier report's
-    (a directory holding anything else: FileExistsError). Everything is rendered before the first
-    file is written, so a failure leaves an earlier report as it was; each file is replaced whole,
-    and figures of an earlier report that this one has not are removed."""
+    (a directory holding anything else: FileExistsError). The report is written whole or not at
+    all (`storage.writing_over`): a failure (a full disk) leaves an earlier report as it was and no
+    part of a new one; figures of an earlier report that this one has not are gone with it."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
     # Only where a report stands, or nothing: `--output` at a directory of anything else (a dataset,
@@ -423,13 +423,11 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),
                                                                       storage_cfg) else []
     own = lambda name: name in earlier and (name == "report.html" or name.endswith(".png"))  # noqa: E731
-    storage.claim_output(output, "a report", own, overwrite=True, storage=storage_cfg)
+    replace = storage.claim_output(output, "a report", own, overwrite=True, storage=storage_cfg)
     figs = figures(runs)
     files = {**{name: png for name, (_, png) in figs.items()}, "report.html": render_html(runs, figs, output).encode()}
-    for name, data in files.items():
-        storage.write_bytes(storage.join(output, name), data, storage_cfg)
-    for name in earlier:
-        if name.endswith(".png") and name not in files:
-            storage.delete_file(storage.join(output, name), storage_cfg)
+    with storage.writing_over(output, storage_cfg, replace, commit="report.html") as target:
+        for name in sorted(files, key=lambda n: n == "report.html"):  # the page last: it names the figures
+            storage.write_bytes(storage.join(target, name), files[name], storage_cfg)
     return {"output": output, "files": list(files), "runs": {r.label: r.summary for r in runs},
             "dropped": [line for r in runs for line in r.dropped]}

@@ -13,6 +13,7 @@ from raylm.train.hooks import Hook
 from raylm.train.loop import train_local
 from tests.support.cli import assert_clean_refusal, run_main
 from tests.support.distributed import run_distributed
+from tests.support.filesystems import tmpfs
 from tests.support.poison import poisoned_copy
 from tests.train.resilience.test_guard import GUARD, Nudge
 from tests.train.test_loop import tiny_config
@@ -139,6 +140,31 @@ def test_report_cli_names_a_directory_without_metrics_and_an_output_it_cannot_wr
         outcome = run_main("report", str(tmp_path / "started"), "--output", str(tmp_path / "report"))
         assert outcome.status == 0, outcome.stderr
     assert "report.html" in os.listdir(tmp_path / "report")
+
+
+def test_a_report_a_full_disk_cuts_short_leaves_no_part_of_itself_and_an_earlier_one_whole(tmp_path):
+    """A report is ~116 KB here. Into 40 KB it failed after its first figures and left them (and a
+    run of `raylm report` again was then refused: figures without a report.html are not a report);
+    into 160 KB, beside an earlier report, it left a mix of new figures and the old page."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "lr": 0.001, "val_loss": 2.9, "val_bpb": 4.2}\n')
+    for size in ("40k", "160k"):
+        mounts = tmpfs(tmp_path, size)
+        disk = next(mounts)
+        try:
+            output = disk / "report"
+            if size == "160k":  # room for one report, not for a second beside it
+                assert run_main("report", str(run), "--output", str(output)).status == 0
+                (run / "metrics.jsonl").write_text('{"step": 2, "loss": 2.0, "lr": 0.001}\n')
+            before = {p.name: p.read_bytes() for p in output.iterdir()} if output.exists() else None
+            outcome = run_main("report", str(run), "--output", str(output))
+            assert_clean_refusal(outcome, "No space left on device")
+            assert os.listdir(disk) == (["report"] if before else [])  # no staging directory left
+            if before:
+                assert {p.name: p.read_bytes() for p in output.iterdir()} == before
+        finally:
+            next(mounts, None)  # unmount
 
 
 def test_report_names_the_record_lines_it_leaves_out_and_refuses_a_run_with_no_row(tmp_path):
