@@ -14,12 +14,13 @@ nanochat), which makes models with different tokenizers comparable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -212,6 +213,21 @@ def worker_count(asked: Optional[int], cpus_per_worker: int, gpus_per_worker: fl
     return asked or fits
 
 
+@contextlib.contextmanager
+def actor_pool(actors: list) -> Iterator:
+    """A Ray `ActorPool` of `actors`, which are ended with the block. On an error the tasks still in
+    flight on the others would fail or finish unread, and Ray prints every such failure as an
+    "Unhandled error" traceback after raylm's own one-line error (a full disk fails every part)."""
+    import ray
+    from ray.util import ActorPool
+
+    try:
+        yield ActorPool(actors)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+
+
 def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Optional[str] = None,
              workers: Optional[int] = None, rows_per_part: int = 256, batch_rows: int = 8,
              storage_cfg: Optional[StorageConfig] = None, ray_address: Optional[str] = None,
@@ -219,7 +235,6 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     """Evaluate a checkpoint (or a run's newest) on every row of a split with Ray actors;
     writes the result to `output` (local or s3://) and returns it."""
     import ray
-    from ray.util import ActorPool
 
     from raylm.ray_runtime import start_ray
 
@@ -242,11 +257,11 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
         workers = min(worker_count(workers, cpus_per_worker, gpus_per_worker, log), len(pending))
         token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
         actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)
-        pool = ActorPool([actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key,
-                                       storage_cfg, cpus_per_worker) for _ in range(workers)])
+        actors = [actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key, storage_cfg,
+                               cpus_per_worker) for _ in range(workers)]
         by_name = {part.name: part for part in pending}
-        with Progress(f"eval: {split} on {workers} worker(s)", len(pending), "parts",
-                      say=lambda line: log(f"raylm: {line}")) as progress:
+        with actor_pool(actors) as pool, Progress(f"eval: {split} on {workers} worker(s)", len(pending), "parts",
+                                                  say=lambda line: log(f"raylm: {line}")) as progress:
             for name, result in pool.map_unordered(lambda a, p: a.run.remote(p), pending):
                 sums[by_name[name]] = result
                 progress.update()

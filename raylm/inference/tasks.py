@@ -14,7 +14,7 @@ import torch
 from raylm.config import StorageConfig, saved_config
 from raylm.data import storage
 from raylm.downstream.scoring import Scorer
-from raylm.inference.evaluate import check_output, parts_dir as _parts_dir, worker_count
+from raylm.inference.evaluate import actor_pool, check_output, parts_dir as _parts_dir, worker_count
 from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
 from raylm.progress import Progress
 from raylm.train.checkpoint import format as checkpoint
@@ -95,7 +95,6 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     model; writes lm-eval's results JSON to `output` (local or s3://), prints lm-eval's table
     through `log` and returns the results."""
     import ray
-    from ray.util import ActorPool
 
     from raylm.downstream.harness import RaylmLM, run_tasks, task_manager  # first: names the missing extra
     from raylm.ray_runtime import start_ray
@@ -120,10 +119,10 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     start_ray(ray_address, address_name="--ray-address")
     workers = worker_count(workers, cpus_per_worker, gpus_per_worker, log)
     actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
-    pool = ActorPool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)])
     log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")
-    results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size, saved)), tasks, manager,
-                        limit, num_fewshot)
+    with actor_pool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)]) as pool:
+        results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size, saved)), tasks, manager,
+                            limit, num_fewshot)
     if saved.reused:
         log(f"raylm eval: {saved.reused} of {saved.total} request chunk(s) read back from {saved.directory}")
     results["raylm"] = {"checkpoint": uri, "step": state["step"], "workers": workers,

@@ -20,9 +20,11 @@ from raylm.data.tokenizer import bits_per_byte, token_byte_lengths
 from raylm.inference.load import load_for_inference
 from raylm.data.tokenizer import ByteTokenizer, train_bpe
 from raylm.train.loop import train_local
+from tests.support.checkpoints import run_cli
 from tests.support.cli import assert_clean_refusal, run_main
 from tests.downstream.test_lm_eval import TASK, write_task
 from tests.inference.test_generate import damage_newest
+from tests.support.filesystems import tmpfs
 from tests.support.fixtures import write_corpus
 from tests.train.test_loop import tiny_config
 
@@ -144,6 +146,24 @@ def test_an_output_it_cannot_write_is_refused_before_any_work(trained_run, tiny_
         assert_clean_refusal(outcome, message)
         assert outcome.status == 2 and "part(s)" not in outcome.stdout
     assert os.listdir(tmp_path) == ["a-file"] and not os.path.exists(f"{tmp_path}.parts")
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_error_line_with_no_unhandled_failures_of_the_other_workers_after_it(
+        ray_session, trained_run, tiny_dataset, tmp_path):
+    """Every part fails to write its sums; the first failure ends the command, and the other
+    workers' failures, never read, came after it as Ray's "Unhandled error" tracebacks. As a user
+    runs it (a process of its own, which names what it left unread as it ends), on the session's Ray."""
+    mounts = tmpfs(tmp_path, "8k")
+    disk = next(mounts)
+    try:
+        done = run_cli("eval", trained_run, "--data", tiny_dataset, "--output", str(disk / "r.json"), "--workers", "2",
+                       "--rows-per-part", "16", "--ray-address", ray_session.get_runtime_context().gcs_address)
+        assert_clean_refusal(done, "No space left on device")
+        assert done.returncode == 2 and not (disk / "r.json").exists()
+        assert "Unhandled error" not in done.stderr, done.stderr[-3000:]
+    finally:
+        next(mounts, None)  # unmount
 
 
 def test_an_empty_split_is_refused_naming_it_before_any_work(ray_session, trained_run, tmp_path):
