@@ -5,6 +5,7 @@ point of its budget is worse whatever its learning rate, so one ASHA over all tr
 the small sizes. `RungASHA` keeps one ASHA per rung. `RungSearcher` hands out the trials: the
 k-th candidate of every rung before the (k+1)-th of any (so ASHA and Optuna see earlier results
 of a rung when its later candidates run), costliest rungs first within a round.
+`EndOnDeterministicError` ends a phase at the first trial error that no retry cures.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import hashlib
 import json
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import ray.cloudpickle as cloudpickle
 from ray import tune
 from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler
 from ray.tune.search import Searcher
 
+from raylm.errors import DeterministicError
 from raylm.sweep.config import SweepConfig
 from raylm.sweep.ladder import Rung, lr_values
 
@@ -199,4 +203,36 @@ def stopped_by_asha(state_path: str) -> set[str]:
         return set()
     with open(state_path, "rb") as f:
         return pickle.load(f)["stopped"]
+
+
+# The error that ended the phase running in this process (`EndOnDeterministicError`). A module's
+# list, not the callback's: Tune restores a resumed experiment's callbacks from its saved state.
+ended_by: list[tuple[dict, DeterministicError]] = []
+
+
+class EndOnDeterministicError(tune.Callback):
+    """A trial that fails with an error no restart cures (a full disk under its checkpoints, a
+    damaged shard, a setting its model refuses) ends the phase at once, as it ends `raylm train`:
+    Tune would retry it `trial.max_failures` times and go on to the next trials, which meet the
+    same. It ends by Tune's own interrupt (SIGUSR1, which Tune handles as Ctrl-C): the experiment's
+    state is saved with the trial unfinished, and the same command resumes it."""
+
+    def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
+        self._end_if_deterministic(trial)
+
+    def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
+        self._end_if_deterministic(trial)
+
+    def _end_if_deterministic(self, trial) -> None:
+        # Tune pickled the error into the trial's local directory just now (`Trial.handle_error`);
+        # `get_pickled_error` reads the synced copy in storage, an error behind, or none.
+        path = trial.pickled_error_file
+        if not path or not os.path.exists(path):
+            return
+        with open(path, "rb") as f:
+            error = cloudpickle.load(f)
+        cause = getattr(error, "cause", None) or error  # a RayTaskError carries the trial's own
+        if isinstance(cause, DeterministicError) and not ended_by:
+            ended_by.append((dict(trial.config), cause))
+            os.kill(os.getpid(), signal.SIGUSR1)
 

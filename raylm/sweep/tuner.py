@@ -3,13 +3,15 @@ and its results read back as trials.csv rows; the cluster's share of each trial.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 from typing import TYPE_CHECKING, Optional
 
-from raylm.errors import ConfigError, RunInterrupted
+from raylm.data.storage import StorageError
+from raylm.errors import ConfigError, DeterministicError, RunFailedError, RunInterrupted
 from raylm.ray_runtime import callers_handlers_kept, setting_while
 from raylm.sweep import ladder
 from raylm.sweep.analysis import COMPLETED, DIVERGED, ERROR, STOPPED
@@ -18,6 +20,14 @@ from raylm.sweep.results import ASHA_STATE_FILE
 
 if TYPE_CHECKING:
     from ray.tune import ResultGrid
+
+
+class TrialFailedError(DeterministicError):
+    """A trial failed with an error that no restart cures; the sweep stopped at it (resumable)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class SweepInterrupted(RunInterrupted):
@@ -44,7 +54,11 @@ class _NoTunerRestoreHint(logging.Filter):
     resumed by running its own command again, which raylm says instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Tuner.restore(" not in record.getMessage()
+        from raylm.sweep.search import ended_by
+
+        message = record.getMessage()
+        # Nor that a stop signal came when it was raylm's own end of the phase at a trial's error.
+        return "Tuner.restore(" not in message and not (ended_by and "Stop signal received" in message)
 
 
 _NO_TUNER_RESTORE_HINT = _NoTunerRestoreHint()
@@ -64,7 +78,7 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
     from ray import tune
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
-    from raylm.sweep.search import METRIC, MODE
+    from raylm.sweep.search import METRIC, MODE, EndOnDeterministicError, ended_by
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, plan=trainable_plan), resources)
     experiment = os.path.join(plan.directory, name)
@@ -81,12 +95,35 @@ def run_phase(plan: Plan, name: str, trainable_plan: TrialPlan, resources: dict,
                                         reuse_actors=True),
             run_config=tune.RunConfig(name=name, storage_path=plan.directory, verbose=1,
                                       failure_config=tune.FailureConfig(max_failures=plan.sweep.trial.max_failures),
-                                      callbacks=[CSVLoggerCallback(), JsonLoggerCallback()]))
+                                      callbacks=[CSVLoggerCallback(), JsonLoggerCallback(),
+                                                 EndOnDeterministicError()]))
     logging.getLogger("ray.tune.tune").addFilter(_NO_TUNER_RESTORE_HINT)  # the same filter is added once
+    ended_by.clear()
     # Tune's own loggers less its TensorBoard one: tensorboardX imports torch (3 s and 200 MB in the
     # driver, at each start) for events files of the trials' reports, which raylm does not read.
     with callers_handlers_kept(), setting_while("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1"):
-        return tuner.fit()
+        try:
+            grid = tuner.fit()
+        except Exception as e:  # Tune's controller failed: its TuneError keeps the cause as text and context
+            if full := _disk_full(e):
+                raise StorageError(f"{plan.directory}: {full}: free space there, then run the same command again to "
+                                   "resume the sweep (finished trials are kept)") from e
+            raise
+    if ended_by:
+        config, error = ended_by[0]
+        raise TrialFailedError(f"trial {config.get('trial')} ({config.get('rung')}) failed with an error that no "
+                               f"retry cures, so the sweep stopped: {error}. Run the same command again to resume "
+                               "it once that is fixed (finished trials are kept)", error.exit_code) from error
+    return grid
+
+
+def _disk_full(error: BaseException) -> Optional[OSError]:
+    """The full disk or quota among the errors that led to `error`, if one did."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _trial_config(result) -> Optional[dict]:
@@ -162,7 +199,7 @@ def repeats(plan: Plan, name: str, phase: str, slots: list, trials: TrialPlan, r
 def search(plan: Plan, name: str, phase: str, rungs: list[ladder.Rung], trials: TrialPlan, resources: dict,
            concurrency: int) -> list[dict]:
     """The learning-rate search over `rungs` (lr, search, early_stopping: ASHA within each rung) as
-    one Tune experiment; its rows. Raises RuntimeError when none of its trials completed."""
+    one Tune experiment; its rows. Raises RunFailedError when none of its trials completed."""
     from raylm.sweep.search import RungASHA, RungSearcher, plan_slots
 
     sweep = plan.sweep
@@ -175,7 +212,7 @@ def search(plan: Plan, name: str, phase: str, rungs: list[ladder.Rung], trials: 
                      scheduler=scheduler, num_samples=len(slots), concurrency=concurrency)
     rows = trial_rows(plan, grid, phase, expected=len(slots))
     if not any(r["status"] == COMPLETED for r in rows):
-        errors = [str(r.error) for r in grid if r.error]
-        raise RuntimeError(f"no trial of the sweep's {phase} completed; first error: "
-                           f"{errors[0] if errors else 'none reported'}")
+        errors = [str(getattr(r.error, "cause", None) or r.error) for r in grid if r.error]  # the trial's, not Ray's wrapper
+        raise RunFailedError(f"no trial of the sweep's {phase} completed; first error: "
+                             f"{errors[0] if errors else 'none reported'}")
     return rows

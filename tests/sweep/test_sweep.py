@@ -3,6 +3,7 @@ recommended config training with `raylm train`, and recovery from a killed trial
 a Ctrl-C and from a killed sweep driver."""
 
 import csv
+import errno
 import glob
 import json
 import math
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,7 +29,9 @@ from raylm.sweep.fit import eval_power_law
 from raylm.sweep.results import fitted_with
 from raylm.sweep.results import read_trials as sweep_trials
 from raylm.sweep.run import refit, run_sweep
+from raylm.sweep.tuner import TrialFailedError
 from raylm.train.observe.records import METRICS_FILE, read_jsonl
+from tests.support.filesystems import tmpfs
 from tests.support.processes import session_processes, signal_when
 
 TINY_SWEEP = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "sweep-tiny.yaml")
@@ -253,6 +257,54 @@ def test_a_sweep_refused_before_its_trials_leaves_nothing_that_stops_the_correct
         run_sweep(TINY_SWEEP, [*cheap, "sweep.lr.grid=[0.003]"])
     assert read_trials(str(directory)) == rows
     assert yaml.safe_load((directory / "sweep.yaml").read_text())["sweep"]["lr"]["grid"] == [0.01]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_trial_error_no_retry_cures_stops_the_sweep_at_once_and_the_same_command_resumes_it(
+        ray_session, tiny_dataset, tmp_path):
+    """A full disk under the trials' checkpoints: Tune retried the failing trial twice, went on to
+    the next, which failed alike, and ended in a traceback once its own state could not be
+    written. Now the first such error ends the sweep, naming the trial, and once there is space
+    the same command trains every trial."""
+    mounts = tmpfs(tmp_path, "160k")  # the sweep's files fit; no trial's first checkpoint does
+    disk = next(mounts)
+    try:
+        overrides = [f"data.path={tiny_dataset}", f"run.storage_path={disk}", "run.name=full", "sweep.check=false",
+                     "sweep.target.flops=null", "sweep.ladder.d_model=[16,24]", "sweep.ladder.tokens_per_param=[2]",
+                     "sweep.lr.grid=[0.01]", "sweep.fit.bootstrap=0"]
+        with pytest.raises(TrialFailedError, match=r"^trial ladder-000-\w+ \(s1-tpp2\) failed with an error that no "
+                                                   r"retry cures, so the sweep stopped: step \d+: no checkpoint could "
+                                                   r"be written .*No space|not enough free space") as raised:
+            run_sweep(TINY_SWEEP, overrides)
+        assert raised.value.exit_code == 1
+        tried = os.listdir(disk / "full" / "trials")
+        assert len(tried) == 1 and tried[0].startswith("ladder-000-")  # no other trial began
+        events = disk / "full" / "trials" / tried[0] / "events.jsonl"
+        assert not events.exists() or '"resumed"' not in events.read_text()  # nor was it tried again
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        run_sweep(TINY_SWEEP, overrides)
+        rows = read_trials(str(disk / "full"))
+        assert len(rows) == 2 and all(r["status"] == "completed" for r in rows)
+    finally:
+        next(mounts, None)  # unmount
+
+
+def test_a_full_disk_under_tunes_own_state_is_found_in_the_error_it_raises():
+    """Tune's controller reports a failure of its own (raylm's ASHA state, Tune's experiment state)
+    as a TuneError of the traceback's text, the OSError only in its context."""
+    from ray.tune.error import TuneError
+
+    from raylm.sweep.tuner import _disk_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise TuneError(traceback.format_exc())
+    except TuneError as e:
+        assert _disk_full(e).errno == errno.ENOSPC
+        assert _disk_full(TuneError("another failure")) is None
 
 
 @pytest.mark.slow
