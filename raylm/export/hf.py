@@ -31,7 +31,7 @@ from raylm.export.adapters import Adapter, Rule, adapter_for, adapter_for_hf
 from raylm.export.hf_tokenizer import TOKENIZER_CONFIG_FILE, write_tokenizer_files
 from raylm.export.reader import CheckpointTensors
 from raylm.export.safetensors_io import INDEX_FILE, HFTensors, Planned, write_sharded
-from raylm.inference.load import read_checkpoint_tokenizer, resolve_checkpoint, sound_checkpoint
+from raylm.inference.load import read_checkpoint_tokenizer, read_newest, sound_checkpoint
 from raylm.model import mup
 from raylm.model.transformer import Transformer
 from raylm.data.tokenizer import TOKENIZER_FILE, Tokenizer, named_tokenizer
@@ -80,8 +80,9 @@ def export_hf(source: str, output: str, dtype: Optional[str] = None, max_shard_b
     directory `output` (local or s3://); returns a summary."""
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
-    newest = resolve_checkpoint(source, storage_cfg, announce=False)  # sound_checkpoint names what it passes over
-    adapter_for(mup.folded(saved_config(read_saved_config(newest, storage_cfg)).model)[0])  # before any download
+    # Before any download; sound_checkpoint names what it passes over.
+    read_newest(source, lambda newest: adapter_for(mup.folded(saved_config(read_saved_config(newest, storage_cfg))
+                                                              .model)[0]), storage_cfg, announce=False)
     replace = storage.claim_output(output, "a Hugging Face model", _hf_model_file, overwrite, storage_cfg)
     # Every file against the manifest before any is parsed.
     with sound_checkpoint(source, storage_cfg) as (uri, directory), \

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from raylm.config import ConfigError, StorageConfig, saved_config
 from raylm.data import storage
 from raylm.data.manifest import DatasetError, Manifest, load_dataset_tokenizer, load_manifest
-from raylm.inference.load import load_for_inference, resolve_checkpoint
+from raylm.inference.load import held_checkpoint, load_for_inference, removed_while_used
 from raylm.data.tokenizer import TOKENIZER_FILE, bits_per_byte, token_byte_lengths
 from raylm.progress import Progress
 from raylm.train.checkpoint import format as checkpoint
@@ -161,17 +161,21 @@ def check_output(output: str) -> None:
         raise ConfigError(f"--output {output}: permission denied: {existing} is not writable")
 
 
-def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
-                    storage_cfg: Optional[StorageConfig]) -> tuple[str, dict, Manifest]:
-    """The checkpoint (or the run's newest sound one), its train state and the dataset's manifest,
-    after the checks that need no worker: a usable checkpoint, the split, the same tokenizer, rows
-    the model can take."""
-    # Checked here, every byte: the workers load exactly this one, and would fail on a damaged one.
-    uri = resolve_checkpoint(checkpoint_uri, storage_cfg, checksums=True)
+def checkpoint_facts(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[dict, int, dict]:
+    """What an evaluation reads of the checkpoint its workers load: its train state, its model's
+    max_seq_len and its manifest (which, with the state, keys the results saved for reuse)."""
     problem = checkpoint.incomplete_reason(uri, storage_cfg)
     if problem:
         raise FileNotFoundError(f"checkpoint {uri} cannot be evaluated: {problem}")
-    state = json.loads(storage.read_bytes(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg))
+    return (json.loads(storage.read_bytes(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg)),
+            saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len,
+            json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg)))
+
+
+def _checked_data(uri: str, state: dict, max_seq_len: int, data_uri: str, split: str,
+                  storage_cfg: Optional[StorageConfig]) -> Manifest:
+    """The dataset's manifest, after the checks that need no worker: the split, the checkpoint's
+    tokenizer, rows the model can take."""
     manifest = load_manifest(data_uri, storage_cfg)
     if split not in manifest.splits:
         raise DatasetError(f"{data_uri} has no split {split!r} (splits: {', '.join(manifest.splits)})")
@@ -186,11 +190,10 @@ def _checked_inputs(checkpoint_uri: str, data_uri: str, split: str,
                            f"({manifest.tokenizer.kind}) but checkpoint {uri} was trained with "
                            f"{state['tokenizer_sha256'][:12]}: prepare the data with the checkpoint's "
                            f"tokenizer ({storage.join(uri, TOKENIZER_FILE)})")
-    max_seq_len = saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len
     if manifest.seq_len > max_seq_len:
         raise DatasetError(f"{data_uri} has rows of seq_len {manifest.seq_len}, longer than the model's "
                            f"max_seq_len {max_seq_len}")
-    return uri, state, manifest
+    return manifest
 
 
 def worker_count(asked: Optional[int], cpus_per_worker: int, gpus_per_worker: float,
@@ -241,30 +244,37 @@ def evaluate(checkpoint_uri: str, data_uri: str, split: str = "val", output: Opt
     start = time.monotonic()
     output = output or f"eval-{split}.json"
     check_output(output)
-    uri, state, manifest = _checked_inputs(checkpoint_uri, data_uri, split, storage_cfg)
-    pieces = parts_dir(output)
-    # What a saved part must have been computed with to be reused (the checkpoint's files and
-    # sizes, besides its path and step, tell a retrained checkpoint of the same name apart).
-    key = {"checkpoint": uri, "train_state": state, "tokenizer_sha256": manifest.tokenizer.sha256,
-           "checkpoint_files": json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg)),
-           "batch_rows": batch_rows}
-    parts = plan_parts(manifest, split, rows_per_part)
-    sums = {part: _saved_sums(pieces, part, key, storage_cfg) for part in parts}
-    pending = [part for part in parts if sums[part] is None]
-    log(f"raylm eval: {len(parts)} part(s) of {split}, {len(parts) - len(pending)} already done")
-    if pending:
-        start_ray(ray_address, address_name="--ray-address")
-        workers = min(worker_count(workers, cpus_per_worker, gpus_per_worker, log), len(pending))
-        token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
-        actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)
-        actors = [actor.remote(uri, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key, storage_cfg,
-                               cpus_per_worker) for _ in range(workers)]
-        by_name = {part.name: part for part in pending}
-        with actor_pool(actors) as pool, Progress(f"eval: {split} on {workers} worker(s)", len(pending), "parts",
-                                                  say=lambda line: log(f"raylm: {line}")) as progress:
-            for name, result in pool.map_unordered(lambda a, p: a.run.remote(p), pending):
-                sums[by_name[name]] = result
-                progress.update()
+    # Checked here, every byte: the workers load exactly this one (held while they do), and would
+    # fail on a damaged one.
+    with held_checkpoint(checkpoint_uri, lambda at: checkpoint_facts(at, storage_cfg), storage_cfg) as \
+            (uri, source, (state, max_seq_len, files)):
+        manifest = _checked_data(uri, state, max_seq_len, data_uri, split, storage_cfg)
+        pieces = parts_dir(output)
+        # What a saved part must have been computed with to be reused (the checkpoint's files and
+        # sizes, besides its path and step, tell a retrained checkpoint of the same name apart).
+        key = {"checkpoint": uri, "train_state": state, "tokenizer_sha256": manifest.tokenizer.sha256,
+               "checkpoint_files": files,
+               "batch_rows": batch_rows}
+        parts = plan_parts(manifest, split, rows_per_part)
+        sums = {part: _saved_sums(pieces, part, key, storage_cfg) for part in parts}
+        pending = [part for part in parts if sums[part] is None]
+        log(f"raylm eval: {len(parts)} part(s) of {split}, {len(parts) - len(pending)} already done")
+        if pending:
+            start_ray(ray_address, address_name="--ray-address")
+            workers = min(worker_count(workers, cpus_per_worker, gpus_per_worker, log), len(pending))
+            token_bytes = token_byte_lengths(load_dataset_tokenizer(data_uri, storage_cfg, manifest))
+            actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(PartEvaluator)
+            actors = [actor.remote(source, data_uri, manifest.row_tokens, token_bytes, batch_rows, pieces, key,
+                                   storage_cfg, cpus_per_worker) for _ in range(workers)]
+            by_name = {part.name: part for part in pending}
+            with actor_pool(actors) as pool, Progress(f"eval: {split} on {workers} worker(s)", len(pending), "parts",
+                                                      say=lambda line: log(f"raylm: {line}")) as progress:
+                try:
+                    for name, result in pool.map_unordered(lambda a, p: a.run.remote(p), pending):
+                        sums[by_name[name]] = result
+                        progress.update()
+                except Exception as e:
+                    raise removed_while_used(checkpoint_uri, uri, e, storage_cfg) from e
     total = {k: sum(sums[part][k] for part in parts) for k in ("nats", "tokens", "byte_nats", "bytes")}
     if total["tokens"] != manifest.splits[split].tokens:
         raise RuntimeError(f"evaluated {total['tokens']} tokens but split {split} of {data_uri} has "

@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from raylm.config import StorageConfig, saved_config
+from raylm.config import StorageConfig
 from raylm.data import storage
 from raylm.downstream.scoring import Scorer
-from raylm.inference.evaluate import actor_pool, check_output, parts_dir as _parts_dir, worker_count
-from raylm.inference.load import load_for_inference, read_checkpoint_tokenizer, resolve_checkpoint
+from raylm.inference.evaluate import actor_pool, check_output, checkpoint_facts, parts_dir as _parts_dir, worker_count
+from raylm.inference.load import held_checkpoint, load_for_inference, read_checkpoint_tokenizer, removed_while_used
 from raylm.progress import Progress
-from raylm.train.checkpoint import format as checkpoint
-from raylm.train.checkpoint.resume import read_saved_config
 
 if TYPE_CHECKING:
     from raylm.downstream.harness import Limit, Runner
@@ -103,26 +101,24 @@ def evaluate_tasks(checkpoint_uri: str, tasks: list[str], output: str, include_p
     start = time.monotonic()
     check_output(output)
     manager = task_manager(tasks, include_path)
-    # Checked here, every byte: the workers load exactly this one, and would fail on a damaged one.
-    uri = resolve_checkpoint(checkpoint_uri, storage_cfg, checksums=True)
-    problem = checkpoint.incomplete_reason(uri, storage_cfg)
-    if problem:
-        raise FileNotFoundError(f"checkpoint {uri} cannot be evaluated: {problem}")
-    state = json.loads(storage.read_bytes(storage.join(uri, checkpoint.TRAIN_STATE), storage_cfg))
-    tokenizer = read_checkpoint_tokenizer(uri, uri, storage_cfg)
-    max_len = saved_config(read_saved_config(uri, storage_cfg)).model.max_seq_len
-
-    key = {"checkpoint": uri, "train_state": state, "batch_size": batch_size,
-           "checkpoint_files": json.loads(storage.read_bytes(storage.join(uri, checkpoint.MANIFEST), storage_cfg))}
-    saved = SavedChunks(_parts_dir(output), key, storage_cfg)
-
-    start_ray(ray_address, address_name="--ray-address")
-    workers = worker_count(workers, cpus_per_worker, gpus_per_worker, log)
-    actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
-    log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")
-    with actor_pool([actor.remote(uri, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)]) as pool:
-        results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size, saved)), tasks, manager,
-                            limit, num_fewshot)
+    # Checked here, every byte: the workers load exactly this one (held while they do), and would
+    # fail on a damaged one.
+    with held_checkpoint(checkpoint_uri, lambda at: (*checkpoint_facts(at, storage_cfg),
+                                                     read_checkpoint_tokenizer(at, at, storage_cfg)), storage_cfg) as \
+            (uri, source, (state, max_len, files, tokenizer)):
+        key = {"checkpoint": uri, "train_state": state, "batch_size": batch_size, "checkpoint_files": files}
+        saved = SavedChunks(_parts_dir(output), key, storage_cfg)
+        start_ray(ray_address, address_name="--ray-address")
+        workers = worker_count(workers, cpus_per_worker, gpus_per_worker, log)
+        actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)(ScoringWorker)
+        log(f"raylm eval: {', '.join(tasks)} on {uri} (step {state['step']}) with {workers} worker(s)")
+        with actor_pool([actor.remote(source, batch_size, storage_cfg, cpus_per_worker) for _ in range(workers)]) \
+                as pool:
+            try:
+                results = run_tasks(RaylmLM(tokenizer, max_len, _on_actors(pool, workers, batch_size, saved)), tasks,
+                                    manager, limit, num_fewshot)
+            except Exception as e:
+                raise removed_while_used(checkpoint_uri, uri, e, storage_cfg) from e
     if saved.reused:
         log(f"raylm eval: {saved.reused} of {saved.total} request chunk(s) read back from {saved.directory}")
     results["raylm"] = {"checkpoint": uri, "step": state["step"], "workers": workers,

@@ -77,6 +77,10 @@ def remove_checkpoint(uri: str, storage_cfg: Optional[StorageConfig]) -> tuple[l
     except checkpoint.CheckpointError:  # no manifest, or one that cannot be read
         ours = [name for name in present if _SAVED_FILE.fullmatch(name)]
     left = [name for name in present if name not in ours]
+    # The manifest first, as a save publishes it last: a reader (generate, export, eval of a
+    # running run) finds a checkpoint whole or gone, never a manifest whose files are deleted.
+    if checkpoint.MANIFEST in ours:
+        storage.delete_file(storage.join(uri, checkpoint.MANIFEST), storage_cfg)
     if not left:
         storage.delete_dir(uri, storage_cfg)
         return ours, left
