@@ -234,5 +234,8 @@ class EndOnDeterministicError(tune.Callback):
         cause = getattr(error, "cause", None) or error  # a RayTaskError carries the trial's own
         if isinstance(cause, DeterministicError) and not ended_by:
             ended_by.append((dict(trial.config), cause))
-            os.kill(os.getpid(), signal.SIGUSR1)
+            # Only to Tune's handler: Tune installs none off the main thread, where the signal's
+            # default would end the process (the phase then runs on and the error ends the sweep after).
+            if callable(signal.getsignal(signal.SIGUSR1)):
+                os.kill(os.getpid(), signal.SIGUSR1)
 
