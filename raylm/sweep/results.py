@@ -41,7 +41,10 @@ def read_trials(directory: str) -> list[dict]:
     write takes its default)."""
     path = os.path.join(directory, TRIALS_FILE)
     if not os.path.exists(path):
-        raise ConfigError(f"{directory} holds no {TRIALS_FILE}: not a finished sweep directory")
+        started = os.path.exists(os.path.join(directory, SWEEP_FILE))  # interrupted, or stopped at an error
+        raise ConfigError(f"{directory} holds no {TRIALS_FILE}: " + (
+            "its sweep has not finished its ladder; run the sweep's command again to resume it" if started
+            else "not a finished sweep directory"))
     text = ("trial_id", "phase", "rung", "budget", "status")
     rows = []
     with open(path, newline="") as f:

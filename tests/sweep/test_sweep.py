@@ -486,6 +486,20 @@ def test_a_refit_of_a_damaged_trials_csv_names_its_line_and_keeps_fit_json(tmp_p
     assert (directory / "fit.json").read_bytes() == before
 
 
+def test_a_refit_of_a_sweep_that_has_not_finished_says_its_command_resumes_it(tmp_path):
+    """A sweep stopped before its ladder was done (a Ctrl-C, a trial's error) has its sweep.yaml
+    and no trials.csv; --refit called it "not a finished sweep directory", as any directory."""
+    from tests.support.cli import assert_clean_refusal, run_main
+
+    directory = stdlib_record(tmp_path)
+    os.remove(directory / "trials.csv")
+    outcome = run_main("sweep", "--refit", str(directory))
+    assert_clean_refusal(outcome, f"{directory} holds no trials.csv: its sweep has not finished its ladder; run "
+                                  "the sweep's command again to resume it")
+    outcome = run_main("sweep", "--refit", str(tmp_path))
+    assert_clean_refusal(outcome, f"{tmp_path} holds no sweep.yaml: not a sweep directory")
+
+
 def test_a_refit_says_how_its_bootstrap_progresses(tmp_path, capsys):
     """`raylm sweep --refit` was silent for minutes on a loaded machine while it bootstrapped the
     Chinchilla fit (200 L-BFGS refits): it says what it fits, and how many refits are done."""
