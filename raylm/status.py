@@ -120,11 +120,20 @@ def run_status(uri: str, storage_cfg: Optional[StorageConfig] = None) -> RunStat
         # No command has run on it, so none can be run again: say which one trains it.
         status.detail = (f"imported from {source}; raylm train {storage.join(uri, CONFIG_FILE)} "
                          f"data.path=DATA trains it")
+    elif (metrics or latest) and _trial_finished(uri, storage_cfg):
+        status.state, status.detail = "finished", "a sweep's trial: its result is final.json"
     elif metrics or latest:
         status.state = "stopped"
         where = f"resumes from {latest}" if latest else "starts it again (no complete checkpoint)"
         status.detail = (f"a stale lease: {stale}; " if stale else "") + f"the same command {where}"
     return status
+
+
+def _trial_finished(uri: str, storage_cfg: Optional[StorageConfig]) -> bool:
+    """Whether `uri` is a sweep's trial that finished: its steps are the sweep's, not config.yaml's."""
+    from raylm.sweep.plan import FINAL_FILE  # scipy's import, for a run not running or finished
+
+    return storage.exists(storage.join(uri, FINAL_FILE), storage_cfg)
 
 
 def _imported_from(checkpoint_uri: str, storage_cfg: Optional[StorageConfig]) -> Optional[str]:
@@ -144,6 +153,13 @@ def _refuse_if_not_a_run(uri: str, storage_cfg: Optional[StorageConfig]) -> None
     entries = storage.list_dir(uri, storage_cfg)
     if not entries:
         return
+    from raylm.sweep.results import SWEEP_FILE  # scipy's import, on this error's path only
+
+    if SWEEP_FILE in entries:
+        trials = storage.join(uri, "trials")
+        raise FileNotFoundError(f"{uri} is a sweep's directory, not a run's: each trial is a run in {trials} "
+                                f"(raylm status {storage.join(trials, 'TRIAL_ID')}); the sweep's results are its "
+                                f"trials.csv and fit.json (raylm sweep --refit {uri})")
     runs = [storage.join(uri, name) for name in entries[:LISTED_ENTRIES]
             if storage.exists(storage.join(uri, name, CONFIG_FILE), storage_cfg)]
     shown = ", ".join(runs[:SHOWN_RUNS]) + (", ..." if len(runs) > SHOWN_RUNS else "")

@@ -105,6 +105,24 @@ def test_a_directory_that_is_not_a_run_is_refused_naming_the_runs_in_it(saved_ru
     assert run_main("status", str(runs / "demo")).stdout.startswith(f"{runs / 'demo'}: running")
 
 
+def test_a_sweeps_directory_names_its_trials_and_a_finished_trial_is_finished(tmp_path):
+    """`raylm status` of a sweep's directory said "holds no run"; of a finished trial, "stopped (the
+    same command resumes from ...)": a trial's steps are the sweep's, in no config.yaml of its own."""
+    sweep, trial = tmp_path / "sweep", tmp_path / "sweep" / "trials" / "ladder-000-abc123"
+    trial.mkdir(parents=True)
+    (sweep / "sweep.yaml").write_text("sweep: {}\n")
+    (trial / "metrics.jsonl").write_text('{"step": 5, "loss": 2.5, "val_loss": 2.6}\n')
+    shown = run_main("status", str(sweep))
+    assert shown.status == 2 and shown.stderr == (
+        f"raylm: error: {sweep} is a sweep's directory, not a run's: each trial is a run in {sweep / 'trials'} "
+        f"(raylm status {sweep / 'trials' / 'TRIAL_ID'}); the sweep's results are its trials.csv and fit.json "
+        f"(raylm sweep --refit {sweep})\n")
+    assert run_main("status", str(trial)).stdout.startswith(f"{trial}: stopped")  # its sweep resumes it
+    (trial / "final.json").write_text('{"val_loss": 2.6, "step": 5}')
+    assert run_main("status", str(trial)).stdout.startswith(f"{trial}: finished (a sweep's trial: its result is "
+                                                            "final.json)\nstep 5, loss 2.5000")
+
+
 def test_watch_shows_it_again_until_ctrl_c(saved_run, tmp_path):
     run = _run_with_records(saved_run, tmp_path)
     outcome = run_on_terminal("status", run, "--watch", "--every", "0.2", timeout_s=120,
