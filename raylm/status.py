@@ -114,6 +114,10 @@ def run_status(uri: str, storage_cfg: Optional[StorageConfig] = None) -> RunStat
             status.eta_s = seconds_per_step * max(0, end - status.step)
     elif saved_step is not None and isinstance(steps, int) and saved_step >= steps:
         status.state, status.detail = "finished", f"its checkpoint at step {saved_step} is the last of train.steps={steps}"
+    elif saved_step is not None and isinstance(end, int) and saved_step >= end:  # end < steps: stop_at_step's
+        status.state, status.detail = "stopped at train.stop_at_step", (
+            f"its checkpoint at step {saved_step} is train.stop_at_step={stop_at} of train.steps={steps}; the same "
+            f"command with a later train.stop_at_step, or none, resumes from {latest}")
     elif stopped_by_guard:
         status.state, status.detail = "stopped by the guard", f"{STOP_MARKER}: a plain resume refuses to replay it"
     elif not metrics and saved_step == 0 and (source := _imported_from(latest, storage_cfg)):

@@ -81,6 +81,17 @@ def test_a_run_whose_last_checkpoint_is_at_train_steps_is_finished(saved_run, tm
         f"{run}: finished (its checkpoint at step 4 is the last of train.steps=4)")
 
 
+def test_a_run_stopped_at_its_stop_at_step_says_how_it_goes_on(saved_run, tmp_path):
+    """It said "stopped (the same command resumes ...)": the same command, stop_at_step and all,
+    trains nothing more."""
+    run = _run_with_records(saved_run, tmp_path, steps=10, heartbeat_age_s=None)
+    with open(os.path.join(run, "config.yaml"), "w") as f:
+        f.write("train:\n  steps: 10\n  stop_at_step: 4\nrun:\n  lease_timeout_s: 120\n")
+    assert run_main("status", run).stdout.startswith(
+        f"{run}: stopped at train.stop_at_step (its checkpoint at step 4 is train.stop_at_step=4 of train.steps=10; "
+        f"the same command with a later train.stop_at_step, or none, resumes from {run}/checkpoint_00000004)")
+
+
 def test_a_run_directory_without_records_and_a_missing_one(tmp_path):
     assert run_main("status", str(tmp_path)).stdout.startswith(f"{tmp_path}: not started (no step written yet)")
     missing = run_main("status", str(tmp_path / "nope"))
