@@ -58,14 +58,15 @@ def read_newest(uri: str, read: Callable[[str], T], storage_cfg: Optional[Storag
     """(the checkpoint, `read(checkpoint)`) for the checkpoint `uri` or its run's newest
     (`resolve_checkpoint`), resolved again, up to RELISTS times, when the run removes the one
     resolved before `read` is done with it."""
-    for attempt in range(1 + RELISTS):
+    relists = 0
+    while True:
         resolved = resolve_checkpoint(uri, storage_cfg, announce, checksums)
         try:
             return resolved, read(resolved)
         except (FileNotFoundError, storage.StorageError, checkpoint.CheckpointError):
-            if resolved == uri or attempt == RELISTS or not checkpoint_removed(resolved, storage_cfg):
+            relists += 1
+            if resolved == uri or relists > RELISTS or not checkpoint_removed(resolved, storage_cfg):
                 raise
-    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -123,7 +124,7 @@ def _none_usable(run_uri: str) -> FileNotFoundError:
 def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool = True) -> Iterator[str]:
     """`uri` if it is a checkpoint; else the complete checkpoints of the run directory `uri`,
     newest first, each finished one passed over named with its reason (if `announce`), listed
-    again (up to RELISTS times) when the run removed every one listed before the caller took one.
+    again (up to RELISTS times) when the run removed one of them meanwhile (it saved a newer one).
     Raises when there is none."""
     storage.refuse_file(uri, "a checkpoint directory, or a run directory that holds checkpoints")
     name = uri.rstrip("/").rsplit("/", 1)[-1]
@@ -160,9 +161,9 @@ def _candidates(uri: str, storage_cfg: Optional[StorageConfig], announce: bool =
 @contextlib.contextmanager
 def sound_checkpoint(uri: str, storage_cfg: Optional[StorageConfig] = None) -> Iterator[tuple[str, str]]:
     """The checkpoint `uri`, or the newest one of the run directory `uri` whose every file matches
-    its manifest's checksum, as (its uri, a local directory holding it: a snapshot that the run's
-    removal of the checkpoint leaves whole); in a run directory a damaged newer one is passed
-    over, named with the reason, and the one used is named."""
+    its manifest's checksum, as (its uri, a local directory holding it: for a run's newest, a
+    snapshot that the run's removal of it leaves whole); in a run directory a damaged newer one is
+    passed over, named with the reason, and the one used is named."""
     for candidate in _candidates(uri, storage_cfg):
         is_run = candidate != uri
         with contextlib.ExitStack() as stack:
