@@ -418,8 +418,7 @@ def write_report(run_uris: list[str], output: Optional[str] = None,
     part of a new one; figures of an earlier report that this one has not are gone with it."""
     runs = [load_run(uri, label, storage_cfg) for uri, label in zip(run_uris, _labels(run_uris))]
     output = output or storage.join(run_uris[0], "report")
-    # Only where a report stands, or nothing: `--output` at a directory of anything else (a dataset,
-    # a user's figures) wrote into it and replaced its files of a figure's name.
+    # A report's own files only: a dataset's or a user's files (a loss.png of their own) are theirs.
     earlier = storage.list_dir(output, storage_cfg) if storage.exists(storage.join(output, "report.html"),
                                                                       storage_cfg) else []
     own = lambda name: name in earlier and (name == "report.html" or name.endswith(".png"))  # noqa: E731

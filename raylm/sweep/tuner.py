@@ -57,7 +57,7 @@ class _NoTunerRestoreHint(logging.Filter):
         from raylm.sweep.search import ended_by
 
         message = record.getMessage()
-        # Nor that a stop signal came when it was raylm's own end of the phase at a trial's error.
+        # raylm's own SIGUSR1 (EndOnDeterministicError) is no stop a user sent, whatever Tune says.
         return "Tuner.restore(" not in message and not (ended_by and "Stop signal received" in message)
 
 
